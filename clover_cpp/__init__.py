@@ -1,0 +1,1 @@
+"""Clover on llama.cpp: Python side."""

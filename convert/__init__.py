@@ -1,0 +1,1 @@
+"""Hugging Face Clover checkpoint -> GGUF converter."""
