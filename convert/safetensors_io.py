@@ -25,7 +25,7 @@ import os
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -36,6 +36,7 @@ __all__ = [
     "bf16_to_f32",
     "f32_to_bf16",
     "write_safetensors",
+    "write_safetensors_lazy",
     "DTYPES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -443,21 +444,43 @@ def write_safetensors(
     "BF16" are rounded to bf16). Tensors are written in the given order. The file is
     written to a temporary file in the same folder and renamed into place.
     """
-    path = Path(path)
-    prepared: list[tuple[str, np.ndarray, str]] = []
+    prepared: list[tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]] = []
     for name, value in tensors.items():
-        if name == "__metadata__":
-            raise ValueError("'__metadata__' is reserved and cannot be a tensor name")
         arr, dt = _prepare(name, value)
-        prepared.append((name, arr, dt))
+        prepared.append((name, arr.shape, dt, (lambda a=arr: a)))
+    write_safetensors_lazy(path, prepared, metadata)
 
+
+def write_safetensors_lazy(
+    path: str | os.PathLike,
+    specs: Iterable[tuple[str, Sequence[int], str, Callable[[], np.ndarray]]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Like ``write_safetensors``, but each tensor is produced on demand.
+
+    ``specs`` lists ``(name, shape, dtype_str, producer)``; the header is written from
+    the shapes, then each producer is called in turn and its array (checked against the
+    declared shape, converted as in ``write_safetensors``) streamed to the file, so at
+    most one tensor is held in memory. Written atomically (temp file + rename).
+    """
+    path = Path(path)
+    specs = list(specs)
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
-    for name, arr, dt in prepared:
-        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
+    for name, shape, dt, _ in specs:
+        if name == "__metadata__":
+            raise ValueError("'__metadata__' is reserved and cannot be a tensor name")
+        if name in header:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if dt not in DTYPES:
+            raise ValueError(f"tensor {name!r}: unknown safetensors dtype {dt!r}")
+        n = DTYPES[dt].itemsize
+        for d in shape:
+            n *= int(d)
+        header[name] = {"dtype": dt, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + n]}
+        offset += n
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hbytes += b" " * (-len(hbytes) % 8)
 
@@ -467,9 +490,13 @@ def write_safetensors(
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(hbytes)))
             f.write(hbytes)
-            for _, arr, _ in prepared:
+            for name, shape, dt, producer in specs:
+                arr, dt2 = _prepare(name, (producer(), dt))
+                if tuple(arr.shape) != tuple(int(d) for d in shape):
+                    raise ValueError(f"tensor {name!r}: producer gave shape {arr.shape}, declared {tuple(shape)}")
                 if arr.nbytes:
                     f.write(memoryview(arr.reshape(-1)).cast("B"))
+                del arr
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -477,4 +504,3 @@ def write_safetensors(
         except FileNotFoundError:
             pass
         raise
-

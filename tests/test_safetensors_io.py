@@ -12,6 +12,7 @@ from clover_convert.safetensors_io import (
     bf16_to_f32,
     f32_to_bf16,
     write_safetensors,
+    write_safetensors_lazy,
 )
 
 
@@ -162,3 +163,24 @@ def test_checkpoint_reader_single_and_shards(tmp_path):
 
     with pytest.raises(CheckpointError, match="neither model.safetensors"):
         CheckpointReader(tmp_path)
+
+
+def test_lazy_writer(tmp_path):
+    calls = []
+
+    def make(i):
+        def f():
+            calls.append(i)
+            return np.full((2, 3), i, dtype=np.float32)
+        return f
+
+    p = tmp_path / "lazy.safetensors"
+    write_safetensors_lazy(p, [(f"t{i}", (2, 3), "BF16" if i % 2 else "F32", make(i)) for i in range(4)])
+    assert calls == [0, 1, 2, 3]
+    f = SafetensorsFile(p)
+    assert [f.dtype(n) for n in f.names()] == ["F32", "BF16", "F32", "BF16"]
+    np.testing.assert_array_equal(f.read_f32("t3"), np.full((2, 3), 3, np.float32))
+    with pytest.raises(ValueError, match="declared"):
+        write_safetensors_lazy(tmp_path / "bad.safetensors", [("t", (4,), "F32", lambda: np.zeros(3, np.float32))])
+    assert not (tmp_path / "bad.safetensors").exists()
+    assert not list(tmp_path.glob(".*tmp"))
