@@ -1,0 +1,745 @@
+"""Hugging Face Clover checkpoint -> GGUF, streaming.
+
+``convert(src, out, ...)`` plans the whole conversion from the config and the safetensors
+headers (no weights read), writes the GGUF header, metadata and tensor infos, then
+writes the tensor data one tensor at a time, reading each source tensor lazily (memory
+mapped) just before it is needed and releasing the mappings as it goes. A stacked expert
+tensor is built in one preallocated output array, expert by expert, and every tensor is
+converted in row chunks, so peak memory is about the largest output tensor plus a few
+tens of MB, not the model size.
+
+Output is written to hidden temporary files next to the output and renamed into place
+at the end; on any failure or interruption the temporaries are removed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter, LlamaFileType
+from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
+from gguf.gguf_writer import WriterState
+
+from .mapping import (
+    CloverConfig,
+    ConversionError,
+    Rule,
+    TENSOR_TABLE,
+    apply_fn,
+    parse_config,
+    perm_index,
+    rule_applies,
+)
+from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, bf16_to_f32, f32_to_bf16
+from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
+
+__all__ = [
+    "convert",
+    "plan_conversion",
+    "ConversionPlan",
+    "TensorPlan",
+    "ConversionError",
+    "CheckpointError",
+    "parse_size",
+    "OUTTYPES",
+    "HUB_PATTERNS",
+]
+
+ARCH = "clover"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
+_QTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+_FILE_TYPES = {
+    "f32": LlamaFileType.ALL_F32,
+    "f16": LlamaFileType.MOSTLY_F16,
+    "bf16": LlamaFileType.MOSTLY_BF16,
+    "q8_0": LlamaFileType.MOSTLY_Q8_0,
+}
+SUPPORTED_SRC_DTYPES = ("F32", "F16", "BF16")
+HUB_PATTERNS = [
+    "*.safetensors",
+    INDEX_NAME,
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+CHUNK_ELEMS = 4 * 1024 * 1024          # source elements converted per step
+RELEASE_BYTES = 64 * 1024 * 1024       # unmap the sources after touching this many bytes
+
+
+# ---------------------------------------------------------------------------
+# small helpers
+
+
+def parse_size(s: str | int | None) -> int | None:
+    """'50M' -> 50_000_000, '2G' -> 2_000_000_000 (as upstream's --split-max-size); int passes."""
+    if s is None:
+        return None
+    if isinstance(s, int) and not isinstance(s, bool):
+        n = s
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)B?\s*", str(s), re.IGNORECASE)
+        if not m:
+            raise ConversionError(f"split size {s!r} is not a number with an optional K, M, G or T suffix")
+        n = int(m.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[m.group(2).upper()]
+    if n <= 0:
+        raise ConversionError(f"split size {s!r} must be positive")
+    return n
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def tensor_nbytes(shape: tuple[int, ...], qt: QT) -> int:
+    bs, ts = GGML_QUANT_SIZES[qt]
+    n = math.prod(shape)
+    return n // bs * ts
+
+
+def _store_shape(shape: tuple[int, ...], qt: QT) -> tuple[int, ...]:
+    if qt == QT.Q8_0:
+        return gguf.quant_shape_to_byte_shape(shape, qt)
+    return shape
+
+
+_STORE_DTYPE = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}
+
+
+def _shape_str(s: Iterable[int] | None) -> str:
+    return "?" if s is None else "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def _name_list(names: list[str], n: int = 6) -> str:
+    shown = ", ".join(names[:n])
+    return shown + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+# ---------------------------------------------------------------------------
+# source inventory
+
+
+class _Inventory:
+    """Names, shapes and dtypes of the source tensors, and lazy access to the data."""
+
+    def __init__(self, reader: CheckpointReader | None, virtual: dict[str, tuple[tuple[int, ...] | None, str]] | None):
+        self.reader = reader
+        self.virtual = virtual
+
+    @property
+    def is_virtual(self) -> bool:
+        return self.reader is None
+
+    def names(self) -> list[str]:
+        return self.reader.names() if self.reader is not None else list(self.virtual or {})
+
+    def __contains__(self, name: str) -> bool:
+        if self.reader is not None:
+            return name in self.reader
+        return name in (self.virtual or {})
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if self.reader is not None:
+            return tuple(self.reader.shape(name))
+        return self.virtual[name][0]  # type: ignore[index]
+
+    def dtype(self, name: str) -> str:
+        if self.reader is not None:
+            return self.reader.dtype(name)
+        return self.virtual[name][1]  # type: ignore[index]
+
+
+def _virtual_from_index(folder: Path) -> dict[str, tuple[tuple[int, ...] | None, str]]:
+    """Dry run on a folder whose shards are absent: the tensor list from the index json.
+
+    Shapes are unknown (the planner takes the ones the config implies); the dtype is
+    guessed from metadata.total_size versus the parameter count later (see _guess_dtype)."""
+    p = folder / INDEX_NAME
+    try:
+        index = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{p}: not valid JSON: {e}") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict):
+        raise ConversionError(f"{p}: no 'weight_map' object")
+    dtype = str(index.get("metadata", {}).get("dtype", "")).upper() or "?"
+    out: dict[str, tuple[tuple[int, ...] | None, str]] = {}
+    # shard files that do exist contribute exact shapes and dtypes
+    present: dict[str, Any] = {}
+    for fname in set(wm.values()):
+        fp = folder / str(fname)
+        if fp.exists():
+            from .safetensors_io import SafetensorsFile
+
+            present[fname] = SafetensorsFile(fp)
+    for name, fname in wm.items():
+        f = present.get(fname)
+        if f is not None and name in f:
+            out[name] = (tuple(f.shape(name)), f.dtype(name))
+        else:
+            out[name] = (None, dtype)
+    total = index.get("metadata", {}).get("total_size") if isinstance(index.get("metadata"), dict) else None
+    out["__total_size__"] = ((int(total),) if isinstance(total, int) else None, "meta")  # removed by caller
+    return out
+
+
+def _open_inventory(folder: Path, dry_run: bool, hub_meta: dict | None = None) -> _Inventory:
+    if dry_run and (folder / INDEX_NAME).exists():
+        try:
+            return _Inventory(CheckpointReader(folder), None)
+        except CheckpointError as e:
+            if "is missing" not in str(e):
+                raise
+        return _Inventory(None, _virtual_from_index(folder))
+    if dry_run and hub_meta is not None and not (folder / SINGLE_NAME).exists():
+        return _Inventory(None, {k: (tuple(v[0]), v[1]) for k, v in hub_meta.items()})
+    return _Inventory(CheckpointReader(folder), None)
+
+
+# ---------------------------------------------------------------------------
+# plan
+
+
+@dataclass
+class Piece:
+    """One source slab of an output tensor: reader.raw(hf)[index] (index None = all)."""
+
+    hf: str
+    index: tuple[Any, ...] | None = None
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]        # numpy order, final
+    qtype: QT
+    nbytes: int
+    pieces: list[Piece]           # one per expert when stacked
+    stacked: bool
+    rule: Rule
+    src_dtype: str
+    row_perm: np.ndarray | None = field(default=None, repr=False)
+    col_perm: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def n_params(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ConversionPlan:
+    src: str
+    folder: Path
+    out: Path
+    outtype: str                  # resolved (never "auto")
+    config: CloverConfig
+    tokenizer: TokenizerInfo
+    tensors: list[TensorPlan]
+    shard_paths: list[Path]
+    split_max_size: int | None
+    dry_run: bool
+    virtual: bool = False         # planned from an index without shards
+    elapsed_s: float = 0.0
+    src_bytes: int = 0            # bytes of source tensor data
+
+    @property
+    def total_params(self) -> int:
+        return sum(t.n_params for t in self.tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def largest_tensor(self) -> TensorPlan:
+        return max(self.tensors, key=lambda t: t.nbytes)
+
+    def format(self) -> str:
+        w = max(len(t.name) for t in self.tensors)
+        lines = [f"{'name':<{w}}  {'shape':<22} {'type':<5} {'bytes':>14}"]
+        for t in self.tensors:
+            lines.append(f"{t.name:<{w}}  {_shape_str(t.shape):<22} {t.qtype.name:<5} {t.nbytes:>14}")
+        files = ", ".join(str(p) for p in self.shard_paths)
+        lines.append(
+            f"total: {len(self.tensors)} tensors, {self.total_params} parameters "
+            f"({self.total_params / 1e9:.3f} B), {self.total_bytes} bytes ({fmt_bytes(self.total_bytes)}), "
+            f"outtype {self.outtype}, {len(self.shard_paths)} file(s): {files}"
+        )
+        if self.virtual:
+            lines.append("note: shards absent; tensor list from the index, shapes from config.json")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        verb = "would write" if self.dry_run else "wrote"
+        return (
+            f"{verb} {len(self.tensors)} tensors, {self.total_params} parameters, "
+            f"{fmt_bytes(self.total_bytes)} ({self.outtype}) to "
+            + ", ".join(str(p) for p in self.shard_paths)
+            + ("" if self.dry_run else f" in {self.elapsed_s:.1f} s")
+        )
+
+
+def _load_config(folder: Path) -> CloverConfig:
+    p = folder / "config.json"
+    if not p.exists():
+        raise ConversionError(f"{folder}: config.json not found")
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{p}: not valid JSON: {e}") from None
+    return parse_config(cfg)
+
+
+def _plan_tensors(cfg: CloverConfig, inv: _Inventory) -> list[tuple[Rule, str, tuple[int, ...], list[Piece], bool, str]]:
+    """Match the table against the checkpoint. Returns (rule, gguf name, final shape,
+    pieces, stacked, source dtype) per output tensor; raises on missing / unexpected /
+    misshapen / unsupported tensors."""
+    names = inv.names()
+    consumed: set[str] = set()
+    missing: list[str] = []
+    bad_shape: list[str] = []
+    bad_dtype: list[str] = []
+    rows: list[tuple[Rule, str, tuple[int, ...], list[Piece], bool, str]] = []
+
+    def take(name: str, shape: tuple[int, ...]) -> str | None:
+        if name not in inv:
+            missing.append(name)
+            return None
+        consumed.add(name)
+        got = inv.shape(name)
+        if got is not None and tuple(got) != tuple(shape):
+            bad_shape.append(f"tensor {name}: expected shape {_shape_str(shape)}, got {_shape_str(got)}")
+        dt = inv.dtype(name)
+        if dt not in SUPPORTED_SRC_DTYPES and dt != "?":
+            bad_dtype.append(f"tensor {name} has unsupported dtype {dt} (supported: F32, F16, BF16)")
+        return dt
+
+    def layer_rows(i: int | None) -> None:
+        for rule in TENSOR_TABLE:
+            if (rule.scope == "global") != (i is None):
+                continue
+            gname = rule.gguf.format(i=i)
+            if not rule_applies(rule, cfg, i):
+                continue  # e.g. lm_head of a tied model, lookahead taps when R == 0
+            shape = rule.shape(cfg)
+            final = rule.out(cfg) if rule.out else shape
+            if rule.scope != "experts":
+                hf = rule.hf.format(i=i)
+                dt = take(hf, shape)
+                rows.append((rule, gname, tuple(final), [Piece(hf)], False, dt or "?"))
+                continue
+            assert rule.fused is not None and rule.fused_shape is not None
+            fused_names = {r.fused[0].format(i=i) for r in TENSOR_TABLE if r.fused}
+            use_fused = any(n in inv for n in fused_names)
+            E, I = cfg.E, cfg.I
+            if use_fused:
+                fname = rule.fused[0].format(i=i)
+                dt = take(fname, rule.fused_shape(cfg))
+                which = rule.fused[1]
+                sl = {"first": slice(0, I), "second": slice(I, 2 * I), "all": slice(None)}[which]
+                pieces = [Piece(fname, (j, sl)) for j in range(E)]
+            else:
+                pieces = []
+                dts = set()
+                for j in range(E):
+                    hf = rule.hf.format(i=i, j=j)
+                    d = take(hf, shape)
+                    if d:
+                        dts.add(d)
+                    pieces.append(Piece(hf))
+                dt = "BF16" if "BF16" in dts else (sorted(dts)[0] if dts else "?")
+            rows.append((rule, gname, (E, *final), pieces, True, dt or "?"))
+
+    layer_rows(None)
+    for i in range(cfg.L):
+        layer_rows(i)
+
+    if missing:
+        raise ConversionError(f"missing tensor(s): {_name_list(missing)}")
+    unexpected = [n for n in names if n not in consumed]
+    if unexpected:
+        raise ConversionError(f"unexpected tensor(s): {_name_list(unexpected)}")
+    if bad_shape:
+        raise ConversionError(bad_shape[0] + (f" (and {len(bad_shape) - 1} more)" if len(bad_shape) > 1 else ""))
+    if bad_dtype:
+        raise ConversionError(bad_dtype[0] + (f" (and {len(bad_dtype) - 1} more)" if len(bad_dtype) > 1 else ""))
+    return rows
+
+
+def _out_qtype(rule: Rule, final: tuple[int, ...], stacked: bool, want: QT) -> QT:
+    if rule.f32 or len(final) == 1:
+        return QT.F32
+    if want == QT.Q8_0 and final[-1] % GGML_QUANT_SIZES[QT.Q8_0][0] != 0:
+        return QT.F16
+    return want
+
+
+def _resolve_source(src: str | os.PathLike, dry_run: bool) -> tuple[Path, str, dict | None]:
+    s = str(src)
+    p = Path(s).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConversionError(f"{s}: not a folder")
+        return p, s, None
+    if not _HUB_ID.match(s) or s.startswith((".", "~")):
+        raise ConversionError(f"{s}: no such folder (and not a Hugging Face repo id org/name)")
+    folder, meta = _download(s, dry_run)
+    return folder, s, meta
+
+
+def _download(repo: str, dry_run: bool) -> tuple[Path, dict | None]:
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import (
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+        )
+    except ImportError as e:  # pragma: no cover
+        raise ConversionError(f"{repo}: huggingface_hub is needed to fetch from the hub ({e})") from None
+    patterns = [p for p in HUB_PATTERNS if not (dry_run and p == "*.safetensors")]
+    try:
+        folder = Path(snapshot_download(repo_id=repo, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        if constants.HF_HUB_OFFLINE:
+            raise ConversionError(
+                f"{repo}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; download it first or unset HF_HUB_OFFLINE"
+            ) from None
+        raise ConversionError(f"{repo}: cannot reach the Hugging Face hub and the repo is not cached") from None
+    except RepositoryNotFoundError:
+        raise ConversionError(f"{repo}: no such repository on the Hugging Face hub (or no access)") from None
+    except HfHubHTTPError as e:
+        raise ConversionError(f"{repo}: download failed: {e}") from None
+    except OSError as e:
+        raise ConversionError(f"{repo}: download failed: {e}") from None
+    if dry_run and not (folder / INDEX_NAME).exists() and not (folder / SINGLE_NAME).exists():
+        # a single-file repo: read just the safetensors header over HTTP
+        try:
+            from huggingface_hub import get_safetensors_metadata
+
+            meta = get_safetensors_metadata(repo)
+            tensors = {
+                n: (list(info.shape), info.dtype)
+                for fm in meta.files_metadata.values()
+                for n, info in fm.tensors.items()
+            }
+        except Exception as e:  # noqa: BLE001 - any failure is a user-facing one-liner
+            raise ConversionError(f"{repo}: cannot read the safetensors headers for a dry run: {e}") from None
+        return folder, tensors
+    return folder, None
+
+
+def _default_out_name(folder: Path, src: str, outtype: str) -> str:
+    base = src.rstrip("/").split("/")[-1] if not Path(src).exists() else folder.resolve().name
+    return f"{base}-{outtype}.gguf"
+
+
+def _build_writer(plan_rows: list[TensorPlan], cfg: CloverConfig, tok: TokenizerInfo, outtype: str,
+                  model_name: str, split_max_size: int | None) -> GGUFWriter:
+    w = GGUFWriter(None, ARCH, split_max_size=split_max_size or 0)
+    add_metadata(w, cfg, tok, outtype, model_name)
+    for t in plan_rows:
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    return w
+
+
+def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: str, model_name: str) -> None:
+    """Every key of LAYOUT.md, with its exact key string."""
+    a = ARCH
+    w.add_string("general.name", model_name)
+    w.add_uint32("general.file_type", int(_FILE_TYPES[outtype]))
+    w.add_uint32("general.quantization_version", GGML_QUANT_VERSION)
+    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{a}.embedding_length", cfg.H)
+    w.add_uint32(f"{a}.block_count", cfg.L)
+    w.add_uint32(f"{a}.feed_forward_length", cfg.I)
+    w.add_uint32(f"{a}.attention.head_count", cfg.nh)
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg.nkv)
+    w.add_uint32(f"{a}.attention.key_length", cfg.dh)
+    w.add_uint32(f"{a}.attention.value_length", cfg.dh)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_key_value(f"{a}.attention.recurrent_layers", [cfg.is_recurrent(i) for i in range(cfg.L)],
+                    gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+    w.add_uint32(f"{a}.full_attention_interval", cfg.full_attention_interval)
+    w.add_uint32(f"{a}.rope.dimension_count", cfg.rope_dims)
+    w.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
+    w.add_uint32(f"{a}.expert_count", cfg.E)
+    w.add_uint32(f"{a}.expert_used_count", cfg.num_experts_per_tok)
+    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.I)
+    w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg.Is)
+    w.add_bool(f"{a}.expert_weights_norm", cfg.norm_topk_prob)
+    w.add_uint32(f"{a}.ssm.conv_kernel", cfg.K)
+    w.add_uint32(f"{a}.ssm.conv_lookahead", cfg.R)
+    w.add_uint32(f"{a}.ssm.state_size", cfg.dk)
+    w.add_uint32(f"{a}.ssm.group_count", cfg.Hk)
+    w.add_uint32(f"{a}.ssm.time_step_rank", cfg.Hv)
+    w.add_uint32(f"{a}.ssm.inner_size", cfg.Hv * cfg.dv)
+    w.add_uint32(f"{a}.diffusion.block_size", cfg.block_size)
+    add_tokenizer(w, tok)
+
+
+def plan_conversion(
+    src: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    outtype: str = "auto",
+    split_max_size: int | str | None = None,
+    dry_run: bool = True,
+) -> ConversionPlan:
+    """Everything but the data: validates config, tokenizer and tensor headers."""
+    outtype = outtype.lower()
+    if outtype not in OUTTYPES:
+        raise ConversionError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    split = parse_size(split_max_size)
+    folder, src_s, hub_meta = _resolve_source(src, dry_run)
+    cfg = _load_config(folder)
+    tok = load_tokenizer(folder, cfg)
+    inv = _open_inventory(folder, dry_run, hub_meta)
+    total_size = None
+    if inv.virtual is not None and "__total_size__" in inv.virtual:
+        ts = inv.virtual.pop("__total_size__")[0]
+        total_size = ts[0] if ts else None
+    rows = _plan_tensors(cfg, inv)
+
+    if inv.is_virtual:
+        # unknown dtypes: guess from the index total_size (2 bytes/param -> BF16)
+        n_src = sum(math.prod(r[2]) for r in rows)
+        guess = "BF16"
+        if total_size and n_src and total_size / n_src > 3:
+            guess = "F32"
+        rows = [(r[0], r[1], r[2], r[3], r[4], r[5] if r[5] in SUPPORTED_SRC_DTYPES else guess) for r in rows]
+
+    src_dtypes = {r[5] for r in rows}
+    resolved = outtype
+    if outtype == "auto":
+        resolved = "bf16" if "BF16" in src_dtypes else "f16"
+    want = _QTYPES[resolved]
+
+    tensors: list[TensorPlan] = []
+    src_bytes = 0
+    itemsize = {"F32": 4, "F16": 2, "BF16": 2}
+    for rule, gname, final, pieces, stacked, sdt in rows:
+        qt = _out_qtype(rule, final, stacked, want)
+        t = TensorPlan(
+            name=gname, shape=tuple(final), qtype=qt, nbytes=tensor_nbytes(final, qt), pieces=pieces,
+            stacked=stacked, rule=rule, src_dtype=sdt, row_perm=None, col_perm=None,
+        )
+        if rule.perm is not None:
+            idx = perm_index(rule.perm, cfg)
+            if rule.perm.startswith("rows"):
+                t.row_perm = idx
+            else:
+                t.col_perm = idx
+        tensors.append(t)
+        src_bytes += math.prod(final) * itemsize.get(sdt, 2)
+
+    if out is None:
+        out_p = Path.cwd() / _default_out_name(folder, src_s, resolved)
+    else:
+        out_p = Path(out).expanduser()
+        if out_p.is_dir():
+            out_p = out_p / _default_out_name(folder, src_s, resolved)
+    model_name = folder.resolve().name if Path(src_s).exists() else src_s.split("/")[-1]
+    w = _build_writer(tensors, cfg, tok, resolved, model_name, split)
+    shard_paths = w.format_shard_names(out_p)
+    return ConversionPlan(
+        src=src_s, folder=folder, out=out_p, outtype=resolved, config=cfg, tokenizer=tok, tensors=tensors,
+        shard_paths=shard_paths, split_max_size=split, dry_run=dry_run, virtual=inv.is_virtual,
+        src_bytes=src_bytes,
+    )
+
+
+# ---------------------------------------------------------------------------
+# data
+
+
+class _Filler:
+    """Converts source slabs into a preallocated output array, chunk by chunk."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self.touched = 0
+        self.read_bytes = 0
+
+    def _release(self, nbytes: int) -> None:
+        self.touched += nbytes
+        self.read_bytes += nbytes
+        if self.touched >= RELEASE_BYTES:
+            # drop the memory maps so touched source pages leave our RSS
+            self.reader.close()
+            self.touched = 0
+
+    def _slab(self, piece: Piece, shape2: tuple[int, int]) -> np.ndarray:
+        a = self.reader.raw(piece.hf)
+        if piece.index is not None:
+            a = a[piece.index]
+        return a.reshape(shape2)
+
+    def materialize(self, t: TensorPlan) -> np.ndarray:
+        store = np.empty(_store_shape(t.shape, t.qtype), dtype=_STORE_DTYPE[t.qtype])
+        piece_shape = t.shape[1:] if t.stacked else t.shape
+        if len(piece_shape) == 1:
+            shape2 = (1, piece_shape[0])
+        else:
+            shape2 = (piece_shape[0], math.prod(piece_shape[1:]))
+        for j, piece in enumerate(t.pieces):
+            dst = store[j] if t.stacked else store
+            self._fill(dst.reshape(shape2[0], -1), piece, shape2, t)
+        return store
+
+    def _fill(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan) -> None:
+        rows, cols = shape2
+        sdt = self.reader.dtype(piece.hf)
+        step = max(1, CHUNK_ELEMS // max(cols, 1))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            src = self._slab(piece, shape2)
+            block = src[t.row_perm[r0:r1]] if t.row_perm is not None else src[r0:r1]
+            if t.col_perm is not None:
+                block = block[:, t.col_perm]
+            dst2[r0:r1] = _convert_block(block, sdt, t.qtype, t.rule.fn)
+            nb = block.nbytes
+            del src, block
+            self._release(nb)
+
+
+def _convert_block(block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> np.ndarray:
+    if fn is None:
+        if qt == QT.BF16 and sdt == "BF16":
+            return block  # raw bits pass through
+        if qt == QT.F16 and sdt == "F16":
+            return block
+        if qt == QT.F32 and sdt == "F32":
+            return block
+    if sdt == "BF16":
+        x = bf16_to_f32(np.ascontiguousarray(block))
+    else:
+        x = block.astype(np.float32)
+    x = apply_fn(fn, x)
+    if qt == QT.F32:
+        return x
+    if qt == QT.F16:
+        return x.astype(np.float16)
+    if qt == QT.BF16:
+        return f32_to_bf16(x)
+    if qt == QT.Q8_0:
+        return gguf.quants.quantize(np.ascontiguousarray(x), QT.Q8_0)
+    raise ConversionError(f"unsupported output type {qt.name}")
+
+
+def _check_disk(plan: ConversionPlan) -> None:
+    need = plan.total_bytes + len(plan.tensors) * 64 + sum(len(s) + 16 for s in plan.tokenizer.tokens) + \
+        sum(len(s) + 16 for s in plan.tokenizer.merges) + (1 << 20)
+    try:
+        free = shutil.disk_usage(plan.out.parent).free
+    except OSError as e:
+        raise ConversionError(f"{plan.out.parent}: cannot check free space: {e}") from None
+    if free < need:
+        raise ConversionError(
+            f"not enough free disk space in {plan.out.parent}: need {fmt_bytes(need)}, have {fmt_bytes(free)}"
+        )
+
+
+def convert(
+    src: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    outtype: str = "auto",
+    split_max_size: int | str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> ConversionPlan:
+    """Convert a Clover checkpoint (folder or hub id ``org/name``) to GGUF.
+
+    Returns the :class:`ConversionPlan` (tensor list, shard paths, totals). With
+    ``dry_run`` nothing is read beyond headers and nothing is written.
+    Raises ConversionError / CheckpointError (one-line messages) on bad input.
+    """
+    t0 = time.monotonic()
+    plan = plan_conversion(src, out, outtype, split_max_size, dry_run=dry_run)
+    if dry_run:
+        return plan
+
+    out_dir = plan.out.parent
+    if not out_dir.is_dir():
+        raise ConversionError(f"{out_dir}: output folder does not exist")
+    if not force:
+        existing = [p for p in plan.shard_paths if p.exists()]
+        if existing:
+            raise ConversionError(f"{existing[0]} already exists (use --force to overwrite)")
+    for p in plan.shard_paths:
+        if p.exists() and p.is_dir():
+            raise ConversionError(f"{p} is a folder")
+    _check_disk(plan)
+
+    reader = CheckpointReader(plan.folder)
+    cfg = plan.config
+    w = _build_writer(plan.tensors, cfg, plan.tokenizer, plan.outtype,
+                      plan.src if not Path(plan.src).exists() else plan.folder.resolve().name, plan.split_max_size)
+    tag = uuid.uuid4().hex[:8]
+    tmps = [out_dir / f".{p.name}.{tag}.tmp" for p in plan.shard_paths]
+    bar = None
+    try:
+        w.fout = []
+        for tp in tmps:
+            w.fout.append(open(tp, "wb"))  # noqa: SIM115 - closed by w.close()
+        w.path = plan.out
+        w.state = WriterState.EMPTY
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Converting", leave=False)
+        filler = _Filler(reader)
+        for t in plan.tensors:
+            if bar is not None:
+                bar.set_postfix_str(t.name, refresh=False)
+            arr = filler.materialize(t)
+            w.write_tensor_data(arr)
+            del arr
+            if bar is not None:
+                bar.update(t.nbytes)
+        w.flush()
+        for f in w.fout:
+            os.fsync(f.fileno())
+        w.close()
+        reader.close()
+        for tp, final in zip(tmps, plan.shard_paths):
+            os.replace(tp, final)
+    except BaseException:
+        try:
+            w.close()
+        except Exception:  # noqa: BLE001
+            pass
+        reader.close()
+        for tp in tmps:
+            try:
+                tp.unlink()
+            except FileNotFoundError:
+                pass
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    plan.elapsed_s = time.monotonic() - t0
+    return plan

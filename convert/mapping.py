@@ -1,0 +1,457 @@
+"""The Clover HF -> GGUF mapping: config validation and THE tensor table.
+
+This module is the single source of truth in code for ``convert/LAYOUT.md``. Another
+published checkpoint layout should be a change of ``TENSOR_TABLE`` (and perhaps a
+transform), not of the converter.
+
+Table rows
+----------
+Each :class:`Rule` maps one HF tensor name pattern to one GGUF name and says
+
+* ``scope``   -- which layers have it: ``global``, ``layer`` (every layer), ``gdn``
+  (GatedDeltaNet / ``linear_attention`` layers), ``attn`` (``full_attention`` layers),
+  ``moe`` (every layer), ``experts`` (every layer, stacked over experts);
+* ``shape``   -- the HF shape expected from the config (a function of :class:`CloverConfig`);
+* ``out``     -- the GGUF shape when it differs (squeezes), else the HF shape;
+* ``fn``      -- an element-wise transform, applied in float32:
+    - ``plus1``   ``w + 1``: the RMSNorm1p norms (``x/rms * (1 + w)``) are stored as
+      plain-multiplier weights, so the loader uses an ordinary RMSNorm;
+    - ``neg_exp`` ``-exp(A_log)``: ``ssm_a`` is the decay rate A itself (negative);
+* ``perm``    -- a value-head permutation (the "(V)" rows of LAYOUT.md): HF stores value
+  heads grouped by key head (head j uses key head j // r); ggml broadcasts key heads
+  tiled (position p uses key head p % Hk). New head position p holds original head
+  ``(p % Hk) * r + p // Hk`` (:func:`v_head_order`). Kinds:
+    - ``rows_qkv`` rows of the fused q/k/v (and conv channel) dimension: the q and k
+      channels (the first ``2*Hk*dk``) stay, the v channels move in units of dv;
+    - ``rows_dv``  rows in units of dv (``attn_gate``);
+    - ``rows_1``   rows in units of 1 (``ssm_beta/alpha/mix``);
+    - ``cols_dv``  the last dimension in units of dv (``ssm_out``);
+    - ``cols_1``   the last dimension in units of 1 (``ssm_dt``, ``ssm_a``, the columns
+      of ``ssm_block_calib``);
+  Permutations (and squeezes) move values without changing them, so a bf16 source
+  copied to bf16 keeps its exact bits.
+* ``f32``     -- the tensor stays float32 whatever ``--outtype`` (routers, norms, conv
+  taps, the small per-head SSM vectors); every 1-D tensor stays f32 too.
+
+Squeezes: ``conv1d.weight`` [C,1,K] -> [C,K], ``conv1d_lookahead.weight`` [C,1,R] -> [C,R],
+``shared_expert_gate.weight`` [1,H] -> [H].
+
+Experts (``scope == "experts"``): the GGUF tensor is ``[E, ...]`` stacked over experts
+j, built from per-expert tensors (``hf`` with ``{j}``) or, when the layer has the fused
+form, from a slice of the fused tensor (``fused`` = (name, which) where which is
+``"first"``/``"second"`` half of dim 1, or ``"all"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = [
+    "ConversionError",
+    "CloverConfig",
+    "Rule",
+    "TENSOR_TABLE",
+    "F32_ONLY",
+    "parse_config",
+    "v_head_order",
+    "perm_index",
+    "apply_fn",
+]
+
+
+class ConversionError(Exception):
+    """A user-facing conversion error; the message is one line."""
+
+    def __init__(self, msg: str):
+        super().__init__(" ".join(str(msg).split()))
+
+
+# ---------------------------------------------------------------------------
+# config
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass
+class CloverConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: list[str]
+    full_attention_interval: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    linear_conv_lookahead: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float
+    rope_theta: float
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    block_size: int
+    mask_token_id: int
+    eos_token_id: int | None
+    bos_token_id: int | None
+    pad_token_id: int | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # short names used by the table
+    @property
+    def H(self) -> int:
+        return self.hidden_size
+
+    @property
+    def V(self) -> int:
+        return self.vocab_size
+
+    @property
+    def L(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def Hk(self) -> int:
+        return self.linear_num_key_heads
+
+    @property
+    def Hv(self) -> int:
+        return self.linear_num_value_heads
+
+    @property
+    def dk(self) -> int:
+        return self.linear_key_head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.linear_value_head_dim
+
+    @property
+    def r(self) -> int:
+        return self.Hv // self.Hk
+
+    @property
+    def C(self) -> int:
+        return 2 * self.Hk * self.dk + self.Hv * self.dv
+
+    @property
+    def K(self) -> int:
+        return self.linear_conv_kernel_dim
+
+    @property
+    def R(self) -> int:
+        return self.linear_conv_lookahead
+
+    @property
+    def E(self) -> int:
+        return self.num_experts
+
+    @property
+    def I(self) -> int:  # noqa: E743
+        return self.moe_intermediate_size
+
+    @property
+    def Is(self) -> int:
+        return self.shared_expert_intermediate_size
+
+    @property
+    def nh(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def nkv(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim
+
+    @property
+    def rope_dims(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_recurrent(self, i: int) -> bool:
+        return self.layer_types[i] == "linear_attention"
+
+
+def _err(key: str, what: str, value: Any = None, *, show: bool = True) -> ConversionError:
+    if show:
+        return ConversionError(f"config.json: {key} {what}, got {value!r}")
+    return ConversionError(f"config.json: {key} {what}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def parse_config(cfg: dict[str, Any]) -> CloverConfig:
+    """Validate config.json (a dict) and return a :class:`CloverConfig`.
+
+    Raises ConversionError with a one-line message naming the offending key.
+    """
+    if not isinstance(cfg, dict):
+        raise ConversionError("config.json: not a JSON object")
+    mt = cfg.get("model_type")
+    if mt is not None and mt != "clover":
+        raise _err("model_type", "must be 'clover'", mt)
+
+    def req_int(key: str, minimum: int = 1) -> int:
+        if key not in cfg or cfg[key] is None:
+            raise _err(key, "is missing", show=False)
+        v = cfg[key]
+        if not _is_int(v) or v < minimum:
+            what = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
+            raise _err(key, what, v)
+        return v
+
+    def opt_int(key: str, default: int | None, minimum: int = 1) -> int | None:
+        v = cfg.get(key, default)
+        if v is None:
+            return None
+        if not _is_int(v) or v < minimum:
+            what = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
+            raise _err(key, what, v)
+        return v
+
+    def opt_pos_float(key: str, default: float, src: dict[str, Any] | None = None) -> float:
+        d = cfg if src is None else src
+        v = d.get(key, default)
+        if not _is_num(v) or v <= 0:
+            raise _err(key, "must be a positive number", v)
+        return float(v)
+
+    def opt_bool(key: str, default: bool) -> bool:
+        v = cfg.get(key, default)
+        if not isinstance(v, bool):
+            raise _err(key, "must be true or false", v)
+        return v
+
+    V = req_int("vocab_size")
+    H = req_int("hidden_size")
+    L = req_int("num_hidden_layers")
+    Hk = req_int("linear_num_key_heads")
+    Hv = req_int("linear_num_value_heads")
+    dk = req_int("linear_key_head_dim")
+    dv = req_int("linear_value_head_dim")
+    K = req_int("linear_conv_kernel_dim")
+    R = opt_int("linear_conv_lookahead", 0, minimum=0)
+    nh = req_int("num_attention_heads")
+    nkv = req_int("num_key_value_heads")
+    dh = req_int("head_dim")
+    E = req_int("num_experts")
+    k = req_int("num_experts_per_tok")
+    I = req_int("moe_intermediate_size")  # noqa: E741
+    Is = req_int("shared_expert_intermediate_size")
+    mask = req_int("mask_token_id", minimum=0)
+    fai = opt_int("full_attention_interval", 4)
+    B0 = opt_int("block_size", 32)
+    ctx = opt_int("max_position_embeddings", 262144)
+
+    if Hv % Hk != 0:
+        raise _err("linear_num_value_heads", f"must be a multiple of linear_num_key_heads ({Hk})", Hv)
+    if dk != dv:
+        raise _err("linear_value_head_dim", f"must equal linear_key_head_dim ({dk})", dv)
+    if nh % nkv != 0:
+        raise _err("num_attention_heads", f"must be a multiple of num_key_value_heads ({nkv})", nh)
+    if k > E:
+        raise _err("num_experts_per_tok", f"must be <= num_experts ({E})", k)
+    if mask >= V:
+        raise _err("mask_token_id", f"must be < vocab_size ({V})", mask)
+
+    rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None
+    if "rope_theta" in cfg or rope_params is None or "rope_theta" not in rope_params:
+        theta = opt_pos_float("rope_theta", 1e7)
+    else:
+        theta = opt_pos_float("rope_theta", 1e7, rope_params)
+    if "partial_rotary_factor" not in cfg and rope_params is not None and "partial_rotary_factor" in rope_params:
+        prf = rope_params["partial_rotary_factor"]
+    else:
+        prf = cfg.get("partial_rotary_factor", 0.25)
+    if not _is_num(prf) or not (0 < prf <= 1):
+        raise _err("partial_rotary_factor", "must be a number in (0, 1]", prf)
+    if int(dh * prf) < 2 or int(dh * prf) % 2:
+        raise _err("partial_rotary_factor", f"must give an even number >= 2 of rotary dims of head_dim {dh}", prf)
+    eps = opt_pos_float("rms_norm_eps", 1e-6)
+    norm_topk = opt_bool("norm_topk_prob", True)
+    tied = opt_bool("tie_word_embeddings", False)
+
+    lt = cfg.get("layer_types")
+    if lt is None:
+        layer_types = ["full_attention" if (i + 1) % fai == 0 else "linear_attention" for i in range(L)]
+    else:
+        if not isinstance(lt, list):
+            raise _err("layer_types", "must be a list", lt)
+        if len(lt) != L:
+            raise _err("layer_types", f"must have num_hidden_layers ({L}) entries", len(lt))
+        for i, t in enumerate(lt):
+            if t not in LAYER_TYPES:
+                raise ConversionError(
+                    f"config.json: layer_types[{i}] is {t!r}, expected 'linear_attention' or 'full_attention'"
+                )
+        layer_types = list(lt)
+
+    def token_id(key: str) -> int | None:
+        v = cfg.get(key)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is None:
+            return None
+        if not _is_int(v) or v < 0 or v >= V:
+            raise _err(key, f"must be a token id in [0, {V})", cfg.get(key))
+        return v
+
+    return CloverConfig(
+        vocab_size=V, hidden_size=H, num_hidden_layers=L, layer_types=layer_types,
+        full_attention_interval=fai, linear_num_key_heads=Hk, linear_num_value_heads=Hv,
+        linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=K,
+        linear_conv_lookahead=R, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=dh,
+        partial_rotary_factor=float(prf), rope_theta=theta, num_experts=E, num_experts_per_tok=k,
+        moe_intermediate_size=I, shared_expert_intermediate_size=Is, norm_topk_prob=norm_topk,
+        rms_norm_eps=eps, block_size=B0, mask_token_id=mask, eos_token_id=token_id("eos_token_id"),
+        bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("pad_token_id"),
+        tie_word_embeddings=tied, max_position_embeddings=ctx, raw=cfg,
+    )
+
+
+# ---------------------------------------------------------------------------
+# the table
+
+Shape = Callable[[CloverConfig], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: str                      # HF name; {i} layer, {j} expert
+    gguf: str                    # GGUF name; {i} layer
+    scope: str                   # global | layer | gdn | attn | moe | experts
+    shape: Shape                 # expected HF shape (per expert for "experts")
+    out: Shape | None = None     # GGUF shape when different (squeeze); stacked: [E, *out]
+    fn: str | None = None        # None | "plus1" | "neg_exp"
+    perm: str | None = None      # None | rows_qkv | rows_dv | rows_1 | cols_dv | cols_1
+    f32: bool = False            # always stored as F32
+    fused: tuple[str, str] | None = None  # experts: (fused HF name, "first"|"second"|"all")
+    fused_shape: Shape | None = None      # experts: shape of the fused HF tensor
+    optional: bool = False       # may be absent (e.g. lm_head when tied, lookahead when R == 0)
+
+
+L_ = "model.layers.{i}."
+GA = L_ + "linear_attn."
+SA = L_ + "self_attn."
+ML = L_ + "mlp."
+
+TENSOR_TABLE: list[Rule] = [
+    # -- global
+    Rule("model.embed_tokens.weight", "token_embd.weight", "global", lambda c: (c.V, c.H)),
+    Rule("model.norm.weight", "output_norm.weight", "global", lambda c: (c.H,), fn="plus1", f32=True),
+    Rule("lm_head.weight", "output.weight", "global", lambda c: (c.V, c.H), optional=True),  # absent when tied
+    # -- every layer
+    Rule(L_ + "input_layernorm.weight", "blk.{i}.attn_norm.weight", "layer", lambda c: (c.H,), fn="plus1", f32=True),
+    Rule(L_ + "post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight", "layer",
+         lambda c: (c.H,), fn="plus1", f32=True),
+    # -- GatedDeltaNet layers
+    Rule(GA + "in_proj_qkv.weight", "blk.{i}.attn_qkv.weight", "gdn", lambda c: (c.C, c.H), perm="rows_qkv"),
+    Rule(GA + "in_proj_z.weight", "blk.{i}.attn_gate.weight", "gdn", lambda c: (c.Hv * c.dv, c.H), perm="rows_dv"),
+    Rule(GA + "in_proj_b.weight", "blk.{i}.ssm_beta.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1"),
+    Rule(GA + "in_proj_a.weight", "blk.{i}.ssm_alpha.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1"),
+    Rule(GA + "in_proj_m.weight", "blk.{i}.ssm_mix.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1"),
+    Rule(GA + "conv1d.weight", "blk.{i}.ssm_conv1d.weight", "gdn", lambda c: (c.C, 1, c.K),
+         out=lambda c: (c.C, c.K), perm="rows_qkv", f32=True),
+    Rule(GA + "conv1d_lookahead.weight", "blk.{i}.ssm_conv1d_look.weight", "gdn", lambda c: (c.C, 1, c.R),
+         out=lambda c: (c.C, c.R), perm="rows_qkv", f32=True),  # no tensor when R == 0
+    Rule(GA + "dt_bias", "blk.{i}.ssm_dt.bias", "gdn", lambda c: (c.Hv,), perm="cols_1", f32=True),
+    Rule(GA + "A_log", "blk.{i}.ssm_a", "gdn", lambda c: (c.Hv,), fn="neg_exp", perm="cols_1", f32=True),
+    Rule(GA + "block_calib", "blk.{i}.ssm_block_calib", "gdn", lambda c: (2, c.Hv), perm="cols_1", f32=True),
+    Rule(GA + "norm.weight", "blk.{i}.ssm_norm.weight", "gdn", lambda c: (c.dv,), f32=True),  # plain, no +1
+    Rule(GA + "out_proj.weight", "blk.{i}.ssm_out.weight", "gdn", lambda c: (c.H, c.Hv * c.dv), perm="cols_dv"),
+    # -- full-attention layers
+    Rule(SA + "q_proj.weight", "blk.{i}.attn_q.weight", "attn", lambda c: (c.nh * c.dh * 2, c.H)),
+    Rule(SA + "k_proj.weight", "blk.{i}.attn_k.weight", "attn", lambda c: (c.nkv * c.dh, c.H)),
+    Rule(SA + "v_proj.weight", "blk.{i}.attn_v.weight", "attn", lambda c: (c.nkv * c.dh, c.H)),
+    Rule(SA + "o_proj.weight", "blk.{i}.attn_output.weight", "attn", lambda c: (c.H, c.nh * c.dh)),
+    Rule(SA + "q_norm.weight", "blk.{i}.attn_q_norm.weight", "attn", lambda c: (c.dh,), fn="plus1", f32=True),
+    Rule(SA + "k_norm.weight", "blk.{i}.attn_k_norm.weight", "attn", lambda c: (c.dh,), fn="plus1", f32=True),
+    # -- MoE
+    Rule(ML + "gate.weight", "blk.{i}.ffn_gate_inp.weight", "moe", lambda c: (c.E, c.H), f32=True),
+    Rule(ML + "experts.{j}.gate_proj.weight", "blk.{i}.ffn_gate_exps.weight", "experts", lambda c: (c.I, c.H),
+         fused=(ML + "experts.gate_up_proj", "first"), fused_shape=lambda c: (c.E, 2 * c.I, c.H)),
+    Rule(ML + "experts.{j}.up_proj.weight", "blk.{i}.ffn_up_exps.weight", "experts", lambda c: (c.I, c.H),
+         fused=(ML + "experts.gate_up_proj", "second"), fused_shape=lambda c: (c.E, 2 * c.I, c.H)),
+    Rule(ML + "experts.{j}.down_proj.weight", "blk.{i}.ffn_down_exps.weight", "experts", lambda c: (c.H, c.I),
+         fused=(ML + "experts.down_proj", "all"), fused_shape=lambda c: (c.E, c.H, c.I)),
+    Rule(ML + "shared_expert.gate_proj.weight", "blk.{i}.ffn_gate_shexp.weight", "moe", lambda c: (c.Is, c.H)),
+    Rule(ML + "shared_expert.up_proj.weight", "blk.{i}.ffn_up_shexp.weight", "moe", lambda c: (c.Is, c.H)),
+    Rule(ML + "shared_expert.down_proj.weight", "blk.{i}.ffn_down_shexp.weight", "moe", lambda c: (c.H, c.Is)),
+    Rule(ML + "shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight", "moe", lambda c: (1, c.H),
+         out=lambda c: (c.H,), f32=True),
+]
+
+# GGUF names (with {i}) that are always F32, derived from the table (for tests and docs)
+F32_ONLY: frozenset[str] = frozenset(r.gguf for r in TENSOR_TABLE if r.f32)
+
+
+def rule_applies(rule: Rule, cfg: CloverConfig, i: int | None) -> bool:
+    if rule.scope == "global":
+        if rule.gguf == "output.weight":
+            return not cfg.tie_word_embeddings
+        return True
+    assert i is not None
+    if rule.scope == "gdn":
+        if not cfg.is_recurrent(i):
+            return False
+        if rule.gguf.endswith("ssm_conv1d_look.weight") and cfg.R == 0:
+            return False
+        return True
+    if rule.scope == "attn":
+        return not cfg.is_recurrent(i)
+    return True  # layer, moe, experts
+
+
+# ---------------------------------------------------------------------------
+# transforms
+
+
+def v_head_order(Hk: int, r: int) -> np.ndarray:
+    """new value-head position p -> original head (p % Hk) * r + p // Hk."""
+    p = np.arange(Hk * r)
+    return (p % Hk) * r + p // Hk
+
+
+def perm_index(kind: str | None, cfg: CloverConfig) -> np.ndarray | None:
+    """Index array: new position -> source position along the permuted dimension."""
+    if kind is None or cfg.r == 1:
+        return None
+    heads = v_head_order(cfg.Hk, cfg.r)
+    unit = {"rows_qkv": cfg.dv, "rows_dv": cfg.dv, "cols_dv": cfg.dv, "rows_1": 1, "cols_1": 1}[kind]
+    idx = (heads[:, None] * unit + np.arange(unit)[None, :]).reshape(-1)
+    if kind == "rows_qkv":
+        qk = 2 * cfg.Hk * cfg.dk
+        idx = np.concatenate([np.arange(qk), qk + idx])
+    return idx
+
+
+def apply_fn(fn: str | None, x: np.ndarray) -> np.ndarray:
+    """Element-wise transform of float32 data."""
+    if fn is None:
+        return x
+    if fn == "plus1":
+        return x + np.float32(1)
+    if fn == "neg_exp":
+        return -np.exp(x)
+    raise ValueError(f"unknown transform {fn!r}")

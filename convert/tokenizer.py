@@ -1,0 +1,178 @@
+"""GGUF tokenizer metadata from a Hugging Face ``tokenizer.json`` (byte-level BPE).
+
+Writes what llama.cpp's ``gpt2`` tokenizer with the ``qwen2`` pre-tokenizer reads:
+
+* ``tokenizer.ggml.model`` = "gpt2", ``tokenizer.ggml.pre`` = "qwen2";
+* ``tokenizer.ggml.tokens``: id -> token string, holes and the tail up to the config's
+  ``vocab_size`` filled with ``[PAD{i}]``;
+* ``tokenizer.ggml.token_type``: NORMAL for BPE vocab entries, CONTROL for special added
+  tokens, USER_DEFINED for non-special added tokens (as upstream's converter does),
+  UNUSED for padding;
+* ``tokenizer.ggml.merges``: "left right" strings;
+* eos / padding / bos / mask ids and ``add_bos_token``; ``tokenizer.chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFWriter, TokenType
+
+from .mapping import CloverConfig, ConversionError
+
+__all__ = ["TokenizerInfo", "load_tokenizer", "add_tokenizer"]
+
+
+@dataclass
+class TokenizerInfo:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    eos_id: int | None
+    pad_id: int | None
+    bos_id: int | None
+    mask_id: int
+    add_bos: bool
+    chat_template: str | list[dict[str, str]] | None
+    n_real: int  # tokens defined by tokenizer.json (the rest is padding)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot read: {e}") from None
+
+
+def _token_str(v: Any) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
+    tj_path = folder / "tokenizer.json"
+    if not tj_path.exists():
+        raise ConversionError(f"{folder}: tokenizer.json not found")
+    tj = _read_json(tj_path)
+    model = tj.get("model") if isinstance(tj, dict) else None
+    if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
+        raise ConversionError(f"{tj_path}: no model.vocab object")
+    if model.get("type", "BPE") != "BPE":
+        raise ConversionError(f"{tj_path}: tokenizer model is {model.get('type')!r}, only BPE is supported")
+
+    id_to_tok: dict[int, str] = {}
+    types: dict[int, int] = {}
+    for tok, i in model["vocab"].items():
+        if not isinstance(i, int) or i < 0:
+            raise ConversionError(f"{tj_path}: token {tok!r} has a bad id {i!r}")
+        id_to_tok[i] = tok
+        types[i] = int(TokenType.NORMAL)
+    for at in tj.get("added_tokens") or []:
+        i, content = at.get("id"), at.get("content")
+        if not isinstance(i, int) or i < 0 or not isinstance(content, str):
+            raise ConversionError(f"{tj_path}: bad added token {at!r}")
+        id_to_tok[i] = content
+        types[i] = int(TokenType.CONTROL if at.get("special") else TokenType.USER_DEFINED)
+
+    n_real = max(id_to_tok) + 1 if id_to_tok else 0
+    V = cfg.vocab_size
+    if n_real > V:
+        raise ConversionError(
+            f"{tj_path}: tokenizer has token id {n_real - 1}, but config.json vocab_size is {V}"
+        )
+    tokens: list[str] = []
+    ttypes: list[int] = []
+    for i in range(V):
+        if i in id_to_tok:
+            tokens.append(id_to_tok[i])
+            ttypes.append(types[i])
+        else:
+            tokens.append(f"[PAD{i}]")
+            ttypes.append(int(TokenType.UNUSED))
+
+    merges: list[str] = []
+    for m in model.get("merges") or []:
+        if isinstance(m, str):
+            merges.append(m)
+        elif isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m):
+            merges.append(f"{m[0]} {m[1]}")
+        else:
+            raise ConversionError(f"{tj_path}: bad merge entry {m!r}")
+
+    tc_path = folder / "tokenizer_config.json"
+    tc: dict[str, Any] = _read_json(tc_path) if tc_path.exists() else {}
+    if not isinstance(tc, dict):
+        raise ConversionError(f"{tc_path}: not a JSON object")
+    gc_path = folder / "generation_config.json"
+    gc: dict[str, Any] = _read_json(gc_path) if gc_path.exists() else {}
+    if not isinstance(gc, dict):
+        gc = {}
+
+    tok_to_id = {t: i for i, t in id_to_tok.items()}
+
+    def by_name(key: str) -> int | None:
+        s = _token_str(tc.get(key))
+        if s is None:
+            return None
+        if s not in tok_to_id:
+            raise ConversionError(f"{tc_path}: {key} {s!r} is not in tokenizer.json")
+        return tok_to_id[s]
+
+    def first(v: Any) -> int | None:
+        if isinstance(v, list):
+            v = v[0] if v else None
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else first(gc.get("eos_token_id"))
+    if eos is None:
+        eos = by_name("eos_token")
+    pad = by_name("pad_token")
+    if pad is None:
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else first(gc.get("pad_token_id"))
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else by_name("bos_token")
+    add_bos = bool(tc.get("add_bos_token", False))
+
+    template = tc.get("chat_template")
+    jinja = folder / "chat_template.jinja"
+    if template is None and jinja.exists():
+        template = jinja.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, (str, list)):
+        raise ConversionError(f"{tc_path}: chat_template must be a string or a list")
+
+    for name, v in (("eos", eos), ("padding", pad), ("bos", bos)):
+        if v is not None and not (0 <= v < V):
+            raise ConversionError(f"{name} token id {v} is outside the vocabulary (vocab_size {V})")
+
+    return TokenizerInfo(
+        tokens=tokens, types=ttypes, merges=merges, eos_id=eos, pad_id=pad, bos_id=bos,
+        mask_id=cfg.mask_token_id, add_bos=add_bos, chat_template=template, n_real=n_real,
+    )
+
+
+def add_tokenizer(w: GGUFWriter, tok: TokenizerInfo) -> None:
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "qwen2")
+    w.add_array("tokenizer.ggml.tokens", tok.tokens)
+    w.add_array("tokenizer.ggml.token_type", tok.types)
+    if tok.merges:
+        w.add_array("tokenizer.ggml.merges", tok.merges)
+    if tok.eos_id is not None:
+        w.add_uint32("tokenizer.ggml.eos_token_id", tok.eos_id)
+    if tok.pad_id is not None:
+        w.add_uint32("tokenizer.ggml.padding_token_id", tok.pad_id)
+    if tok.bos_id is not None:
+        w.add_uint32("tokenizer.ggml.bos_token_id", tok.bos_id)
+    w.add_uint32("tokenizer.ggml.mask_token_id", tok.mask_id)
+    w.add_bool("tokenizer.ggml.add_bos_token", tok.add_bos)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
