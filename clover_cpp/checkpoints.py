@@ -1,0 +1,622 @@
+"""Synthetic Clover checkpoints in Hugging Face layout (test fixtures, benchmarks).
+
+``write_checkpoint(folder, preset="tiny", ...)`` writes ``config.json``,
+``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and the
+weights (``model.safetensors`` or shards + ``model.safetensors.index.json``), laid out
+as ``shared/clover-architecture.md`` describes. Weights are random but deterministic:
+each tensor is drawn from ``np.random.default_rng([seed, crc32(name)])``, so the
+numbers do not depend on sharding, dtype or the fused expert layout (the fused tensors
+stack the per-expert draws).
+
+Scales keep activations O(1): Linear weights ~ N(0, 1/fan_in); (1+w) norm weights
+~ N(0, 0.1); the plain GDN output norm ~ 1 + N(0, 0.1); conv taps ~ N(0, 0.3);
+``A_log = log(U[1, 16])`` and ``dt_bias = softplus^-1(dt)``, dt log-uniform in
+[1e-3, 1e-1] (Mamba's init); ``block_calib`` theta = ln(sqrt(dk)) + N(0, 0.1) (so the
+in-block softmax temperature tau is about sqrt(dk) on unit-normed q, k) and
+phi ~ N(0, 0.1); embeddings ~ N(0, 1) and lm_head ~ N(0, 4/H) (logits of std ~2); when
+tied, the embedding takes the lm_head scale.
+
+The tokenizer is a byte-level BPE (``clover_cpp.bpe``) trained deterministically on the
+fixed text embedded below, with specials ``<|endoftext|>`` (eos, pad), ``<|im_start|>``,
+``<|im_end|>``, ``<|mask|>`` right after the BPE tokens. ``config.vocab_size`` rounds
+the tokenizer size up (64 for tiny, 256 for small), as Qwen pads its embedding.
+
+CLI: ``python -m clover_cpp.checkpoints PRESET OUT [--dtype f32|bf16] [--shards N]
+[--fused-experts] [--tied] [--seed N] [--dry-run]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import zlib
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+import numpy as np
+
+from clover_convert.safetensors_io import INDEX_NAME, SINGLE_NAME, write_safetensors_lazy
+
+from . import bpe
+
+__all__ = [
+    "PRESETS",
+    "preset_config",
+    "tensor_plan",
+    "count_params",
+    "layer_types_of",
+    "write_checkpoint",
+    "train_fixture_tokenizer",
+    "FIXTURE_TEXT",
+    "cli",
+]
+
+# ---------------------------------------------------------------------------
+# the fixed training text for the fixture tokenizers (never read from disk)
+
+FIXTURE_TEXT = r'''
+import os
+import sys
+from typing import Dict, List, Optional
+
+
+class Block:
+    """A block of tokens that is denoised in parallel and then committed."""
+
+    def __init__(self, start: int, size: int, mask_id: int) -> None:
+        self.start = start
+        self.size = size
+        self.tokens = [mask_id] * size
+        self.fixed = [False] * size
+
+    def masked(self) -> List[int]:
+        return [i for i, t in enumerate(self.tokens) if not self.fixed[i]]
+
+    def unmask(self, position: int, token: int) -> None:
+        if self.fixed[position]:
+            raise ValueError(f"position {position} is already fixed")
+        self.tokens[position] = token
+        self.fixed[position] = True
+
+    def done(self) -> bool:
+        return all(self.fixed)
+
+
+def softmax(values: List[float]) -> List[float]:
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def argmax(values: List[float]) -> int:
+    best = 0
+    for i, value in enumerate(values):
+        if value > values[best]:
+            best = i
+    return best
+
+
+def read_config(path: str) -> Dict[str, object]:
+    with open(path, "r", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def count_words(text: str) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for word in text.split():
+        word = word.strip(".,;:!?").lower()
+        if not word:
+            continue
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def fibonacci(n: int) -> List[int]:
+    result = [0, 1]
+    while len(result) < n:
+        result.append(result[-1] + result[-2])
+    return result[:n]
+
+
+def binary_search(items: List[int], target: int) -> Optional[int]:
+    lo, hi = 0, len(items) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if items[mid] == target:
+            return mid
+        if items[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return None
+
+
+if __name__ == "__main__":
+    for line in sys.stdin:
+        print(count_words(line))
+    print(fibonacci(10))
+    print(binary_search([1, 3, 5, 7, 9, 11], 7))
+
+The model does not write one token at a time. It fills a block of masked positions in
+parallel, keeps the tokens it is confident about, and repeats until the block is done.
+Then the block is committed to memory and the next block begins. A recurrent state
+holds the history, and attention inside the block lets the tokens of the block look at
+each other in both directions. When the block size is one, this is the same as ordinary
+autoregressive decoding, which makes a natural baseline for the speed of the model.
+
+The quick brown fox jumps over the lazy dog. The lazy dog does not jump; it sleeps in
+the sun all afternoon, and the fox runs back into the forest before the farmer comes
+home. In the evening the farmer counts the chickens, finds that none are missing, and
+goes to bed happy. This is a short story about patience, luck and a very lazy dog.
+
+Write a function that returns the sum of the squares of the numbers in a list. Then
+write a test for it: the sum of the squares of 1, 2 and 3 is 14, and the sum for an
+empty list is 0. Explain what the function does when the list contains negative
+numbers, and why the result is never negative.
+
+User: What is the capital of France?
+Assistant: The capital of France is Paris.
+User: And how many people live there?
+Assistant: About two million people live in the city itself, and more than ten million
+in the whole metropolitan area.
+
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 3.14159 2.71828 1e-6 0x1F.
+Symbols: + - * / = == != <= >= ( ) [ ] { } < > : ; , . ' " # @ % & | ^ ~ ` $ \ _
+Accents: café, naïve, résumé, über, señor, façade, jalapeño, coöperate.
+'''
+
+# ---------------------------------------------------------------------------
+# presets
+
+_COMMON: dict[str, Any] = {
+    "model_type": "clover",
+    "architectures": ["CloverForBlockDiffusion"],
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        **_COMMON,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_conv_lookahead": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "block_size": 8,
+        "max_position_embeddings": 4096,
+    },
+    "small": {
+        **_COMMON,
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "linear_conv_lookahead": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "block_size": 32,
+        "max_position_embeddings": 32768,
+    },
+    "35b-a3b": {
+        **_COMMON,
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "linear_conv_lookahead": 3,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "block_size": 32,
+        "max_position_embeddings": 262144,
+        # token ids come from the real tokenizer, which this preset does not have
+        "mask_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    },
+}
+
+# BPE vocabulary target (bytes + merges + specials) and config vocab rounding, per preset
+# (small also merges pairs seen once, to get a larger vocabulary out of the same text)
+_TOKENIZER_SIZE = {"tiny": 256 + 300 + len(bpe.SPECIAL_TOKENS), "small": 256 + 1000 + len(bpe.SPECIAL_TOKENS)}
+_MIN_FREQUENCY = {"tiny": 2, "small": 1}
+_VOCAB_ROUND = {"tiny": 64, "small": 256}
+_WRITABLE = ("tiny", "small")
+
+
+@lru_cache(maxsize=None)
+def _trained(vocab_size: int, min_frequency: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
+    vocab, merges = bpe.train_bpe([FIXTURE_TEXT], vocab_size, bpe.SPECIAL_TOKENS, min_frequency=min_frequency)
+    return tuple(vocab.items()), tuple(merges)
+
+
+def train_fixture_tokenizer(preset: str = "tiny") -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The (vocab, merges) of a preset's tokenizer, trained on FIXTURE_TEXT (cached)."""
+    if preset not in _TOKENIZER_SIZE:
+        raise ValueError(f"preset {preset!r} has no fixture tokenizer (have {sorted(_TOKENIZER_SIZE)})")
+    items, merges = _trained(_TOKENIZER_SIZE[preset], _MIN_FREQUENCY[preset])
+    return dict(items), list(merges)
+
+
+def layer_types_of(num_layers: int, interval: int) -> list[str]:
+    return [
+        "full_attention" if interval > 0 and (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _validate(cfg: dict[str, Any]) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"bad Clover config: {msg}")
+
+    L = cfg["num_hidden_layers"]
+    lt = cfg["layer_types"]
+    need(len(lt) == L, f"layer_types has {len(lt)} entries for {L} layers")
+    need(all(t in ("linear_attention", "full_attention") for t in lt), f"unknown layer type in {lt}")
+    need(cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"] == 0, "Hv must be a multiple of Hk")
+    need(cfg["linear_key_head_dim"] == cfg["linear_value_head_dim"], "dk must equal dv")
+    need(cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0, "nh must be a multiple of nkv")
+    rope = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    need(rope >= 2 and rope % 2 == 0, f"rope dims {rope} must be even and >= 2")
+    need(0 < cfg["num_experts_per_tok"] <= cfg["num_experts"], "need 0 < top-k <= num_experts")
+    need(cfg["linear_conv_kernel_dim"] >= 1 and cfg["linear_conv_lookahead"] >= 0, "bad conv sizes")
+    need(cfg["block_size"] >= 1, "block_size must be >= 1")
+
+
+def preset_config(preset: str, config_overrides: dict[str, Any] | None = None, dtype: str = "f32") -> dict[str, Any]:
+    """The config.json dict of a preset (token ids from its fixture tokenizer)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if dtype not in ("f32", "bf16"):
+        raise ValueError(f"dtype must be f32 or bf16, not {dtype!r}")
+    cfg = copy.deepcopy(PRESETS[preset])
+    if preset in _TOKENIZER_SIZE:
+        vocab, _ = train_fixture_tokenizer(preset)
+        cfg["vocab_size"] = _round_up(len(vocab), _VOCAB_ROUND[preset])
+        cfg["eos_token_id"] = vocab[bpe.EOS_TOKEN]
+        cfg["pad_token_id"] = vocab[bpe.EOS_TOKEN]
+        cfg["mask_token_id"] = vocab[bpe.MASK_TOKEN]
+    cfg["torch_dtype"] = "float32" if dtype == "f32" else "bfloat16"
+    overrides = dict(config_overrides or {})
+    cfg.update(overrides)
+    if "layer_types" not in overrides:
+        cfg["layer_types"] = layer_types_of(cfg["num_hidden_layers"], cfg["full_attention_interval"])
+    _validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# tensors
+
+
+def tensor_plan(config: dict[str, Any], fused_experts: bool = False, tied: bool | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """Every HF tensor name and shape of a Clover checkpoint, in file order.
+
+    ``tied=None`` takes ``config["tie_word_embeddings"]``.
+    """
+    if tied is None:
+        tied = bool(config.get("tie_word_embeddings", False))
+    V, H = config["vocab_size"], config["hidden_size"]
+    L = config["num_hidden_layers"]
+    lt = config.get("layer_types") or layer_types_of(L, config["full_attention_interval"])
+    Hk, Hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    K, R = config["linear_conv_kernel_dim"], config["linear_conv_lookahead"]
+    nh, nkv, dh = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    E, I, Is = config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    C = 2 * Hk * dk + Hv * dv
+
+    plan: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (V, H))]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        plan.append((p + "input_layernorm.weight", (H,)))
+        if lt[i] == "linear_attention":
+            a = p + "linear_attn."
+            plan += [
+                (a + "in_proj_qkv.weight", (C, H)),
+                (a + "in_proj_z.weight", (Hv * dv, H)),
+                (a + "in_proj_b.weight", (Hv, H)),
+                (a + "in_proj_a.weight", (Hv, H)),
+                (a + "in_proj_m.weight", (Hv, H)),
+                (a + "conv1d.weight", (C, 1, K)),
+            ]
+            if R > 0:
+                plan.append((a + "conv1d_lookahead.weight", (C, 1, R)))
+            plan += [
+                (a + "dt_bias", (Hv,)),
+                (a + "A_log", (Hv,)),
+                (a + "block_calib", (2, Hv)),
+                (a + "norm.weight", (dv,)),
+                (a + "out_proj.weight", (H, Hv * dv)),
+            ]
+        else:
+            a = p + "self_attn."
+            plan += [
+                (a + "q_proj.weight", (nh * dh * 2, H)),
+                (a + "k_proj.weight", (nkv * dh, H)),
+                (a + "v_proj.weight", (nkv * dh, H)),
+                (a + "o_proj.weight", (H, nh * dh)),
+                (a + "q_norm.weight", (dh,)),
+                (a + "k_norm.weight", (dh,)),
+            ]
+        plan.append((p + "post_attention_layernorm.weight", (H,)))
+        m = p + "mlp."
+        plan.append((m + "gate.weight", (E, H)))
+        if fused_experts:
+            plan += [(m + "experts.gate_up_proj", (E, 2 * I, H)), (m + "experts.down_proj", (E, H, I))]
+        else:
+            for j in range(E):
+                e = f"{m}experts.{j}."
+                plan += [
+                    (e + "gate_proj.weight", (I, H)),
+                    (e + "up_proj.weight", (I, H)),
+                    (e + "down_proj.weight", (H, I)),
+                ]
+        plan += [
+            (m + "shared_expert.gate_proj.weight", (Is, H)),
+            (m + "shared_expert.up_proj.weight", (Is, H)),
+            (m + "shared_expert.down_proj.weight", (H, Is)),
+            (m + "shared_expert_gate.weight", (1, H)),
+        ]
+    plan.append(("model.norm.weight", (H,)))
+    if not tied:
+        plan.append(("lm_head.weight", (V, H)))
+    return plan
+
+
+def count_params(config: dict[str, Any], tied: bool | None = None) -> int:
+    return sum(math.prod(s) for _, s in tensor_plan(config, tied=tied))
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode("utf-8"))])
+
+
+def _init(name: str, shape: tuple[int, ...], cfg: dict[str, Any], seed: int, tied: bool) -> np.ndarray:
+    """Deterministic f32 values of one (unfused) tensor."""
+    rng = _rng(seed, name)
+    H = cfg["hidden_size"]
+    leaf = name.rsplit(".", 2)
+    short = name.split("linear_attn.")[-1] if "linear_attn." in name else name
+
+    def normal(std: float, mean: float = 0.0) -> np.ndarray:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        x *= np.float32(std)
+        if mean:
+            x += np.float32(mean)
+        return x
+
+    if name == "model.embed_tokens.weight":
+        return normal(2.0 / math.sqrt(H) if tied else 1.0)
+    if name == "lm_head.weight":
+        return normal(2.0 / math.sqrt(H))
+    if "linear_attn." in name:
+        if short in ("conv1d.weight", "conv1d_lookahead.weight"):
+            return normal(0.3)
+        if short == "A_log":
+            return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+        if short == "dt_bias":
+            dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
+            return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+        if short == "block_calib":
+            dk = cfg["linear_key_head_dim"]
+            out = np.empty(shape, dtype=np.float32)
+            out[0] = math.log(math.sqrt(dk)) + 0.1 * rng.standard_normal(shape[1])
+            out[1] = 0.1 * rng.standard_normal(shape[1])
+            return out
+        if short == "norm.weight":
+            return normal(0.1, 1.0)
+    if len(shape) == 1 or leaf[-2].endswith("norm"):
+        return normal(0.1)  # (1 + w) norms
+    # Linear weights [out, in]
+    return normal(1.0 / math.sqrt(shape[-1]))
+
+
+def _producer(name: str, shape: tuple[int, ...], cfg: dict[str, Any], seed: int, tied: bool) -> Callable[[], np.ndarray]:
+    if name.endswith("mlp.experts.gate_up_proj"):
+        base = name[: -len("gate_up_proj")]
+        E, I, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+
+        def fused_gate_up() -> np.ndarray:
+            out = np.empty((E, 2 * I, H), dtype=np.float32)
+            for j in range(E):
+                out[j, :I] = _init(f"{base}{j}.gate_proj.weight", (I, H), cfg, seed, tied)
+                out[j, I:] = _init(f"{base}{j}.up_proj.weight", (I, H), cfg, seed, tied)
+            return out
+
+        return fused_gate_up
+    if name.endswith("mlp.experts.down_proj"):
+        base = name[: -len("down_proj")]
+        E, I, H = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+
+        def fused_down() -> np.ndarray:
+            out = np.empty((E, H, I), dtype=np.float32)
+            for j in range(E):
+                out[j] = _init(f"{base}{j}.down_proj.weight", (H, I), cfg, seed, tied)
+            return out
+
+        return fused_down
+    return lambda: _init(name, shape, cfg, seed, tied)
+
+
+def _split_shards(plan: list[tuple[str, tuple[int, ...]]], itemsize: int, shards: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Contiguous groups of roughly equal byte size, none empty."""
+    if shards > len(plan):
+        raise ValueError(f"cannot split {len(plan)} tensors into {shards} shards")
+    sizes = [math.prod(s) * itemsize for _, s in plan]
+    total = sum(sizes)
+    groups: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(shards)]
+    acc = 0
+    g = 0
+    for idx, (item, size) in enumerate(zip(plan, sizes)):
+        remaining_items = len(plan) - idx
+        remaining_groups = shards - g
+        # move on when this group is full, or when every later group needs one item
+        if groups[g] and g < shards - 1 and (acc >= total * (g + 1) / shards or remaining_items < remaining_groups):
+            g += 1
+        groups[g].append(item)
+        acc += size
+    assert all(groups), "empty shard"
+    return groups
+
+
+def _dump_json(path: Path, obj: object) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_checkpoint(
+    folder: str | os.PathLike,
+    preset: str = "tiny",
+    dtype: str = "f32",
+    shards: int = 1,
+    fused_experts: bool = False,
+    tied: bool = False,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write a synthetic checkpoint of a preset to folder; returns its config.
+
+    Stale weight files (``model*.safetensors``, the index) in folder are removed first.
+    """
+    if preset not in _WRITABLE:
+        if preset in PRESETS:
+            n = count_params(preset_config(preset))
+            raise ValueError(
+                f"preset {preset!r} is too big to write ({n / 1e9:.1f}B parameters); "
+                f"use preset_config/tensor_plan for a dry run, or one of {list(_WRITABLE)}"
+            )
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if shards < 1:
+        raise ValueError("shards must be >= 1")
+    overrides = dict(config_overrides or {})
+    overrides.setdefault("tie_word_embeddings", bool(tied))
+    tied = bool(overrides["tie_word_embeddings"])
+    cfg = preset_config(preset, overrides, dtype)
+    vocab, merges = train_fixture_tokenizer(preset)
+    if cfg["vocab_size"] < len(vocab):
+        raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer ({len(vocab)})")
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in list(folder.glob("model*.safetensors")) + [folder / INDEX_NAME]:
+        if old.exists():
+            old.unlink()
+
+    st_dtype = "F32" if dtype == "f32" else "BF16"
+    itemsize = 4 if dtype == "f32" else 2
+    plan = tensor_plan(cfg, fused_experts=fused_experts, tied=tied)
+    meta = {"format": "pt"}
+
+    def specs(group):
+        return [(n, s, st_dtype, _producer(n, s, cfg, seed, tied)) for n, s in group]
+
+    if shards == 1:
+        write_safetensors_lazy(folder / SINGLE_NAME, specs(plan), meta)
+    else:
+        groups = _split_shards(plan, itemsize, shards)
+        weight_map: dict[str, str] = {}
+        for k, group in enumerate(groups):
+            fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            write_safetensors_lazy(folder / fname, specs(group), meta)
+            for n, _ in group:
+                weight_map[n] = fname
+        total = sum(math.prod(s) * itemsize for _, s in plan)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        _dump_json(folder / INDEX_NAME, index)
+
+    _dump_json(folder / "config.json", dict(sorted(cfg.items())))
+    gen = {
+        "_from_model_config": False,
+        "bos_token_id": cfg.get("bos_token_id"),
+        "eos_token_id": cfg["eos_token_id"],
+        "pad_token_id": cfg["pad_token_id"],
+        "mask_token_id": cfg["mask_token_id"],
+        "block_size": cfg["block_size"],
+        "do_sample": False,
+    }
+    _dump_json(folder / "generation_config.json", gen)
+    bpe.write_tokenizer_files(folder, vocab, merges, bpe.SPECIAL_TOKENS, bpe.CHATML_TEMPLATE)
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# CLI
+
+
+@click.command(help="Write a synthetic Clover checkpoint of PRESET to folder OUT.")
+@click.argument("preset", type=click.Choice(sorted(PRESETS)))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
+@click.option("--shards", type=int, default=1, show_default=True)
+@click.option("--fused-experts", is_flag=True, help="fused experts.gate_up_proj / experts.down_proj")
+@click.option("--tied", is_flag=True, help="tie lm_head to the embedding (no lm_head tensor)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dry-run", is_flag=True, help="print the parameter count only, write nothing")
+def cli(preset, out, dtype, shards, fused_experts, tied, seed, dry_run):
+    if dry_run or preset not in _WRITABLE:
+        cfg = preset_config(preset, {"tie_word_embeddings": tied}, dtype)
+        n = count_params(cfg)
+        click.echo(f"{preset}: {n:,} parameters ({len(tensor_plan(cfg, fused_experts))} tensors)")
+        if not dry_run:
+            raise click.ClickException(f"preset {preset!r} is too big to write; use --dry-run")
+        return
+    try:
+        cfg = write_checkpoint(out, preset, dtype, shards, fused_experts, tied, seed)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    n = count_params(cfg)
+    click.echo(f"{preset}: {n:,} parameters, vocab {cfg['vocab_size']}, written to {out}")
+
+
+if __name__ == "__main__":
+    cli()
