@@ -1,0 +1,329 @@
+// clover-cli: block-diffusion generation with a Clover GGUF, on the clover C API.
+//
+//   clover-cli -m model.gguf -p "prompt" [-n 128] [--block-size 32] [--threshold 0.9] [--visual]
+//
+// Generated text goes to stdout, streamed block by block; the statistics line goes to stderr.
+
+#include "clover.h"
+
+#include <cerrno>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#if defined(_WIN32)
+#include <io.h>
+#define isatty _isatty
+#define fileno _fileno
+#else
+#include <unistd.h>
+#endif
+
+namespace {
+
+void usage(const char * argv0) {
+    fprintf(stdout,
+            "usage: %s -m MODEL.gguf (-p PROMPT | -f FILE) [options]\n"
+            "\n"
+            "  -m, --model FILE       clover GGUF model\n"
+            "  -p, --prompt TEXT      prompt\n"
+            "  -f, --file FILE        read the prompt from a file\n"
+            "  -n, --n-predict N      max tokens to generate (default 128)\n"
+            "  -t, --threads N        CPU threads (default 4)\n"
+            "  -c, --ctx-size N       context size in tokens (default 4096)\n"
+            "  -ngl, --n-gpu-layers N layers to offload to the GPU (default 0)\n"
+            "  --block-size N         block size B (default: the model's training block size)\n"
+            "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
+            "  --max-steps N          denoising steps cap per block (default 0 = none)\n"
+            "  --temp X               temperature (default 0 = greedy)\n"
+            "  --top-k N              top-k (default 0 = off)\n"
+            "  --top-p X              top-p in (0,1] (default 1 = off)\n"
+            "  -s, --seed N           sampling seed (default 0)\n"
+            "  --no-stop-at-eos       keep generating after EOS\n"
+            "  --visual               show every denoising step of the current block\n"
+            "  --no-special           do not parse special tokens in the prompt\n"
+            "  -v, --verbose          llama.cpp log output to stderr (-v -v: everything)\n"
+            "  -h, --help             this help\n",
+            argv0);
+}
+
+[[noreturn]] void die(const std::string & msg) {
+    fprintf(stderr, "error: %s\n", msg.c_str());
+    exit(1);
+}
+
+long parse_int(const std::string & opt, const char * v, long lo, long hi) {
+    char * end = nullptr;
+    errno      = 0;
+    const long x = strtol(v, &end, 10);
+    if (errno || !end || *end || end == v) {
+        die("option " + opt + " expects an integer, got '" + v + "'");
+    }
+    if (x < lo || x > hi) {
+        die("option " + opt + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + v);
+    }
+    return x;
+}
+
+double parse_double(const std::string & opt, const char * v) {
+    char * end = nullptr;
+    errno      = 0;
+    const double x = strtod(v, &end);
+    if (errno || !end || *end || end == v || !std::isfinite(x)) {
+        die("option " + opt + " expects a number, got '" + v + "'");
+    }
+    return x;
+}
+
+struct cli_state {
+    clover_model * model      = nullptr;
+    bool           visual     = false;
+    bool           tty        = false;
+    bool           block_open = false; // a live block view is on screen (tty)
+    int32_t        mask       = -1;
+    int32_t        n_prompt   = 0;
+    std::string    piece_buf;
+};
+
+std::string piece(clover_model * m, int32_t tok) {
+    std::string s(64, '\0');
+    int32_t     n  = 0;
+    int         rc = clover_token_to_piece(m, tok, &s[0], (int32_t) s.size(), 0, &n);
+    if (rc == CLOVER_ERR_BUFFER_TOO_SMALL) {
+        s.assign((size_t) n, '\0');
+        rc = clover_token_to_piece(m, tok, &s[0], (int32_t) s.size(), 0, &n);
+    }
+    if (rc != CLOVER_OK) {
+        return "";
+    }
+    s.resize((size_t) n);
+    return s;
+}
+
+// printable one-line rendering of a block for the live view
+std::string render_block(cli_state & st, const int32_t * canvas, int32_t n, int32_t first) {
+    std::string r;
+    for (int32_t i = first; i < n; ++i) {
+        if (canvas[i] == st.mask) {
+            r += st.tty ? "\033[2m\xE2\x96\x91\033[0m" : "[MASK]"; // dim '░'
+            continue;
+        }
+        for (char ch : piece(st.model, canvas[i])) {
+            if (ch == '\n') {
+                r += st.tty ? "\xE2\x86\xB5" : "\\n"; // '↵'
+            } else if (ch == '\r' || ch == '\t') {
+                r += ' ';
+            } else {
+                r += ch;
+            }
+        }
+    }
+    return r;
+}
+
+int on_step(int32_t block_start, const int32_t * canvas, int32_t block_size, int32_t n_masked, void * ud) {
+    auto & st = *static_cast<cli_state *>(ud);
+    if (!st.visual) {
+        return 0;
+    }
+    // generated positions of this block start after the prompt
+    const int32_t first = std::max<int32_t>(0, st.n_prompt - block_start);
+    if (st.tty) {
+        if (!st.block_open) {
+            fputs("\0337", stdout); // save the cursor where the block starts
+            st.block_open = true;
+        }
+        fputs("\0338\033[J", stdout); // back to the block start, clear below
+        fputs(render_block(st, canvas, block_size, first).c_str(), stdout);
+        fflush(stdout);
+    } else {
+        fprintf(stderr, "[block @%d, %d masked] %s\n", block_start, n_masked,
+                render_block(st, canvas, block_size, first).c_str());
+    }
+    return 0;
+}
+
+int on_block(int32_t /*block_start*/, const int32_t * tokens, int32_t n, void * ud) {
+    auto & st = *static_cast<cli_state *>(ud);
+    if (st.tty && st.block_open) {
+        fputs("\0338\033[J", stdout); // replace the live view by the final text
+        st.block_open = false;
+    }
+    std::string text;
+    for (int32_t i = 0; i < n; ++i) {
+        text += piece(st.model, tokens[i]);
+    }
+    fwrite(text.data(), 1, text.size(), stdout);
+    fflush(stdout);
+    return 0;
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    std::string model_path, prompt, prompt_file;
+    bool        have_prompt = false, parse_special = true;
+    int         verbose     = 0;
+    clover_model_params    mp = clover_model_default_params();
+    clover_context_params  cp = clover_context_default_params();
+    clover_generate_params gp = clover_generate_default_params();
+    cli_state              st;
+
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        auto val = [&](void) -> const char * {
+            if (i + 1 >= argc) {
+                die("option " + a + " needs a value");
+            }
+            return argv[++i];
+        };
+        if (a == "-h" || a == "--help") {
+            usage(argv[0]);
+            return 0;
+        } else if (a == "-m" || a == "--model") {
+            model_path = val();
+        } else if (a == "-p" || a == "--prompt") {
+            prompt      = val();
+            have_prompt = true;
+        } else if (a == "-f" || a == "--file") {
+            prompt_file = val();
+        } else if (a == "-n" || a == "--n-predict") {
+            gp.max_tokens = (int32_t) parse_int(a, val(), 0, 1 << 24);
+        } else if (a == "-t" || a == "--threads") {
+            cp.n_threads = (int32_t) parse_int(a, val(), 1, 1024);
+        } else if (a == "-c" || a == "--ctx-size") {
+            cp.n_ctx = (int32_t) parse_int(a, val(), 1, 1 << 24);
+        } else if (a == "-ngl" || a == "--n-gpu-layers") {
+            mp.n_gpu_layers = (int32_t) parse_int(a, val(), -1, 100000);
+        } else if (a == "--block-size") {
+            cp.block_size = (int32_t) parse_int(a, val(), 1, 1 << 20);
+        } else if (a == "--threshold") {
+            gp.threshold = parse_double(a, val());
+            if (gp.threshold < 0.0 || gp.threshold > 1.0) {
+                die("--threshold must be in [0, 1]");
+            }
+        } else if (a == "--max-steps") {
+            gp.max_steps = (int32_t) parse_int(a, val(), 0, 1 << 20);
+        } else if (a == "--temp") {
+            gp.temperature = parse_double(a, val());
+            if (gp.temperature < 0.0) {
+                die("--temp must be >= 0");
+            }
+        } else if (a == "--top-k") {
+            gp.top_k = (int32_t) parse_int(a, val(), 0, 1 << 30);
+        } else if (a == "--top-p") {
+            gp.top_p = parse_double(a, val());
+            if (!(gp.top_p > 0.0 && gp.top_p <= 1.0)) {
+                die("--top-p must be in (0, 1]");
+            }
+        } else if (a == "-s" || a == "--seed") {
+            const char * v   = val();
+            char *       end = nullptr;
+            errno            = 0;
+            gp.seed          = strtoull(v, &end, 10);
+            if (errno || !end || *end || end == v || v[0] == '-') {
+                die("option " + a + " expects a non-negative integer, got '" + v + "'");
+            }
+        } else if (a == "--no-stop-at-eos") {
+            gp.stop_at_eos = 0;
+        } else if (a == "--visual") {
+            st.visual = true;
+        } else if (a == "--no-special") {
+            parse_special = false;
+        } else if (a == "-v" || a == "--verbose") {
+            ++verbose;
+        } else {
+            die("unknown option '" + a + "' (see --help)");
+        }
+    }
+    if (model_path.empty()) {
+        die("no model given (-m MODEL.gguf)");
+    }
+    if (!prompt_file.empty()) {
+        if (have_prompt) {
+            die("give either -p or -f, not both");
+        }
+        std::ifstream f(prompt_file, std::ios::binary);
+        if (!f) {
+            die("cannot read prompt file '" + prompt_file + "'");
+        }
+        std::stringstream ss;
+        ss << f.rdbuf();
+        prompt      = ss.str();
+        have_prompt = true;
+    }
+    if (!have_prompt) {
+        die("no prompt given (-p TEXT or -f FILE)");
+    }
+    clover_set_verbosity(verbose);
+
+    char err[1024];
+    st.model = clover_model_load(model_path.c_str(), &mp, err, sizeof(err));
+    if (!st.model) {
+        die(err);
+    }
+    st.mask = clover_mask_token(st.model);
+    if (cp.block_size == 0) {
+        const int32_t b0 = clover_train_block_size(st.model);
+        cp.block_size    = b0 > 0 ? b0 : 32;
+    }
+    if (cp.block_size > cp.n_ctx) {
+        clover_model_free(st.model);
+        die("block size " + std::to_string(cp.block_size) + " exceeds the context size " + std::to_string(cp.n_ctx));
+    }
+    clover_context * ctx = clover_context_new(st.model, &cp, err, sizeof(err));
+    if (!ctx) {
+        clover_model_free(st.model);
+        die(err);
+    }
+
+    std::vector<int32_t> tokens(prompt.size() + 16);
+    int32_t              n_tok = 0;
+    int rc = clover_tokenize(st.model, prompt.data(), (int32_t) prompt.size(), tokens.data(), (int32_t) tokens.size(),
+                             1, parse_special ? 1 : 0, &n_tok);
+    if (rc == CLOVER_ERR_BUFFER_TOO_SMALL) {
+        tokens.resize((size_t) n_tok);
+        rc = clover_tokenize(st.model, prompt.data(), (int32_t) prompt.size(), tokens.data(), (int32_t) tokens.size(),
+                             1, parse_special ? 1 : 0, &n_tok);
+    }
+    if (rc != CLOVER_OK) {
+        clover_context_free(ctx);
+        clover_model_free(st.model);
+        die("tokenization failed");
+    }
+    tokens.resize((size_t) n_tok);
+    st.n_prompt = n_tok;
+    st.tty      = isatty(fileno(stdout)) != 0;
+
+    gp.block_size     = cp.block_size;
+    gp.step_callback  = on_step;
+    gp.block_callback = on_block;
+    gp.user_data      = &st;
+
+    std::vector<int32_t> out((size_t) std::max<int32_t>(gp.max_tokens, 1));
+    int32_t              n_out = 0;
+    clover_stats         stats;
+    rc = clover_generate(ctx, tokens.data(), n_tok, &gp, out.data(), (int32_t) out.size(), &n_out, &stats, err,
+                         sizeof(err));
+    fputs("\n", stdout);
+    fflush(stdout);
+    if (rc != CLOVER_OK) {
+        clover_context_free(ctx);
+        clover_model_free(st.model);
+        die(err);
+    }
+    fprintf(stderr,
+            "clover: prompt %d tok, generated %d tok, forwards %d, steps %d, tokens/forward %.2f, "
+            "decode %.2f tok/s, prefill %.1f ms, block size %d\n",
+            n_tok, stats.n_generated, stats.n_forward, stats.n_steps, stats.tokens_per_forward,
+            stats.tokens_per_second, stats.t_prefill_ms, gp.block_size);
+    clover_context_free(ctx);
+    clover_model_free(st.model);
+    return 0;
+}

@@ -1,0 +1,1153 @@
+// clover.cpp - block-diffusion decoding of Clover models on llama.cpp (see clover.h).
+
+#include "clover.h"
+
+#include "gguf.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+// ------------------------------------------------------------------ logging / errors
+
+namespace {
+
+std::atomic<int> g_verbosity{0};
+thread_local std::string g_last_log_error; // last llama.cpp/ggml error line(s) on this thread
+thread_local int g_last_level = GGML_LOG_LEVEL_NONE;
+
+void log_callback(ggml_log_level level, const char * text, void * /*user*/) {
+    int eff = level == GGML_LOG_LEVEL_CONT ? g_last_level : (int) level;
+    if (level != GGML_LOG_LEVEL_CONT) {
+        g_last_level = level;
+    }
+    if (eff == GGML_LOG_LEVEL_ERROR && text) {
+        if (level != GGML_LOG_LEVEL_CONT) {
+            g_last_log_error.clear();
+        }
+        g_last_log_error += text;
+        if (g_last_log_error.size() > 2000) {
+            g_last_log_error.erase(0, g_last_log_error.size() - 2000);
+        }
+    }
+    const int v = g_verbosity.load();
+    if (text && (v >= 2 || (v >= 1 && eff >= GGML_LOG_LEVEL_WARN))) {
+        fputs(text, stderr);
+        fflush(stderr);
+    }
+}
+
+std::once_flag g_init_once;
+
+void ensure_init() {
+    std::call_once(g_init_once, [] {
+        llama_log_set(log_callback, nullptr);
+        llama_backend_init();
+    });
+}
+
+std::string trim(std::string s) {
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ')) {
+        s.pop_back();
+    }
+    std::replace(s.begin(), s.end(), '\n', ' ');
+    return s;
+}
+
+std::string last_log_error() {
+    return trim(g_last_log_error);
+}
+
+int set_err(char * err, size_t err_len, int code, const std::string & msg) {
+    if (err && err_len > 0) {
+        snprintf(err, err_len, "%s", msg.c_str());
+    }
+    return code;
+}
+
+int clear_err(char * err, size_t err_len) {
+    if (err && err_len > 0) {
+        err[0] = '\0';
+    }
+    return CLOVER_OK;
+}
+
+// Runs f() and turns C++ exceptions into status codes (never lets them cross the C ABI).
+template <typename F>
+int guarded(char * err, size_t err_len, F && f) {
+    try {
+        return f();
+    } catch (const std::bad_alloc &) {
+        return set_err(err, err_len, CLOVER_ERR_INTERNAL, "out of memory");
+    } catch (const std::exception & e) {
+        return set_err(err, err_len, CLOVER_ERR_INTERNAL, std::string("internal error: ") + e.what());
+    } catch (...) {
+        return set_err(err, err_len, CLOVER_ERR_INTERNAL, "internal error: unknown exception");
+    }
+}
+
+struct status_error {
+    int         code;
+    std::string msg;
+};
+
+} // namespace
+
+// ------------------------------------------------------------------ objects
+
+struct clover_model {
+    llama_model *       lm    = nullptr;
+    const llama_vocab * vocab = nullptr;
+    int32_t n_vocab     = 0;
+    int32_t mask        = -1;
+    int32_t eos         = -1;
+    int32_t train_block = 0;
+};
+
+struct clover_context {
+    clover_model *  model = nullptr;
+    llama_context * lctx  = nullptr;
+    llama_batch     batch{};
+    bool            batch_ok    = false;
+    int32_t         B           = 0;
+    int32_t         n_ctx       = 0;
+    int32_t         n_threads   = 0;
+    int32_t         flash_attn  = -1;
+    int32_t         n_committed = 0;
+};
+
+// ------------------------------------------------------------------ pure decoding pieces
+
+namespace clover_detail {
+
+// uniform double in [0, 1) from 53 random bits (the same on every platform)
+static double uniform01(std::mt19937_64 & rng) {
+    return (double) (rng() >> 11) * (1.0 / 9007199254740992.0);
+}
+
+struct pick_work {
+    std::vector<double>  p;
+    std::vector<int32_t> idx;
+};
+
+static void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
+                           std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
+    const double NEG_INF = -std::numeric_limits<double>::infinity();
+    if (T == 0.0) {
+        int32_t best = -1;
+        double  bl   = NEG_INF;
+        for (int32_t i = 0; i < V; ++i) {
+            if (i == mask) {
+                continue;
+            }
+            const double l = logits[i];
+            if (l > bl) { // strict: lowest id wins ties; NaN never wins
+                bl   = l;
+                best = i;
+            }
+        }
+        if (best < 0) { // every candidate is -inf/NaN: degenerate, pick the lowest non-mask id
+            tok  = mask == 0 && V > 1 ? 1 : 0;
+            conf = 0.0;
+            return;
+        }
+        double sum = 0.0;
+        for (int32_t i = 0; i < V; ++i) {
+            if (i == mask) {
+                continue;
+            }
+            const double l = logits[i];
+            if (l == l) {
+                sum += std::exp(l - bl);
+            }
+        }
+        tok  = best;
+        conf = 1.0 / sum;
+        return;
+    }
+
+    // sampling: z = logits / T
+    w.p.resize(V);
+    double * z = w.p.data();
+    for (int32_t i = 0; i < V; ++i) {
+        const double l = logits[i];
+        z[i]           = (i == mask || l != l) ? NEG_INF : l / T;
+    }
+    auto by_z = [z](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); };
+    if (top_k > 0 && top_k < V) {
+        w.idx.resize(V);
+        for (int32_t i = 0; i < V; ++i) {
+            w.idx[i] = i;
+        }
+        std::nth_element(w.idx.begin(), w.idx.begin() + top_k, w.idx.end(), by_z);
+        for (int32_t j = top_k; j < V; ++j) {
+            z[w.idx[j]] = NEG_INF;
+        }
+    }
+    double zmax = NEG_INF;
+    for (int32_t i = 0; i < V; ++i) {
+        zmax = std::max(zmax, z[i]);
+    }
+    if (zmax == NEG_INF) { // degenerate
+        tok  = mask == 0 && V > 1 ? 1 : 0;
+        conf = 0.0;
+        return;
+    }
+    double sum = 0.0;
+    for (int32_t i = 0; i < V; ++i) {
+        const double e = z[i] == NEG_INF ? 0.0 : std::exp(z[i] - zmax);
+        z[i]           = e;
+        sum += e;
+    }
+    double * p = z;
+    for (int32_t i = 0; i < V; ++i) {
+        p[i] /= sum;
+    }
+    if (top_p < 1.0) {
+        // smallest prefix of the sorted distribution (p desc, id asc) with cum >= top_p
+        w.idx.clear();
+        for (int32_t i = 0; i < V; ++i) {
+            if (p[i] > 0.0) {
+                w.idx.push_back(i);
+            }
+        }
+        const size_t npos = w.idx.size();
+        auto by_p = [p](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+        size_t m    = std::min<size_t>(64, npos);
+        size_t keep = npos;
+        while (true) {
+            std::partial_sort(w.idx.begin(), w.idx.begin() + m, w.idx.end(), by_p);
+            double cum   = 0.0;
+            bool   found = false;
+            for (size_t j = 0; j < m; ++j) {
+                cum += p[w.idx[j]];
+                if (cum >= top_p) {
+                    keep  = j + 1;
+                    found = true;
+                    break;
+                }
+            }
+            if (found || m == npos) {
+                break;
+            }
+            m = std::min(npos, m * 4);
+        }
+        double kept = 0.0;
+        for (size_t j = 0; j < keep; ++j) {
+            kept += p[w.idx[j]];
+        }
+        for (size_t j = keep; j < npos; ++j) {
+            p[w.idx[j]] = 0.0;
+        }
+        for (size_t j = 0; j < keep; ++j) {
+            p[w.idx[j]] /= kept;
+        }
+    }
+    // inverse-CDF sample in id order
+    double total = 0.0;
+    for (int32_t i = 0; i < V; ++i) {
+        total += p[i];
+    }
+    const double target = uniform01(rng) * total;
+    double       cdf    = 0.0;
+    int32_t      pick   = -1;
+    int32_t      last   = -1;
+    for (int32_t i = 0; i < V; ++i) {
+        if (p[i] <= 0.0) {
+            continue;
+        }
+        last = i;
+        cdf += p[i];
+        if (cdf > target) {
+            pick = i;
+            break;
+        }
+    }
+    if (pick < 0) {
+        pick = last;
+    }
+    tok  = pick;
+    conf = p[pick];
+}
+
+// Returns how many to unmask; order_out = ranking (conf desc, index asc).
+static int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
+                             int32_t * order_out) {
+    std::vector<double> c(conf, conf + n);
+    for (auto & x : c) {
+        if (x != x) {
+            x = -1.0; // NaN never ranks first
+        }
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        order_out[i] = i;
+    }
+    std::stable_sort(order_out, order_out + n, [&c](int32_t a, int32_t b) { return c[a] > c[b]; });
+    int32_t k = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        if (c[i] >= threshold) {
+            ++k;
+        }
+    }
+    k = std::max<int32_t>(k, 1);
+    if (max_steps > 0) {
+        const int32_t left = max_steps - step;
+        const int32_t need = left <= 0 ? n : (n + left - 1) / left;
+        k                  = std::max(k, need);
+    }
+    return std::min(k, n);
+}
+
+} // namespace clover_detail
+
+// ------------------------------------------------------------------ internal helpers
+
+namespace {
+
+void free_lctx(clover_context * c) {
+    if (c->batch_ok) {
+        llama_batch_free(c->batch);
+        c->batch_ok = false;
+    }
+    if (c->lctx) {
+        llama_free(c->lctx);
+        c->lctx = nullptr;
+    }
+    c->n_committed = 0;
+}
+
+int make_lctx(clover_context * c, int32_t B, std::string & msg) {
+    free_lctx(c);
+    llama_context_params p = llama_context_default_params();
+    p.n_ctx                = (uint32_t) c->n_ctx;
+    p.n_ubatch             = (uint32_t) B; // the clover graph reads the block size from n_ubatch
+    p.n_batch              = (uint32_t) (B * std::max(1, 512 / B));
+    p.n_seq_max            = 2; // seq 0 = memory, seq 1 = scratch for block passes
+    p.kv_unified           = true;
+    p.n_threads            = c->n_threads;
+    p.n_threads_batch      = c->n_threads;
+    p.flash_attn_type      = c->flash_attn < 0   ? LLAMA_FLASH_ATTN_TYPE_AUTO :
+                             c->flash_attn == 0 ? LLAMA_FLASH_ATTN_TYPE_DISABLED :
+                                                  LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    p.no_perf              = true;
+    p.embeddings           = false;
+    g_last_log_error.clear();
+    c->lctx = llama_init_from_model(c->model->lm, p);
+    if (!c->lctx) {
+        msg = "failed to create the llama.cpp context (n_ctx=" + std::to_string(c->n_ctx) +
+              ", block_size=" + std::to_string(B) + ")";
+        const std::string le = last_log_error();
+        if (!le.empty()) {
+            msg += ": " + le;
+        }
+        return CLOVER_ERR_LOAD;
+    }
+    llama_set_causal_attn(c->lctx, false);
+    c->batch    = llama_batch_init(B, 0, 1);
+    c->batch_ok = true;
+    c->B        = B;
+    c->n_committed = 0;
+    return CLOVER_OK;
+}
+
+int check_tokens(const clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= c->model->n_vocab) {
+            msg = "token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                  " is outside the vocabulary [0, " + std::to_string(c->model->n_vocab) + ")";
+            return CLOVER_ERR_INVALID_ARG;
+        }
+    }
+    return CLOVER_OK;
+}
+
+int check_pass(const clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+    if (!c->lctx) {
+        msg = "context has no llama.cpp context (a previous block-size change failed)";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (!tokens || n < 1 || n > c->B) {
+        msg = "a block pass or commit takes 1.." + std::to_string(c->B) + " tokens (block size), got " +
+              std::to_string(n);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (c->n_committed % c->B != 0) {
+        msg = "n_committed=" + std::to_string(c->n_committed) + " is not a multiple of the block size " +
+              std::to_string(c->B) + " (a partial block was committed)";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if ((int64_t) c->n_committed + n > c->n_ctx) {
+        msg = "context full: " + std::to_string(c->n_committed) + " committed + " + std::to_string(n) +
+              " tokens > n_ctx=" + std::to_string(c->n_ctx);
+        return CLOVER_ERR_CONTEXT_FULL;
+    }
+    return check_tokens(c, tokens, n, msg);
+}
+
+void fill_batch(clover_context * c, const int32_t * tokens, int32_t n, llama_seq_id seq, bool logits) {
+    llama_batch & b = c->batch;
+    b.n_tokens      = n;
+    for (int32_t i = 0; i < n; ++i) {
+        b.token[i]     = tokens[i];
+        b.pos[i]       = c->n_committed + i;
+        b.n_seq_id[i]  = 1;
+        b.seq_id[i][0] = seq;
+        b.logits[i]    = logits ? 1 : 0;
+    }
+}
+
+int decode_status(int rc, const char * what, std::string & msg) {
+    msg = std::string(what) + ": llama_decode returned " + std::to_string(rc);
+    const std::string le = last_log_error();
+    if (!le.empty()) {
+        msg += " (" + le + ")";
+    }
+    return rc == 1 ? CLOVER_ERR_CONTEXT_FULL : CLOVER_ERR_DECODE;
+}
+
+// block pass: seq 1 = copy of seq 0, decode there, read logits, drop seq 1.
+// `out` may be null (then `rows` receives pointers valid until the next decode).
+int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float * out, std::string & msg) {
+    llama_memory_t mem = llama_get_memory(c->lctx);
+    llama_memory_seq_rm(mem, 1, -1, -1);
+    llama_memory_seq_cp(mem, 0, 1, -1, -1);
+    fill_batch(c, tokens, n, 1, true);
+    g_last_log_error.clear();
+    const int rc = llama_decode(c->lctx, c->batch);
+    if (rc != 0) {
+        llama_memory_seq_rm(mem, 1, -1, -1);
+        return decode_status(rc, "block pass", msg);
+    }
+    const size_t V = (size_t) c->model->n_vocab;
+    for (int32_t i = 0; i < n; ++i) {
+        const float * l = llama_get_logits_ith(c->lctx, i);
+        if (!l) {
+            llama_memory_seq_rm(mem, 1, -1, -1);
+            msg = "block pass: no logits for token " + std::to_string(i);
+            return CLOVER_ERR_DECODE;
+        }
+        memcpy(out + i * V, l, V * sizeof(float));
+    }
+    llama_memory_seq_rm(mem, 1, -1, -1);
+    return CLOVER_OK;
+}
+
+int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+    fill_batch(c, tokens, n, 0, false);
+    g_last_log_error.clear();
+    const int rc = llama_decode(c->lctx, c->batch);
+    if (rc != 0) {
+        return decode_status(rc, "commit", msg);
+    }
+    c->n_committed += n;
+    return CLOVER_OK;
+}
+
+// Commits the complete blocks of tokens[0..n), one llama_decode per block. (A single
+// llama_decode of several blocks would give the same numbers, since llama.cpp splits a
+// batch into ubatches of n_ubatch = B tokens, but the pinned llama.cpp asserts
+// n_ubatch >= n_tokens for non-causal attention.)
+int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, std::string & msg) {
+    const int32_t B = c->B;
+    n_blocks        = 0;
+    for (int32_t s = 0; s + B <= n; s += B) {
+        const int rc = commit_impl(c, tokens + s, B, msg);
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        ++n_blocks;
+    }
+    return CLOVER_OK;
+}
+
+int set_block_size_impl(clover_context * c, int32_t B, std::string & msg) {
+    if (B < 1 || B > c->n_ctx) {
+        msg = "block size must be in [1, n_ctx=" + std::to_string(c->n_ctx) + "], got " + std::to_string(B);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (B == c->B && c->lctx) {
+        return CLOVER_OK;
+    }
+    return make_lctx(c, B, msg);
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+} // namespace
+
+// ------------------------------------------------------------------ C API
+
+extern "C" {
+
+const char * clover_status_str(int status) {
+    switch (status) {
+        case CLOVER_OK:                   return "ok";
+        case CLOVER_ERR_INVALID_ARG:      return "invalid argument";
+        case CLOVER_ERR_LOAD:             return "load error";
+        case CLOVER_ERR_DECODE:           return "decode error";
+        case CLOVER_ERR_CANCELLED:        return "cancelled";
+        case CLOVER_ERR_CONTEXT_FULL:     return "context full";
+        case CLOVER_ERR_BUFFER_TOO_SMALL: return "buffer too small";
+        case CLOVER_ERR_INTERNAL:         return "internal error";
+        default:                          return "unknown status";
+    }
+}
+
+void clover_set_verbosity(int level) {
+    ensure_init();
+    g_verbosity.store(level);
+}
+
+clover_model_params clover_model_default_params(void) {
+    clover_model_params p;
+    p.n_gpu_layers = 0;
+    p.use_mmap     = -1;
+    p.use_mlock    = 0;
+    return p;
+}
+
+clover_model * clover_model_load(const char * path, const clover_model_params * params, char * err, size_t err_len) {
+    clover_model * result = nullptr;
+    guarded(err, err_len, [&]() -> int {
+        ensure_init();
+        clear_err(err, err_len);
+        if (!path) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model path is NULL");
+        }
+        const clover_model_params mp = params ? *params : clover_model_default_params();
+        {
+            FILE * f = fopen(path, "rb");
+            if (!f) {
+                return set_err(err, err_len, CLOVER_ERR_LOAD,
+                               std::string("cannot open model file '") + path + "': " + strerror(errno));
+            }
+            char magic[4] = {0, 0, 0, 0};
+            const size_t got = fread(magic, 1, 4, f);
+            fclose(f);
+            if (got != 4 || memcmp(magic, "GGUF", 4) != 0) {
+                return set_err(err, err_len, CLOVER_ERR_LOAD,
+                               std::string("'") + path + "' is not a GGUF file (bad magic)");
+            }
+        }
+        {
+            gguf_init_params gp;
+            gp.no_alloc = true;
+            gp.ctx      = nullptr;
+            g_last_log_error.clear();
+            gguf_context * g = gguf_init_from_file(path, gp);
+            if (!g) {
+                std::string m = std::string("'") + path + "' is not a valid GGUF file";
+                const std::string le = last_log_error();
+                if (!le.empty()) {
+                    m += ": " + le;
+                }
+                return set_err(err, err_len, CLOVER_ERR_LOAD, m);
+            }
+            const int64_t k = gguf_find_key(g, "general.architecture");
+            std::string   arch;
+            if (k >= 0 && gguf_get_kv_type(g, k) == GGUF_TYPE_STRING) {
+                arch = gguf_get_val_str(g, k);
+            }
+            gguf_free(g);
+            if (k < 0) {
+                return set_err(err, err_len, CLOVER_ERR_LOAD,
+                               std::string("'") + path + "' has no general.architecture key");
+            }
+            if (arch != "clover") {
+                return set_err(err, err_len, CLOVER_ERR_LOAD,
+                               std::string("'") + path + "' is a '" + arch +
+                                   "' model, not a 'clover' model (general.architecture)");
+            }
+        }
+        llama_model_params lp = llama_model_default_params();
+        lp.n_gpu_layers       = mp.n_gpu_layers;
+        if (mp.use_mmap < 0 && !mp.use_mlock) {
+            lp.load_mode = LLAMA_LOAD_MODE_AUTO;
+        } else if (mp.use_mmap != 0) {
+            lp.load_mode = mp.use_mlock ? LLAMA_LOAD_MODE_MMAP_MLOCK : LLAMA_LOAD_MODE_MMAP;
+        } else {
+            lp.load_mode = mp.use_mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE;
+        }
+        g_last_log_error.clear();
+        llama_model * lm = llama_model_load_from_file(path, lp);
+        if (!lm) {
+            std::string m = std::string("llama.cpp failed to load '") + path + "'";
+            const std::string le = last_log_error();
+            if (!le.empty()) {
+                m += ": " + le;
+            }
+            return set_err(err, err_len, CLOVER_ERR_LOAD, m);
+        }
+        auto * cm        = new clover_model();
+        cm->lm           = lm;
+        cm->vocab        = llama_model_get_vocab(lm);
+        cm->n_vocab      = llama_vocab_n_tokens(cm->vocab);
+        char buf[64];
+        if (llama_model_meta_val_str(lm, "tokenizer.ggml.mask_token_id", buf, sizeof(buf)) > 0) {
+            cm->mask = (int32_t) strtol(buf, nullptr, 10);
+        } else {
+            cm->mask = llama_vocab_mask(cm->vocab);
+        }
+        if (cm->mask >= cm->n_vocab) {
+            cm->mask = -1;
+        }
+        cm->eos = llama_vocab_eos(cm->vocab);
+        if (llama_model_meta_val_str(lm, "clover.diffusion.block_size", buf, sizeof(buf)) > 0) {
+            cm->train_block = (int32_t) strtol(buf, nullptr, 10);
+        }
+        result = cm;
+        return CLOVER_OK;
+    });
+    return result;
+}
+
+void clover_model_free(clover_model * model) {
+    if (!model) {
+        return;
+    }
+    if (model->lm) {
+        llama_model_free(model->lm);
+    }
+    delete model;
+}
+
+int32_t clover_n_vocab(const clover_model * m) { return m ? m->n_vocab : 0; }
+int32_t clover_mask_token(const clover_model * m) { return m ? m->mask : -1; }
+int32_t clover_eos_token(const clover_model * m) { return m ? m->eos : -1; }
+int32_t clover_train_block_size(const clover_model * m) { return m ? m->train_block : 0; }
+int32_t clover_n_ctx_train(const clover_model * m) { return m ? llama_model_n_ctx_train(m->lm) : 0; }
+
+int32_t clover_model_meta(const clover_model * m, const char * key, char * buf, size_t buf_size) {
+    if (!m || !key) {
+        return -1;
+    }
+    return llama_model_meta_val_str(m->lm, key, buf, buf_size);
+}
+
+int clover_tokenize(const clover_model * m, const char * text, int32_t text_len, int32_t * tokens, int32_t n_max,
+                    int add_special, int parse_special, int32_t * n_out) {
+    return guarded(nullptr, 0, [&]() -> int {
+        if (!m || !text || n_max < 0 || (n_max > 0 && !tokens)) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        const int32_t len = text_len < 0 ? (int32_t) strlen(text) : text_len;
+        const int32_t r   = llama_tokenize(m->vocab, text, len, tokens, n_max, add_special != 0, parse_special != 0);
+        if (r == std::numeric_limits<int32_t>::min()) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        if (r < 0) {
+            if (n_out) {
+                *n_out = -r;
+            }
+            return CLOVER_ERR_BUFFER_TOO_SMALL;
+        }
+        if (n_out) {
+            *n_out = r;
+        }
+        return CLOVER_OK;
+    });
+}
+
+int clover_token_to_piece(const clover_model * m, int32_t token, char * buf, int32_t buf_size, int special,
+                          int32_t * n_out) {
+    return guarded(nullptr, 0, [&]() -> int {
+        if (!m || token < 0 || token >= m->n_vocab || buf_size < 0 || (buf_size > 0 && !buf)) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        const int32_t r = llama_token_to_piece(m->vocab, token, buf, buf_size, 0, special != 0);
+        if (r < 0) {
+            if (n_out) {
+                *n_out = -r;
+            }
+            return CLOVER_ERR_BUFFER_TOO_SMALL;
+        }
+        if (n_out) {
+            *n_out = r;
+        }
+        return CLOVER_OK;
+    });
+}
+
+int clover_detokenize(const clover_model * m, const int32_t * tokens, int32_t n_tokens, char * buf, int32_t buf_size,
+                      int remove_special, int unparse_special, int32_t * n_out) {
+    return guarded(nullptr, 0, [&]() -> int {
+        if (!m || n_tokens < 0 || (n_tokens > 0 && !tokens) || buf_size < 0 || (buf_size > 0 && !buf)) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            if (tokens[i] < 0 || tokens[i] >= m->n_vocab) {
+                return CLOVER_ERR_INVALID_ARG;
+            }
+        }
+        const int32_t r =
+            llama_detokenize(m->vocab, tokens, n_tokens, buf, buf_size, remove_special != 0, unparse_special != 0);
+        if (r < 0 || r >= buf_size) { // no room for the terminator either
+            if (n_out) {
+                *n_out = r < 0 ? -r : r;
+            }
+            return CLOVER_ERR_BUFFER_TOO_SMALL;
+        }
+        buf[r] = '\0';
+        if (n_out) {
+            *n_out = r;
+        }
+        return CLOVER_OK;
+    });
+}
+
+clover_context_params clover_context_default_params(void) {
+    clover_context_params p;
+    p.n_ctx      = 4096;
+    p.n_threads  = 4;
+    p.block_size = 0;
+    p.flash_attn = -1;
+    return p;
+}
+
+static int32_t default_threads(int32_t n) {
+    if (n > 0) {
+        return n;
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 4 : (int32_t) std::min(hw, 16u);
+}
+
+clover_context * clover_context_new(clover_model * model, const clover_context_params * params, char * err,
+                                    size_t err_len) {
+    clover_context * result = nullptr;
+    guarded(err, err_len, [&]() -> int {
+        ensure_init();
+        clear_err(err, err_len);
+        if (!model) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model is NULL");
+        }
+        const clover_context_params cp = params ? *params : clover_context_default_params();
+        if (cp.n_ctx < 1) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
+        }
+        int32_t B = cp.block_size;
+        if (B == 0) {
+            B = model->train_block > 0 ? model->train_block : 32;
+            B = std::min(B, cp.n_ctx);
+        }
+        if (B < 1 || B > cp.n_ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "block size must be in [1, n_ctx=" + std::to_string(cp.n_ctx) + "], got " +
+                               std::to_string(cp.block_size));
+        }
+        if (cp.flash_attn < -1 || cp.flash_attn > 1) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "flash_attn must be -1, 0 or 1");
+        }
+        if (model->mask < 0) {
+            return set_err(err, err_len, CLOVER_ERR_LOAD, "the model has no mask token (tokenizer.ggml.mask_token_id)");
+        }
+        auto * c       = new clover_context();
+        c->model       = model;
+        c->n_ctx       = cp.n_ctx;
+        c->n_threads   = default_threads(cp.n_threads);
+        c->flash_attn  = cp.flash_attn;
+        std::string msg;
+        const int rc = make_lctx(c, B, msg);
+        if (rc != CLOVER_OK) {
+            free_lctx(c);
+            delete c;
+            return set_err(err, err_len, rc, msg);
+        }
+        result = c;
+        return CLOVER_OK;
+    });
+    return result;
+}
+
+void clover_context_free(clover_context * ctx) {
+    if (!ctx) {
+        return;
+    }
+    free_lctx(ctx);
+    delete ctx;
+}
+
+int32_t clover_block_size(const clover_context * ctx) { return ctx ? ctx->B : 0; }
+int32_t clover_n_ctx(const clover_context * ctx) { return ctx ? ctx->n_ctx : 0; }
+int32_t clover_n_committed(const clover_context * ctx) { return ctx ? ctx->n_committed : 0; }
+
+int clover_set_block_size(clover_context * ctx, int32_t block_size, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
+        }
+        std::string msg;
+        const int rc = set_block_size_impl(ctx, block_size, msg);
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_set_n_threads(clover_context * ctx, int32_t n_threads) {
+    if (!ctx || !ctx->lctx) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    ctx->n_threads = default_threads(n_threads);
+    llama_set_n_threads(ctx->lctx, ctx->n_threads, ctx->n_threads);
+    return CLOVER_OK;
+}
+
+int clover_reset(clover_context * ctx) {
+    if (!ctx || !ctx->lctx) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    llama_memory_clear(llama_get_memory(ctx->lctx), true);
+    ctx->n_committed = 0;
+    return CLOVER_OK;
+}
+
+int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n, float * logits_out, char * err,
+                      size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !logits_out) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context or logits_out is NULL");
+        }
+        std::string msg;
+        int         rc = check_pass(ctx, tokens, n, msg);
+        if (rc == CLOVER_OK) {
+            rc = block_pass_impl(ctx, tokens, n, logits_out, msg);
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
+        }
+        std::string msg;
+        int         rc = check_pass(ctx, tokens, n, msg);
+        if (rc == CLOVER_OK) {
+            rc = commit_impl(ctx, tokens, n, msg);
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest, char * err,
+                   size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !ctx->lctx || n < 0 || (n > 0 && !tokens)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_prefill");
+        }
+        std::string msg;
+        if (ctx->n_committed % ctx->B != 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_committed is not block aligned");
+        }
+        const int32_t n_full = n / ctx->B * ctx->B;
+        if ((int64_t) ctx->n_committed + n_full > ctx->n_ctx) {
+            return set_err(err, err_len, CLOVER_ERR_CONTEXT_FULL,
+                           "context full: " + std::to_string(ctx->n_committed) + " committed + " +
+                               std::to_string(n_full) + " > n_ctx=" + std::to_string(ctx->n_ctx));
+        }
+        int rc = check_tokens(ctx, tokens, n, msg);
+        int32_t nb = 0;
+        if (rc == CLOVER_OK) {
+            rc = prefill_impl(ctx, tokens, n_full, nb, msg);
+        }
+        if (n_rest) {
+            *n_rest = n - n_full;
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+clover_generate_params clover_generate_default_params(void) {
+    clover_generate_params p;
+    p.block_size     = 0;
+    p.threshold      = 0.9;
+    p.max_steps      = 0;
+    p.temperature    = 0.0;
+    p.top_k          = 0;
+    p.top_p          = 1.0;
+    p.seed           = 0;
+    p.max_tokens     = 128;
+    p.stop_at_eos    = 1;
+    p.step_callback  = nullptr;
+    p.block_callback = nullptr;
+    p.user_data      = nullptr;
+    return p;
+}
+
+int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_token, double temperature,
+                          int32_t top_k, double top_p, uint64_t seed, int32_t * token_out, double * confidence_out) {
+    return guarded(nullptr, 0, [&]() -> int {
+        if (!logits || n_vocab < 1 || !token_out || !confidence_out || !(temperature >= 0.0) || top_k < 0 ||
+            !(top_p > 0.0 && top_p <= 1.0)) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        std::mt19937_64          rng(seed);
+        clover_detail::pick_work w;
+        clover_detail::pick_candidate(logits, n_vocab, mask_token, temperature, top_k, top_p, rng, w, *token_out,
+                                      *confidence_out);
+        return CLOVER_OK;
+    });
+}
+
+int32_t clover_select_unmask(const double * conf, int32_t n_masked, double threshold, int32_t max_steps, int32_t step,
+                             int32_t * order_out) {
+    return guarded(nullptr, 0, [&]() -> int {
+        if (!conf || !order_out || n_masked < 1 || max_steps < 0 || step < 0 || !(threshold >= 0.0 && threshold <= 1.0)) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        return clover_detail::select_unmask(conf, n_masked, threshold, max_steps, step, order_out);
+    });
+}
+
+int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prompt,
+                    const clover_generate_params * params, int32_t * out, int32_t out_cap, int32_t * n_out,
+                    clover_stats * stats, char * err, size_t err_len) {
+    if (n_out) {
+        *n_out = 0;
+    }
+    if (stats) {
+        memset(stats, 0, sizeof(*stats));
+        stats->n_prompt = n_prompt;
+    }
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !ctx->model) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
+        }
+        const clover_generate_params gp = params ? *params : clover_generate_default_params();
+        const clover_model *         m  = ctx->model;
+        // ---- validation (nothing is touched before it passes)
+        const int32_t B = gp.block_size == 0 ? ctx->B : gp.block_size;
+        if (B < 1 || B > ctx->n_ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "block size must be in [1, n_ctx=" + std::to_string(ctx->n_ctx) + "], got " +
+                               std::to_string(gp.block_size));
+        }
+        if (!(gp.threshold >= 0.0 && gp.threshold <= 1.0)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "threshold must be in [0, 1], got " + std::to_string(gp.threshold));
+        }
+        if (!(gp.temperature >= 0.0) || std::isinf(gp.temperature)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "temperature must be finite and >= 0, got " + std::to_string(gp.temperature));
+        }
+        if (!(gp.top_p > 0.0 && gp.top_p <= 1.0)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "top_p must be in (0, 1], got " + std::to_string(gp.top_p));
+        }
+        if (gp.top_k < 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "top_k must be >= 0");
+        }
+        if (gp.max_steps < 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "max_steps must be >= 0");
+        }
+        if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
+        }
+        if (m->mask < 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "the model has no mask token");
+        }
+        std::string msg;
+        if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
+        }
+        if (gp.max_tokens <= 0) {
+            return CLOVER_OK;
+        }
+        if (!out || out_cap < gp.max_tokens) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "output buffer too small: out_cap=" + std::to_string(out_cap) + " < max_tokens=" +
+                               std::to_string(gp.max_tokens));
+        }
+        {
+            const int64_t need = ((int64_t) n_prompt + gp.max_tokens + B - 1) / B * B;
+            if (need > ctx->n_ctx) {
+                return set_err(err, err_len, CLOVER_ERR_CONTEXT_FULL,
+                               "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" +
+                                   std::to_string(gp.max_tokens) + "), rounded up to blocks of " + std::to_string(B) +
+                                   ", needs " + std::to_string(need) + " positions > n_ctx=" +
+                                   std::to_string(ctx->n_ctx));
+            }
+        }
+        // ---- setup
+        int rc = set_block_size_impl(ctx, B, msg);
+        if (rc != CLOVER_OK) {
+            return set_err(err, err_len, rc, msg);
+        }
+        clover_reset(ctx);
+
+        const int32_t  V    = m->n_vocab;
+        const int32_t  mask = m->mask;
+        const int32_t  eos  = gp.stop_at_eos ? m->eos : -1;
+        std::mt19937_64 rng(gp.seed);
+        clover_detail::pick_work work;
+
+        int32_t n_commits = 0, n_steps = 0, n_blocks = 0, finish = CLOVER_FINISH_MAX_TOKENS;
+        std::vector<int32_t> gen;      // generated tokens (uncut)
+        int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
+        double               t_prefill = 0.0;
+        const auto           t_start   = std::chrono::steady_clock::now();
+
+        auto finish_stats = [&]() {
+            const int32_t n_gen = std::min<int32_t>(visible, gp.max_tokens);
+            for (int32_t i = 0; i < n_gen; ++i) {
+                out[i] = gen[i];
+            }
+            if (n_out) {
+                *n_out = n_gen;
+            }
+            if (stats) {
+                stats->n_generated        = n_gen;
+                stats->n_decode_passes    = n_steps;
+                stats->n_steps            = n_steps;
+                stats->n_commits          = n_commits;
+                stats->n_forward          = n_steps + n_commits;
+                stats->n_blocks           = n_blocks;
+                stats->finish_reason      = finish;
+                stats->tokens_per_forward = n_steps > 0 ? (double) n_gen / n_steps : 0.0;
+                stats->t_prefill_ms       = t_prefill;
+                stats->t_decode_ms        = ms_since(t_start) - t_prefill;
+                stats->tokens_per_second =
+                    stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
+            }
+        };
+
+        // ---- prefill: commit the prompt's complete blocks
+        int32_t nb = 0;
+        const int32_t n_full = n_prompt / B * B;
+        rc = prefill_impl(ctx, prompt, n_full, nb, msg);
+        n_commits += nb;
+        t_prefill = ms_since(t_start);
+        if (rc != CLOVER_OK) {
+            finish = CLOVER_FINISH_NONE;
+            finish_stats();
+            return set_err(err, err_len, rc, "prefill: " + msg);
+        }
+
+        std::vector<int32_t> canvas(B);
+        std::vector<float>   logits((size_t) B * V);
+        std::vector<int32_t> masked, cand_tok, order;
+        std::vector<double>  cand_conf;
+        int32_t              n_rest = n_prompt - n_full;
+        bool                 cancelled = false;
+
+        while (true) {
+            const int32_t start = ctx->n_committed;
+            for (int32_t i = 0; i < B; ++i) {
+                canvas[i] = i < n_rest ? prompt[n_full + i] : mask;
+            }
+            masked.clear();
+            for (int32_t i = n_rest; i < B; ++i) {
+                masked.push_back(i);
+            }
+            ++n_blocks;
+            int32_t step = 0;
+            while (!masked.empty()) {
+                rc = block_pass_impl(ctx, canvas.data(), B, logits.data(), msg);
+                if (rc != CLOVER_OK) {
+                    finish = CLOVER_FINISH_NONE;
+                    finish_stats();
+                    return set_err(err, err_len, rc, msg);
+                }
+                ++n_steps;
+                const int32_t nm = (int32_t) masked.size();
+                cand_tok.resize(nm);
+                cand_conf.resize(nm);
+                order.resize(nm);
+                for (int32_t j = 0; j < nm; ++j) {
+                    clover_detail::pick_candidate(logits.data() + (size_t) masked[j] * V, V, mask, gp.temperature,
+                                                  gp.top_k, gp.top_p, rng, work, cand_tok[j], cand_conf[j]);
+                }
+                const int32_t k = clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, step,
+                                                               order.data());
+                for (int32_t j = 0; j < k; ++j) {
+                    canvas[masked[order[j]]] = cand_tok[order[j]];
+                }
+                std::vector<int32_t> still;
+                still.reserve(nm);
+                for (int32_t p : masked) {
+                    if (canvas[p] == mask) {
+                        still.push_back(p);
+                    }
+                }
+                masked.swap(still);
+                ++step;
+                if (gp.step_callback &&
+                    gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0) {
+                    cancelled = true;
+                    break;
+                }
+            }
+            bool has_eos = false;
+            if (masked.empty()) {
+                gen.insert(gen.end(), canvas.begin() + n_rest, canvas.end());
+                // visible output: cut at the first EOS and at max_tokens
+                int32_t new_visible = (int32_t) gen.size();
+                if (eos >= 0) {
+                    for (int32_t i = visible; i < (int32_t) gen.size(); ++i) {
+                        if (gen[i] == eos) {
+                            new_visible = i;
+                            has_eos     = true;
+                            break;
+                        }
+                    }
+                }
+                new_visible = std::min(new_visible, gp.max_tokens);
+                const int32_t old_visible = visible;
+                visible                   = std::max(visible, new_visible);
+                if (gp.block_callback) {
+                    const int cb = gp.block_callback(start, gen.data() + old_visible, visible - old_visible,
+                                                     gp.user_data);
+                    if (cb != 0) {
+                        cancelled = true;
+                    }
+                }
+            }
+            if (cancelled) {
+                finish = CLOVER_FINISH_CANCELLED;
+                break;
+            }
+            if (has_eos) {
+                finish = CLOVER_FINISH_EOS;
+                break;
+            }
+            if ((int32_t) gen.size() >= gp.max_tokens) {
+                finish = CLOVER_FINISH_MAX_TOKENS;
+                break;
+            }
+            rc = commit_impl(ctx, canvas.data(), B, msg);
+            if (rc != CLOVER_OK) {
+                finish = CLOVER_FINISH_NONE;
+                finish_stats();
+                return set_err(err, err_len, rc, msg);
+            }
+            ++n_commits;
+            n_rest = 0;
+        }
+        finish_stats();
+        if (cancelled) {
+            return set_err(err, err_len, CLOVER_ERR_CANCELLED, "cancelled by a callback");
+        }
+        return CLOVER_OK;
+    });
+}
+
+} // extern "C"

@@ -1,0 +1,252 @@
+/*
+ * clover.h - C API for block-diffusion decoding of "Clover" models on llama.cpp.
+ *
+ * Stable, C-linkage, no C++ types. Every function that can fail returns an int status
+ * (CLOVER_OK = 0, negative = error) and, when the caller passes an `err` buffer, writes a
+ * one-line, NUL-terminated message into it (truncated to err_len). No function aborts the
+ * process on bad input: arguments are validated and C++ exceptions are caught at the API
+ * boundary.
+ *
+ * Model:    a GGUF with general.architecture == "clover" (see convert/LAYOUT.md).
+ * Context:  one llama.cpp context whose memory (recurrent GDN states + KV cache) holds the
+ *           committed blocks. Sequence 0 is the memory M; sequence 1 is scratch for block
+ *           passes. The context is built for one block size B (n_ubatch = B); asking for
+ *           another B (clover_set_block_size, or a generate call with another block_size)
+ *           recreates the llama.cpp context and clears the memory.
+ *
+ * Decoding (see shared/clover-architecture.md, "Decoding"): the prompt's complete blocks
+ * (aligned at position 0) are committed; its last partial block becomes the first decode
+ * block. A decode block has B positions; masked positions are denoised step by step (one
+ * block pass per step) until none remains, then the block is committed, except the final
+ * block of a generation, which is not committed.
+ *
+ * Threading: a clover_context must not be used from two threads at once; distinct contexts
+ * (even on the same model) may be used concurrently.
+ */
+#ifndef CLOVER_H
+#define CLOVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32) && !defined(__MINGW32__)
+#  ifdef CLOVER_BUILD
+#    define CLOVER_API __declspec(dllexport)
+#  else
+#    define CLOVER_API __declspec(dllimport)
+#  endif
+#else
+#  define CLOVER_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CLOVER_API_VERSION 1
+
+/* ---------------------------------------------------------------- status codes */
+enum clover_status {
+    CLOVER_OK                   =  0,
+    CLOVER_ERR_INVALID_ARG      = -1, /* bad parameter (block size, threshold, token id, NULL...) */
+    CLOVER_ERR_LOAD             = -2, /* file missing / not a GGUF / wrong architecture / load failed */
+    CLOVER_ERR_DECODE           = -3, /* llama_decode failed */
+    CLOVER_ERR_CANCELLED        = -4, /* a callback returned nonzero (results so far are valid) */
+    CLOVER_ERR_CONTEXT_FULL     = -5, /* the tokens would not fit in n_ctx */
+    CLOVER_ERR_BUFFER_TOO_SMALL = -6, /* output buffer too small (the needed size is reported) */
+    CLOVER_ERR_INTERNAL         = -7, /* unexpected exception / out of memory */
+};
+
+/* why a generation ended (clover_stats.finish_reason) */
+enum clover_finish_reason {
+    CLOVER_FINISH_NONE       = 0, /* did not run (max_tokens <= 0) or failed */
+    CLOVER_FINISH_EOS        = 1, /* a block contained EOS (stop_at_eos) */
+    CLOVER_FINISH_MAX_TOKENS = 2, /* the token budget was reached */
+    CLOVER_FINISH_CANCELLED  = 3, /* a callback asked to stop */
+};
+
+typedef struct clover_model   clover_model;
+typedef struct clover_context clover_context;
+
+/* Short, static description of a status code ("ok", "invalid argument", ...). */
+CLOVER_API const char * clover_status_str(int status);
+
+/* Route llama.cpp / ggml log output: 0 = silent (default; error lines are still kept for
+ * error messages), 1 = errors and warnings to stderr, 2 = everything to stderr. */
+CLOVER_API void clover_set_verbosity(int level);
+
+/* ---------------------------------------------------------------- model */
+typedef struct clover_model_params {
+    int32_t n_gpu_layers; /* layers to offload (0 = CPU only, -1 = all); default 0 */
+    int32_t use_mmap;     /* -1 = llama.cpp's automatic choice (default), 0 = read, 1 = mmap */
+    int32_t use_mlock;    /* lock the weights in RAM; default 0 */
+} clover_model_params;
+
+CLOVER_API clover_model_params clover_model_default_params(void);
+
+/* Load a clover GGUF. `params` may be NULL (defaults). Returns NULL on failure, with the
+ * reason in err (status CLOVER_ERR_LOAD, or CLOVER_ERR_INVALID_ARG for a NULL path). */
+CLOVER_API clover_model * clover_model_load(const char * path, const clover_model_params * params,
+                                            char * err, size_t err_len);
+CLOVER_API void clover_model_free(clover_model * model);
+
+CLOVER_API int32_t clover_n_vocab         (const clover_model * model);
+CLOVER_API int32_t clover_mask_token      (const clover_model * model); /* tokenizer.ggml.mask_token_id, -1 if absent */
+CLOVER_API int32_t clover_eos_token       (const clover_model * model); /* -1 if none */
+CLOVER_API int32_t clover_train_block_size(const clover_model * model); /* clover.diffusion.block_size, 0 if absent */
+CLOVER_API int32_t clover_n_ctx_train     (const clover_model * model);
+
+/* Metadata value as a string (NUL-terminated). Returns the length of the value, or -1 if
+ * the key is absent; like snprintf, the value is truncated to buf_size. */
+CLOVER_API int32_t clover_model_meta(const clover_model * model, const char * key, char * buf, size_t buf_size);
+
+/* Tokenize `text` (text_len bytes; -1 = NUL-terminated). add_special: add BOS/EOS if the
+ * model says so; parse_special: recognise special-token text. On success *n_out = the count.
+ * If n_max is too small: CLOVER_ERR_BUFFER_TOO_SMALL and *n_out = the count needed. */
+CLOVER_API int clover_tokenize(const clover_model * model, const char * text, int32_t text_len,
+                               int32_t * tokens, int32_t n_max, int add_special, int parse_special,
+                               int32_t * n_out);
+
+/* Bytes of one token (not NUL-terminated; may be part of a UTF-8 sequence). Returns the
+ * number of bytes written, or CLOVER_ERR_BUFFER_TOO_SMALL / CLOVER_ERR_INVALID_ARG. If buf is
+ * too small, *needed (if not NULL) receives the size needed. special: render special tokens. */
+CLOVER_API int clover_token_to_piece(const clover_model * model, int32_t token, char * buf, int32_t buf_size,
+                                     int special, int32_t * n_out);
+
+/* Text of a token sequence (NUL-terminated when it fits with the terminator). *n_out = the
+ * number of bytes (without the terminator); CLOVER_ERR_BUFFER_TOO_SMALL with *n_out = bytes
+ * needed (add one for the terminator). */
+CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tokens, int32_t n_tokens,
+                                 char * buf, int32_t buf_size, int remove_special, int unparse_special,
+                                 int32_t * n_out);
+
+/* ---------------------------------------------------------------- context */
+typedef struct clover_context_params {
+    int32_t n_ctx;      /* positions the memory can hold (prompt + generation); default 4096 */
+    int32_t n_threads;  /* CPU threads; <= 0 = a default from the hardware; default 4 */
+    int32_t block_size; /* B; 0 = the model's training block size (or 32); default 0 */
+    int32_t flash_attn; /* -1 auto (default), 0 off, 1 on */
+} clover_context_params;
+
+CLOVER_API clover_context_params clover_context_default_params(void);
+
+CLOVER_API clover_context * clover_context_new(clover_model * model, const clover_context_params * params,
+                                               char * err, size_t err_len);
+CLOVER_API void clover_context_free(clover_context * ctx);
+
+CLOVER_API int32_t clover_block_size(const clover_context * ctx);
+CLOVER_API int32_t clover_n_ctx     (const clover_context * ctx);
+/* Change B: recreates the llama.cpp context (the memory is cleared). No-op if unchanged. */
+CLOVER_API int clover_set_block_size(clover_context * ctx, int32_t block_size, char * err, size_t err_len);
+CLOVER_API int clover_set_n_threads (clover_context * ctx, int32_t n_threads);
+
+/* ---------------------------------------------------------------- low-level passes
+ * For research and parity tests. Positions are implicit: a pass or commit starts at
+ * clover_n_committed(ctx). Both need n_committed % B == 0 and 1 <= n <= B (B = the
+ * context's block size). Token ids must be in [0, n_vocab). */
+
+/* Logits of the n tokens at positions n_committed .. n_committed+n-1 against the memory,
+ * which is left unchanged. logits_out: n * n_vocab floats, row t = position n_committed+t
+ * (row t predicts the token AT that position). */
+CLOVER_API int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n,
+                                 float * logits_out, char * err, size_t err_len);
+/* Write the n final tokens of the current block into the memory (n_committed += n). */
+CLOVER_API int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len);
+/* Commit every complete block of `tokens` (n_committed must be 0 or block aligned); returns
+ * through *n_rest the number of trailing tokens (< B) left uncommitted. */
+CLOVER_API int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest,
+                              char * err, size_t err_len);
+/* Clear the memory (n_committed = 0). */
+CLOVER_API int     clover_reset(clover_context * ctx);
+CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
+
+/* ---------------------------------------------------------------- generation */
+
+/* Called after every denoising step: block_start = absolute position of the block,
+ * canvas = its block_size tokens (masked positions hold the mask token), n_masked = masks
+ * left. Return nonzero to cancel. */
+typedef int (*clover_step_callback)(int32_t block_start, const int32_t * canvas, int32_t block_size,
+                                    int32_t n_masked, void * user_data);
+/* Called once per finished block with the tokens it adds to the output (the generated
+ * positions, already cut at EOS / max_tokens; n_tokens may be 0). The concatenation of
+ * everything passed to it equals the final output. Return nonzero to cancel (stop now). */
+typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens, int32_t n_tokens,
+                                     void * user_data);
+
+typedef struct clover_generate_params {
+    int32_t  block_size;   /* B; 0 = keep the context's; another value recreates the context */
+    double   threshold;    /* unmask every position with confidence >= threshold, in [0, 1]; default 0.9 */
+    int32_t  max_steps;    /* per-block step cap S (0 = none): step s unmasks >= ceil(masked / (S - s)) */
+    double   temperature;  /* 0 = greedy (default); > 0 = sampling */
+    int32_t  top_k;        /* 0 = off */
+    double   top_p;        /* (0, 1]; 1 = off */
+    uint64_t seed;         /* std::mt19937_64 seed, once per generate call; default 0 */
+    int32_t  max_tokens;   /* token budget; <= 0 generates nothing; default 128 */
+    int32_t  stop_at_eos;  /* default 1 */
+    clover_step_callback  step_callback;  /* may be NULL */
+    clover_block_callback block_callback; /* may be NULL */
+    void *   user_data;
+} clover_generate_params;
+
+CLOVER_API clover_generate_params clover_generate_default_params(void);
+
+typedef struct clover_stats {
+    int32_t n_prompt;           /* prompt tokens */
+    int32_t n_generated;        /* tokens in the output */
+    int32_t n_forward;          /* block passes + commits (prefill blocks included) */
+    int32_t n_decode_passes;    /* block passes during decoding */
+    int32_t n_steps;            /* denoising steps (= n_decode_passes) */
+    int32_t n_commits;          /* committed blocks (prefill included) */
+    int32_t n_blocks;           /* decode blocks started */
+    int32_t finish_reason;      /* enum clover_finish_reason */
+    double  tokens_per_forward; /* n_generated / n_decode_passes */
+    double  t_prefill_ms;
+    double  t_decode_ms;
+    double  tokens_per_second;  /* n_generated / t_decode */
+} clover_stats;
+
+/* Block-diffusion generation from `prompt` (n_prompt >= 0 tokens). The memory is cleared
+ * first; afterwards it holds every committed block. Writes at most max_tokens tokens into
+ * out (out_cap must be >= max_tokens), *n_out = their count; stats and n_out may be NULL.
+ *
+ * Cancellation: when a callback returns nonzero, generation stops and the function returns
+ * CLOVER_ERR_CANCELLED; out / *n_out / stats are still valid and hold the output of the
+ * blocks finished so far (a block interrupted mid-denoising contributes nothing), with
+ * finish_reason = CLOVER_FINISH_CANCELLED.
+ *
+ * Errors (nothing generated): CLOVER_ERR_INVALID_ARG (block_size < 1 or > n_ctx, threshold
+ * outside [0,1], temperature < 0, top_p outside (0,1], top_k/max_steps < 0, bad token id,
+ * no mask token), CLOVER_ERR_CONTEXT_FULL (prompt + max_tokens, rounded up to whole blocks,
+ * exceeds n_ctx), CLOVER_ERR_DECODE. */
+CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prompt,
+                               const clover_generate_params * params,
+                               int32_t * out, int32_t out_cap, int32_t * n_out,
+                               clover_stats * stats, char * err, size_t err_len);
+
+/* ---------------------------------------------------------------- decoding pieces
+ * The pure functions the decoding loop is made of, exposed for tests and research. */
+
+/* Candidate for one position: logits[n_vocab] (not modified); mask_token gets -inf
+ * (pass -1 for none). temperature 0: argmax (lowest id on ties), confidence = its softmax
+ * probability; > 0: logits / T, top-k (0 = off), top-p (1 = off: keep the smallest prefix of
+ * the sorted distribution with cumulative probability >= top_p), renormalise, sample with one
+ * uniform draw from std::mt19937_64(seed); confidence = the sampled token's probability in
+ * that renormalised distribution. Computes in double. */
+CLOVER_API int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_token,
+                                     double temperature, int32_t top_k, double top_p, uint64_t seed,
+                                     int32_t * token_out, double * confidence_out);
+
+/* Unmask schedule: given the confidences of the n_masked masked positions (in position
+ * order), how many to unmask and which (indices into conf, most confident first, ties
+ * lowest index). Rule: all with conf >= threshold, at least one; with max_steps S > 0, at
+ * step s at least ceil(n_masked / (S - s)) (all when s >= S). Writes the chosen indices into
+ * order_out (n_masked entries: the ranking) and returns the count to unmask (>= 1), or a
+ * negative status. */
+CLOVER_API int32_t clover_select_unmask(const double * conf, int32_t n_masked, double threshold,
+                                        int32_t max_steps, int32_t step, int32_t * order_out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CLOVER_H */
