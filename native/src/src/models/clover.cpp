@@ -1,0 +1,325 @@
+// Clover: block-diffusion MoE with a restructured Gated DeltaNet token mixer.
+//
+// One ubatch is one block of the block-diffusion decoder (cparams.n_ubatch = block size B).
+// The graph computes the block-pass outputs of the spec and, as a side effect, writes the
+// committed form of the block into the sequence's memory (GDN state via the gated delta
+// rule, conv tail, KV cache). A pure block pass runs on a scratch copy of the committed
+// sequence, so that it leaves the committed memory untouched (see native/clover.cpp).
+#include "models.h"
+#include "llama-memory-recurrent.h"
+
+#include <cmath>
+#include <stdexcept>
+
+void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
+    ml.get_key_or_arr(LLM_KV_EXPERT_FEED_FORWARD_LENGTH, hparams.n_ff_exp_arr, hparams.n_layer_all, true);
+    ml.get_key(LLM_KV_EXPERT_SHARED_FEED_FORWARD_LENGTH, hparams.n_ff_shexp);
+    ml.get_key(LLM_KV_EXPERT_WEIGHTS_NORM,               hparams.expert_weights_norm, false);
+    ml.get_key(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS,       hparams.f_norm_rms_eps);
+
+    ml.get_key(LLM_KV_SSM_CONV_KERNEL,      hparams.ssm_d_conv);
+    ml.get_key(LLM_KV_SSM_CONV_LOOKAHEAD,   hparams.ssm_d_conv_look);
+    ml.get_key(LLM_KV_SSM_INNER_SIZE,       hparams.ssm_d_inner);
+    ml.get_key(LLM_KV_SSM_STATE_SIZE,       hparams.ssm_d_state);
+    ml.get_key(LLM_KV_SSM_TIME_STEP_RANK,   hparams.ssm_dt_rank);
+    ml.get_key(LLM_KV_SSM_GROUP_COUNT,      hparams.ssm_n_group);
+    ml.get_key(LLM_KV_DIFFUSION_BLOCK_SIZE, hparams.diffusion_block_size);
+    ml.get_key_or_arr(LLM_KV_ATTENTION_RECURRENT_LAYERS, hparams.is_recr_impl, hparams.n_layer_all, true);
+
+    // attention is bidirectional inside a block; the cache holds committed blocks only
+    hparams.causal_attn = false;
+
+    auto fail = [](const std::string & what) { throw std::runtime_error("clover: invalid hyperparameter: " + what); };
+    if (hparams.diffusion_block_size == 0)  fail("diffusion.block_size must be > 0");
+    if (hparams.ssm_d_conv < 2)             fail("ssm.conv_kernel must be >= 2");
+    if (hparams.ssm_n_group == 0 || hparams.ssm_dt_rank == 0 || hparams.ssm_dt_rank % hparams.ssm_n_group != 0) {
+        fail("ssm.time_step_rank (value heads) must be a positive multiple of ssm.group_count (key heads)");
+    }
+    if (hparams.ssm_d_inner != hparams.ssm_dt_rank * hparams.ssm_d_state) {
+        fail("ssm.inner_size must equal value heads * ssm.state_size (dk = dv)");
+    }
+    if (hparams.n_expert == 0 || hparams.n_expert_used() == 0 || hparams.n_expert_used() > hparams.n_expert) {
+        fail("expert_used_count must be in [1, expert_count]");
+    }
+    if (hparams.n_ff_exp() == 0 || hparams.n_ff_shexp == 0) fail("expert feed-forward lengths must be > 0");
+
+    type = hparams.n_layer() == 40 ? LLM_TYPE_35B_A3B : LLM_TYPE_UNKNOWN;
+}
+
+void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
+    LLAMA_LOAD_LOCALS;
+    GGML_UNUSED(ml);
+
+    tok_embd    = create_tensor(tn(LLM_TENSOR_TOKEN_EMBD,  "weight"), { n_embd, n_vocab }, 0);
+    output_norm = create_tensor(tn(LLM_TENSOR_OUTPUT_NORM, "weight"), { n_embd }, 0);
+    output      = create_tensor(tn(LLM_TENSOR_OUTPUT,      "weight"), { n_embd, n_vocab }, TENSOR_NOT_REQUIRED);
+    if (output == nullptr) {
+        output = create_tensor(tn(LLM_TENSOR_TOKEN_EMBD, "weight"), { n_embd, n_vocab }, TENSOR_DUPLICATED);
+    }
+
+    const int64_t d_state   = hparams.ssm_d_state;   // dk = dv
+    const int64_t n_k_heads = hparams.ssm_n_group;
+    const int64_t n_v_heads = hparams.ssm_dt_rank;
+    const int64_t key_dim   = d_state * n_k_heads;
+    const int64_t value_dim = d_state * n_v_heads;
+    const int64_t conv_dim  = 2 * key_dim + value_dim;
+    const int64_t n_ff_exp  = hparams.n_ff_exp();
+    const int64_t n_ff_sh   = hparams.n_ff_shexp;
+
+    for (int il = 0; il < n_layer; ++il) {
+        auto & layer = layers[il];
+
+        layer.attn_norm      = create_tensor(tn(LLM_TENSOR_ATTN_NORM,      "weight", il), { n_embd }, 0);
+        layer.attn_post_norm = create_tensor(tn(LLM_TENSOR_ATTN_POST_NORM, "weight", il), { n_embd }, 0);
+
+        if (!hparams.is_recr(il)) {
+            create_tensor_qkv(layer, il, n_embd, n_embd_head_k * n_head * 2, n_embd_k_gqa, n_embd_v_gqa, 0);
+            layer.wo          = create_tensor(tn(LLM_TENSOR_ATTN_OUT,    "weight", il), { n_embd_head_k * n_head, n_embd }, 0);
+            layer.attn_q_norm = create_tensor(tn(LLM_TENSOR_ATTN_Q_NORM, "weight", il), { n_embd_head_k }, 0);
+            layer.attn_k_norm = create_tensor(tn(LLM_TENSOR_ATTN_K_NORM, "weight", il), { n_embd_head_k }, 0);
+        } else {
+            layer.wqkv            = create_tensor(tn(LLM_TENSOR_ATTN_QKV,         "weight", il), { n_embd, conv_dim }, 0);
+            layer.wqkv_gate       = create_tensor(tn(LLM_TENSOR_ATTN_GATE,        "weight", il), { n_embd, value_dim }, 0);
+            layer.ssm_beta        = create_tensor(tn(LLM_TENSOR_SSM_BETA,         "weight", il), { n_embd, n_v_heads }, 0);
+            layer.ssm_alpha       = create_tensor(tn(LLM_TENSOR_SSM_ALPHA,        "weight", il), { n_embd, n_v_heads }, 0);
+            layer.ssm_mix         = create_tensor(tn(LLM_TENSOR_SSM_MIX,          "weight", il), { n_embd, n_v_heads }, 0);
+            layer.ssm_conv1d      = create_tensor(tn(LLM_TENSOR_SSM_CONV1D,       "weight", il), { hparams.ssm_d_conv, conv_dim }, 0);
+            if (hparams.ssm_d_conv_look > 0) {
+                layer.ssm_conv1d_look = create_tensor(tn(LLM_TENSOR_SSM_CONV1D_LOOK, "weight", il), { hparams.ssm_d_conv_look, conv_dim }, 0);
+            }
+            layer.ssm_dt          = create_tensor(tn(LLM_TENSOR_SSM_DT,           "bias",   il), { n_v_heads }, 0);
+            layer.ssm_a           = create_tensor(tn(LLM_TENSOR_SSM_A_NOSCAN,               il), { n_v_heads }, 0);
+            layer.ssm_block_calib = create_tensor(tn(LLM_TENSOR_SSM_BLOCK_CALIB,              il), { n_v_heads, 2 }, 0);
+            layer.ssm_norm        = create_tensor(tn(LLM_TENSOR_SSM_NORM,         "weight", il), { d_state }, 0);
+            layer.ssm_out         = create_tensor(tn(LLM_TENSOR_SSM_OUT,          "weight", il), { value_dim, n_embd }, 0);
+        }
+
+        layer.ffn_gate_inp  = create_tensor(tn(LLM_TENSOR_FFN_GATE_INP,  "weight", il), { n_embd, n_expert }, 0);
+        layer.ffn_down_exps = create_tensor(tn(LLM_TENSOR_FFN_DOWN_EXPS, "weight", il), { n_ff_exp, n_embd, n_expert }, 0);
+        create_tensor_gate_up_exps(layer, il, n_embd, n_ff_exp, n_expert, 0);
+
+        layer.ffn_gate_inp_shexp = create_tensor(tn(LLM_TENSOR_FFN_GATE_INP_SHEXP, "weight", il), { n_embd }, 0);
+        layer.ffn_gate_shexp     = create_tensor(tn(LLM_TENSOR_FFN_GATE_SHEXP,     "weight", il), { n_embd, n_ff_sh }, 0);
+        layer.ffn_up_shexp       = create_tensor(tn(LLM_TENSOR_FFN_UP_SHEXP,       "weight", il), { n_embd, n_ff_sh }, 0);
+        layer.ffn_down_shexp     = create_tensor(tn(LLM_TENSOR_FFN_DOWN_SHEXP,     "weight", il), { n_ff_sh, n_embd }, 0);
+    }
+}
+
+std::unique_ptr<llm_graph_context> llama_model_clover::build_arch_graph(const llm_graph_params & params) const {
+    return std::make_unique<graph>(*this, params);
+}
+
+llama_model_clover::graph::graph(const llama_model & model, const llm_graph_params & params) :
+    llm_build_delta_net_base(params), model(model) {
+    ggml_tensor * inpL = build_inp_embd(model.tok_embd);
+
+    auto * inp         = build_inp_mem_hybrid();
+    ggml_tensor * pos  = build_inp_pos();
+    ggml_tensor * outs = build_inp_out_ids();
+
+    for (int il = 0; il < n_layer; ++il) {
+        const auto & layer = model.layers[il];
+
+        ggml_tensor * cur = build_norm(inpL, layer.attn_norm, nullptr, LLM_NORM_RMS, il);
+        cb(cur, "attn_norm", il);
+
+        cur = hparams.is_recr(il) ? build_layer_gdn(inp->get_recr(), cur, il)
+                                  : build_layer_attn(inp->get_attn(), cur, pos, il);
+
+        if (il == n_layer - 1 && outs) {
+            cur  = ggml_get_rows(ctx0, cur,  outs);
+            inpL = ggml_get_rows(ctx0, inpL, outs);
+        }
+
+        ggml_tensor * h = ggml_add(ctx0, cur, inpL);
+        cb(h, "attn_residual", il);
+
+        cur = build_norm(h, layer.attn_post_norm, nullptr, LLM_NORM_RMS, il);
+        cb(cur, "attn_post_norm", il);
+
+        cur = ggml_add(ctx0, build_layer_moe(cur, il), h);
+        cur = build_cvec(cur, il);
+        cb(cur, "l_out", il);
+
+        inpL = cur;
+    }
+
+    ggml_tensor * cur = build_norm(inpL, model.output_norm, nullptr, LLM_NORM_RMS, -1);
+    cb(cur, "result_norm", -1);
+    res->t_embd = cur;
+
+    cur = build_lora_mm(model.output, cur);
+    cb(cur, "result_output", -1);
+    res->t_logits = cur;
+
+    ggml_build_forward_expand(gf, cur);
+}
+
+// Gated full attention: bidirectional inside the block, all committed tokens before it.
+ggml_tensor * llama_model_clover::graph::build_layer_attn(
+        llm_graph_input_attn_kv * inp,
+        ggml_tensor *             cur,
+        ggml_tensor *             inp_pos,
+        int                       il) {
+    const auto & layer = model.layers[il];
+    const int64_t n_embd_head = hparams.n_embd_head_k();
+
+    auto [q_full, Kcur, Vcur] = build_qkv(layer, cur,
+            n_embd_head * 2, n_head, n_embd_head, n_head_kv, n_embd_head, n_head_kv, il, false);
+
+    // q_proj rows per head: [dh query rows, dh gate rows]
+    const size_t es = ggml_element_size(q_full);
+    ggml_tensor * Qcur = ggml_view_3d(ctx0, q_full, n_embd_head, n_head, n_tokens,
+            es * n_embd_head * 2, es * n_embd_head * 2 * n_head, 0);
+    ggml_tensor * gate = ggml_view_3d(ctx0, q_full, n_embd_head, n_head, n_tokens,
+            es * n_embd_head * 2, es * n_embd_head * 2 * n_head, es * n_embd_head);
+    gate = ggml_cont_2d(ctx0, gate, n_embd_head * n_head, n_tokens);
+
+    Qcur = build_norm(Qcur, layer.attn_q_norm, nullptr, LLM_NORM_RMS, il);
+    Kcur = ggml_reshape_3d(ctx0, Kcur, n_embd_head, n_head_kv, n_tokens);
+    Kcur = build_norm(Kcur, layer.attn_k_norm, nullptr, LLM_NORM_RMS, il);
+    Vcur = ggml_reshape_3d(ctx0, Vcur, n_embd_head, n_head_kv, n_tokens);
+
+    Qcur = ggml_rope_ext(ctx0, Qcur, inp_pos, nullptr, n_rot, rope_type, n_ctx_orig,
+            freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow);
+    Kcur = ggml_rope_ext(ctx0, Kcur, inp_pos, nullptr, n_rot, rope_type, n_ctx_orig,
+            freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow);
+    cb(Qcur, "Qcur", il);
+    cb(Kcur, "Kcur", il);
+
+    cur = build_attn(inp, nullptr, nullptr, nullptr, Qcur, Kcur, Vcur, nullptr, nullptr, nullptr,
+            1.0f / sqrtf(float(n_embd_head)), il);
+    cur = ggml_mul(ctx0, cur, ggml_sigmoid(ctx0, gate));
+    cb(cur, "attn_gated", il);
+
+    return build_lora_mm(layer.wo, cur);
+}
+
+// Clover GDN mixer: o = lambda * (memory read S^T q) + (1 - lambda) * (block attention),
+// with a bidirectional short convolution; the gated delta rule only updates the memory.
+ggml_tensor * llama_model_clover::graph::build_layer_gdn(
+        llm_graph_input_rs * inp,
+        ggml_tensor *        cur,
+        int                  il) {
+    const auto & layer = model.layers[il];
+    const auto * mctx  = inp->mctx;
+
+    const int64_t d_state   = hparams.ssm_d_state;
+    const int64_t n_k_heads = hparams.ssm_n_group;
+    const int64_t n_v_heads = hparams.ssm_dt_rank;
+    const int64_t n_conv    = hparams.ssm_d_conv;
+    const int64_t n_look    = hparams.ssm_d_conv_look;
+    const int64_t conv_dim  = 2 * d_state * n_k_heads + d_state * n_v_heads;
+    const int64_t n_seqs    = ubatch.n_seqs;
+    const int64_t n_tok     = ubatch.n_seq_tokens;
+    GGML_ASSERT(ubatch.equal_seqs() && ubatch.n_tokens == n_tok * n_seqs);
+
+    // projections
+    ggml_tensor * u = ggml_reshape_3d(ctx0, build_lora_mm(layer.wqkv, cur), conv_dim, n_tok, n_seqs);
+    ggml_tensor * z = build_lora_mm(layer.wqkv_gate, cur);
+
+    ggml_tensor * beta = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_beta, cur));
+    beta = ggml_reshape_4d(ctx0, beta, 1, n_v_heads, n_tok, n_seqs);
+
+    ggml_tensor * decay = ggml_softplus(ctx0, ggml_add(ctx0, build_lora_mm(layer.ssm_alpha, cur), layer.ssm_dt));
+    decay = ggml_mul(ctx0, decay, layer.ssm_a);  // ssm_a = -exp(A_log)
+    decay = ggml_reshape_4d(ctx0, decay, 1, n_v_heads, n_tok, n_seqs);
+
+    ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
+    lambda = ggml_cont(ctx0, ggml_permute(ctx0,
+                ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs), 0, 2, 1, 3));  // [1, n_tok, Hv, n_seqs]
+
+    // causal taps over [committed conv tail ; u] (this also writes the new tail) ...
+    ggml_tensor * conv_in = build_conv_state(inp, mctx->get_r_l(il), u, n_conv, conv_dim, il);
+    ggml_tensor * conv    = ggml_ssm_conv(ctx0, conv_in, layer.ssm_conv1d);  // [C, n_tok, n_seqs]
+    // ... plus lookahead taps on the next tokens of the block, zero past its end
+    if (n_look > 0) {
+        ggml_tensor * u_pad = ggml_pad(ctx0, u, 0, (int) n_look, 0, 0);
+        ggml_tensor * taps  = ggml_cont(ctx0, ggml_transpose(ctx0, layer.ssm_conv1d_look));  // [C, R]
+        for (int64_t j = 0; j < n_look; ++j) {
+            ggml_tensor * ahead = ggml_view_3d(ctx0, u_pad, conv_dim, n_tok, n_seqs,
+                    u_pad->nb[1], u_pad->nb[2], (j + 1) * u_pad->nb[1]);
+            ggml_tensor * tap = ggml_view_1d(ctx0, taps, conv_dim, j * taps->nb[1]);
+            conv = ggml_add(ctx0, conv, ggml_mul(ctx0, ahead, tap));
+        }
+    }
+    conv = ggml_silu(ctx0, conv);
+    cb(conv, "conv_out", il);
+
+    const size_t es  = ggml_element_size(conv);
+    const size_t nb1 = ggml_row_size(conv->type, conv_dim);
+    ggml_tensor * q = ggml_view_4d(ctx0, conv, d_state, n_k_heads, n_tok, n_seqs, es * d_state, nb1, nb1 * n_tok, 0);
+    ggml_tensor * k = ggml_view_4d(ctx0, conv, d_state, n_k_heads, n_tok, n_seqs, es * d_state, nb1, nb1 * n_tok,
+            es * d_state * n_k_heads);
+    ggml_tensor * v = ggml_view_4d(ctx0, conv, d_state, n_v_heads, n_tok, n_seqs, es * d_state, nb1, nb1 * n_tok,
+            es * 2 * d_state * n_k_heads);
+
+    // q / sqrt(sum q^2 + 1e-6); key heads tiled over value heads (the converter re-orders value heads)
+    q = build_gdn_l2_norm(ctx0, q, 1e-6f);
+    k = build_gdn_l2_norm(ctx0, k, 1e-6f);
+    if (n_k_heads != n_v_heads) {
+        q = ggml_repeat_4d(ctx0, q, d_state, n_v_heads, n_tok, n_seqs);
+        k = ggml_repeat_4d(ctx0, k, d_state, n_v_heads, n_tok, n_seqs);
+    }
+
+    // committed state S: [dk, dv, Hv, n_seqs] (ggml's layout: element (i, j) = S[i][j])
+    ggml_tensor * state = build_rs(inp, mctx->get_s_l(il), hparams.n_embd_s(), n_seqs);
+    state = ggml_reshape_4d(ctx0, state, d_state, d_state, n_v_heads, n_seqs);
+
+    // commit: the gated delta rule over the block writes the new state (its outputs are unused)
+    build_recurrent_attn(inp, mctx->get_s_l(il), q, k, v, decay, beta, state, il);
+
+    // per head, tokens in dim 1: [d, n_tok, Hv, n_seqs]
+    ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, q, 0, 2, 1, 3));
+    ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, k, 0, 2, 1, 3));
+    ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, v, 1, 2, 0, 3));  // [n_tok, dv, Hv, n_seqs]
+
+    // memory read: S^T q / sqrt(dk)
+    ggml_tensor * o_mem = ggml_scale(ctx0, ggml_mul_mat(ctx0, state, qh), 1.0f / sqrtf(float(d_state)));
+    cb(o_mem, "o_mem", il);
+
+    // block attention with the calibrated temperature tau = exp(theta + phi * ln(B / B0))
+    const float log_ratio = logf(float(cparams.n_ubatch) / float(hparams.diffusion_block_size));
+    ggml_tensor * theta = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, 0);
+    ggml_tensor * phi   = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, layer.ssm_block_calib->nb[1]);
+    ggml_tensor * tau   = ggml_exp(ctx0, ggml_add(ctx0, theta, ggml_scale(ctx0, phi, log_ratio)));
+    tau = ggml_reshape_4d(ctx0, tau, 1, 1, n_v_heads, 1);
+
+    ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [n_tok (keys), n_tok (queries), Hv, n_seqs]
+    kq = ggml_soft_max(ctx0, kq);
+    ggml_tensor * o_blk = ggml_mul_mat(ctx0, vt, kq);                    // [dv, n_tok, Hv, n_seqs]
+    cb(o_blk, "o_blk", il);
+
+    // o = lambda * o_mem + (1 - lambda) * o_blk
+    ggml_tensor * o = ggml_add(ctx0, o_blk, ggml_mul(ctx0, ggml_sub(ctx0, o_mem, o_blk), lambda));
+    o = ggml_cont(ctx0, ggml_permute(ctx0, o, 0, 2, 1, 3));               // [dv, Hv, n_tok, n_seqs]
+
+    // y = norm_w * rmsnorm(o) * silu(z), then the output projection
+    z = ggml_reshape_4d(ctx0, z, d_state, n_v_heads, n_tok, n_seqs);
+    o = ggml_mul(ctx0, build_norm(o, layer.ssm_norm, nullptr, LLM_NORM_RMS, il), ggml_silu(ctx0, z));
+    o = ggml_reshape_2d(ctx0, o, d_state * n_v_heads, n_tok * n_seqs);
+    cb(o, "gdn_out", il);
+
+    return build_lora_mm(layer.ssm_out, o);
+}
+
+ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int il) {
+    const auto & layer = model.layers[il];
+
+    ggml_tensor * routed = build_moe_ffn(cur,
+            layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+            nullptr, n_expert, n_expert_used, LLM_FFN_SILU, hparams.expert_weights_norm,
+            hparams.expert_weights_scale, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, il,
+            nullptr, layer.ffn_gate_up_exps, layer.ffn_up_exps_s, layer.ffn_gate_exps_s, layer.ffn_down_exps_s);
+    cb(routed, "ffn_moe_out", il);
+
+    ggml_tensor * shared = build_ffn(cur,
+            layer.ffn_up_shexp,   nullptr, layer.ffn_up_shexp_s,
+            layer.ffn_gate_shexp, nullptr, layer.ffn_gate_shexp_s,
+            layer.ffn_down_shexp, nullptr, layer.ffn_down_shexp_s,
+            nullptr, LLM_FFN_SILU, LLM_FFN_PAR, il);
+    shared = ggml_mul(ctx0, shared, ggml_sigmoid(ctx0, build_lora_mm(layer.ffn_gate_inp_shexp, cur)));
+    cb(shared, "ffn_shexp_gated", il);
+
+    return ggml_add(ctx0, routed, shared);
+}
