@@ -168,51 +168,77 @@ class _Inventory:
         return self.virtual[name][1]  # type: ignore[index]
 
 
-def _virtual_from_index(folder: Path) -> dict[str, tuple[tuple[int, ...] | None, str]]:
-    """Dry run on a folder whose shards are absent: the tensor list from the index json.
-
-    Shapes are unknown (the planner takes the ones the config implies); the dtype is
-    guessed from metadata.total_size versus the parameter count later (see _guess_dtype)."""
-    p = folder / INDEX_NAME
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """Shapes and dtypes from a safetensors header alone (the data may be absent)."""
     try:
-        index = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConversionError(f"{p}: not valid JSON: {e}") from None
-    wm = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wm, dict):
-        raise ConversionError(f"{p}: no 'weight_map' object")
-    dtype = str(index.get("metadata", {}).get("dtype", "")).upper() or "?"
-    out: dict[str, tuple[tuple[int, ...] | None, str]] = {}
-    # shard files that do exist contribute exact shapes and dtypes
-    present: dict[str, Any] = {}
-    for fname in set(wm.values()):
-        fp = folder / str(fname)
-        if fp.exists():
-            from .safetensors_io import SafetensorsFile
-
-            present[fname] = SafetensorsFile(fp)
-    for name, fname in wm.items():
-        f = present.get(fname)
-        if f is not None and name in f:
-            out[name] = (tuple(f.shape(name)), f.dtype(name))
-        else:
-            out[name] = (None, dtype)
-    total = index.get("metadata", {}).get("total_size") if isinstance(index.get("metadata"), dict) else None
-    out["__total_size__"] = ((int(total),) if isinstance(total, int) else None, "meta")  # removed by caller
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if n > 100 * 1024 * 1024:
+                return None
+            raw = f.read(n)
+        hdr = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(hdr, dict):
+        return None
+    out = {}
+    for name, info in hdr.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or not isinstance(info.get("dtype"), str):
+            return None
+        out[name] = (tuple(int(d) for d in info["shape"]), info["dtype"])
     return out
 
 
-def _open_inventory(folder: Path, dry_run: bool, hub_meta: dict | None = None) -> _Inventory:
-    if dry_run and (folder / INDEX_NAME).exists():
+def _virtual_inventory(folder: Path) -> dict[str, tuple[tuple[int, ...] | None, str]] | None:
+    """Dry run without the weights: the tensor list from the index json and/or the
+    safetensors headers (files may hold only their header, shards may be missing).
+
+    Tensors in missing shards get shape None (the planner takes the shape the config
+    implies) and dtype "?" (guessed later from metadata.total_size). A key
+    "__total_size__" carries the index total_size. None when nothing usable is found."""
+    p = folder / INDEX_NAME
+    out: dict[str, tuple[tuple[int, ...] | None, str]] = {}
+    if p.exists():
         try:
-            return _Inventory(CheckpointReader(folder), None)
-        except CheckpointError as e:
-            if "is missing" not in str(e):
-                raise
-        return _Inventory(None, _virtual_from_index(folder))
-    if dry_run and hub_meta is not None and not (folder / SINGLE_NAME).exists():
+            index = json.loads(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConversionError(f"{p}: not valid JSON: {e}") from None
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict):
+            raise ConversionError(f"{p}: no 'weight_map' object")
+        meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+        headers: dict[str, dict | None] = {}
+        for fname in set(wm.values()):
+            fp = folder / str(fname)
+            headers[fname] = _read_header(fp) if fp.exists() else None
+        for name, fname in wm.items():
+            h = headers.get(fname)
+            out[name] = h[name] if h is not None and name in h else (None, "?")
+        total = meta.get("total_size")
+        out["__total_size__"] = ((int(total),) if isinstance(total, int) else None, "meta")  # removed by caller
+        return out
+    h = _read_header(folder / SINGLE_NAME)
+    return dict(h) if h is not None else None
+
+
+def _open_inventory(folder: Path, dry_run: bool, hub_meta: dict | None = None) -> _Inventory:
+    if dry_run and hub_meta is not None and not (folder / SINGLE_NAME).exists() and not (folder / INDEX_NAME).exists():
         return _Inventory(None, {k: (tuple(v[0]), v[1]) for k, v in hub_meta.items()})
-    return _Inventory(CheckpointReader(folder), None)
+    try:
+        return _Inventory(CheckpointReader(folder), None)
+    except CheckpointError:
+        if not dry_run:
+            raise
+        # a dry run also works on headers only / an index whose shards are absent
+        virtual = _virtual_inventory(folder)
+        if virtual is None:
+            raise
+        return _Inventory(None, virtual)
 
 
 # ---------------------------------------------------------------------------
@@ -257,7 +283,7 @@ class ConversionPlan:
     shard_paths: list[Path]
     split_max_size: int | None
     dry_run: bool
-    virtual: bool = False         # planned from an index without shards
+    virtual: bool = False         # planned without the weights (index / headers only)
     elapsed_s: float = 0.0
     src_bytes: int = 0            # bytes of source tensor data
 
@@ -284,7 +310,7 @@ class ConversionPlan:
             f"outtype {self.outtype}, {len(self.shard_paths)} file(s): {files}"
         )
         if self.virtual:
-            lines.append("note: shards absent; tensor list from the index, shapes from config.json")
+            lines.append("note: weights absent; planned from the index / safetensors headers and config.json")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -517,14 +543,23 @@ def plan_conversion(
     if inv.virtual is not None and "__total_size__" in inv.virtual:
         ts = inv.virtual.pop("__total_size__")[0]
         total_size = ts[0] if ts else None
-    rows = _plan_tensors(cfg, inv)
+    try:
+        rows = _plan_tensors(cfg, inv)
+    finally:
+        if inv.reader is not None:
+            inv.reader.close()
 
     if inv.is_virtual:
-        # unknown dtypes: guess from the index total_size (2 bytes/param -> BF16)
+        # unknown dtypes (missing shards): those of the headers we have, else a guess
+        # from the index total_size (about 2 bytes per parameter -> BF16, 4 -> F32)
+        known = {r[5] for r in rows if r[5] in SUPPORTED_SRC_DTYPES}
         n_src = sum(math.prod(r[2]) for r in rows)
-        guess = "BF16"
-        if total_size and n_src and total_size / n_src > 3:
+        if known:
+            guess = "BF16" if "BF16" in known else sorted(known)[0]
+        elif total_size and n_src and total_size / n_src > 3:
             guess = "F32"
+        else:
+            guess = "BF16"
         rows = [(r[0], r[1], r[2], r[3], r[4], r[5] if r[5] in SUPPORTED_SRC_DTYPES else guess) for r in rows]
 
     src_dtypes = {r[5] for r in rows}

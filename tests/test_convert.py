@@ -481,6 +481,21 @@ def test_dry_run_35b_a3b_from_index_without_shards(fx, tmp_path):
     assert not (tmp_path / "big.gguf").exists()
 
 
+def test_dry_run_on_headers_only(fx, tmp_path):
+    """safetensors files holding only their header: the dry run plans, a real run refuses."""
+    src = _copy_ckpt(fx, tmp_path, "f32_sharded")
+    for f in src.glob("*.safetensors"):
+        data = f.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        f.write_bytes(data[: 8 + n])
+    _, real_plan = fx.gguf("f32_sharded", "f16")
+    plan = convert(src, tmp_path / "x.gguf", outtype="auto", dry_run=True)
+    assert plan.virtual and plan.outtype == "f16"
+    assert [(t.name, t.shape, t.qtype) for t in plan.tensors] == [(t.name, t.shape, t.qtype) for t in real_plan.tensors]
+    msg = _run_fail(src, tmp_path)
+    assert "truncated" in msg
+
+
 # ---------------------------------------------------------------------------
 # atomic output, interruption, disk space
 
