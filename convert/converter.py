@@ -614,13 +614,16 @@ class _Filler:
         self.touched = 0
         self.read_bytes = 0
 
-    def _release(self, nbytes: int) -> None:
+    def _count(self, nbytes: int) -> bool:
+        """Account for touched source bytes; True when the maps should be dropped."""
         self.touched += nbytes
         self.read_bytes += nbytes
-        if self.touched >= RELEASE_BYTES:
-            # drop the memory maps so touched source pages leave our RSS
-            self.reader.close()
-            self.touched = 0
+        return self.touched >= RELEASE_BYTES
+
+    def _release(self) -> None:
+        # drop the memory maps (no views may be alive) so touched source pages leave our RSS
+        self.reader.close()
+        self.touched = 0
 
     def _slab(self, piece: Piece, shape2: tuple[int, int]) -> np.ndarray:
         a = self.reader.raw(piece.hf)
@@ -644,16 +647,20 @@ class _Filler:
         rows, cols = shape2
         sdt = self.reader.dtype(piece.hf)
         step = max(1, CHUNK_ELEMS // max(cols, 1))
+        src = None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            src = self._slab(piece, shape2)
+            if src is None:
+                src = self._slab(piece, shape2)
             block = src[t.row_perm[r0:r1]] if t.row_perm is not None else src[r0:r1]
             if t.col_perm is not None:
                 block = block[:, t.col_perm]
             dst2[r0:r1] = _convert_block(block, sdt, t.qtype, t.rule.fn)
             nb = block.nbytes
-            del src, block
-            self._release(nb)
+            del block
+            if self._count(nb):
+                src = None
+                self._release()
 
 
 def _convert_block(block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> np.ndarray:
