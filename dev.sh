@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One-command set-up and jobs for clover-cpp.
+#
+#   ./dev.sh demo    set up everything, then convert + generate on the embedded default model
+#   ./dev.sh test    set up everything, then run the whole test suite
+#   ./dev.sh setup   only the set-up (venv, pinned llama.cpp + our patches, native build)
+#   ./dev.sh bench   set up, build the benchmark tools, run the benchmarks
+#
+# Needs only python3 (>= 3.11), gcc/g++, cmake and the package registries. Re-running
+# reuses the venv, the patched tree and the build. Environment knobs:
+#   CLOVER_CMAKE_ARGS  extra CMake arguments, e.g. "-DGGML_CUDA=ON"
+#   CLOVER_JOBS        parallel build jobs (default: number of cores)
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=$ROOT/.venv
+PY=$VENV/bin/python
+BUILD=$ROOT/build
+SDIST=${CLOVER_CACHE:-$HOME/.cache/clover-cpp}/llama_cpp_python-0.3.36.tar.gz
+JOBS=${CLOVER_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+setup_python() {
+    if [ ! -x "$PY" ]; then
+        log "creating virtual environment in .venv"
+        python3 -m venv "$VENV"
+    fi
+    if ! "$PY" -c "import clover_cpp, clover_convert, pytest" 2>/dev/null; then
+        log "installing clover-cpp and its Python dependencies"
+        "$PY" -m pip install -q --upgrade pip
+        "$PY" -m pip install -q -e ".[test]"
+    fi
+}
+
+setup_llama() {
+    log "pinned llama.cpp + native/ patch series"
+    "$PY" native/setup_llama.py
+    if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+        # the Python low-level layer only: it loads OUR libllama (LLAMA_CPP_LIB_PATH)
+        log "installing llama-cpp-python (no native build; it uses ours)"
+        CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip install -q "$SDIST"
+    fi
+}
+
+build_native() {
+    local gen=() launcher=()
+    command -v ninja >/dev/null && gen=(-G Ninja)
+    command -v ccache >/dev/null && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+        log "configuring the native build"
+        # shellcheck disable=SC2086
+        cmake -S . -B "$BUILD" "${gen[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release ${CLOVER_CMAKE_ARGS:-} >/dev/null
+    fi
+    log "building libllama (clover), libclover and clover-cli"
+    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli "$@"
+}
+
+setup() { setup_python; setup_llama; build_native "$@"; }
+
+case "${1:-}" in
+    setup) setup ;;
+    demo)  setup; "$VENV/bin/clover" demo ;;
+    test)  setup; shift; "$PY" -m pytest -q "$@" ;;
+    bench) setup llama-bench llama-diffusion-cli llama-quantize; shift; "$PY" benchmarks/run_all.py "$@" ;;
+    *)     sed -n '2,14p' "$0"; exit 2 ;;
+esac
