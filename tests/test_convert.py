@@ -748,3 +748,26 @@ def test_hub_offline_not_cached(tmp_path):
         "download it first or unset HF_HUB_OFFLINE"
     ]
     assert _leftovers(out_dir) == []
+
+
+def test_hub_id_from_offline_cache(fx, tmp_path):
+    """A repo id resolves through the local Hugging Face cache (HF_HUB_OFFLINE=1)."""
+    home = tmp_path / "hf_home"
+    repo = home / "hub" / "models--test-org--clover-tiny"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    shutil.copytree(fx.ckpt("bf16"), snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(home))
+    out = tmp_path / "m.gguf"
+    p = subprocess.run([sys.executable, "-m", "clover_convert", "test-org/clover-tiny", str(out), "--no-progress",
+                        "--outtype", "bf16"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    whole, _ = fx.gguf("bf16", "bf16")
+    _, a, _ = read_gguf(out)
+    _, b, _ = read_gguf(whole)
+    assert list(a) == list(b)
+    for n in a:
+        np.testing.assert_array_equal(np.asarray(a[n].data), np.asarray(b[n].data))
