@@ -53,7 +53,7 @@ build_native() {
         cmake -S . -B "$BUILD" "${gen[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release ${CLOVER_CMAKE_ARGS:-} >/dev/null
     fi
     log "building libllama (clover), libclover and clover-cli"
-    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli "$@"
+    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops "$@"
 }
 
 setup() { setup_python; setup_llama; build_native "$@"; }
