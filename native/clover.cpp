@@ -126,6 +126,7 @@ struct clover_context {
     int32_t         n_ctx       = 0;
     int32_t         n_threads   = 0;
     int32_t         flash_attn  = -1;
+    int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
 };
 
@@ -344,6 +345,10 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
                                                   LLAMA_FLASH_ATTN_TYPE_ENABLED;
     p.no_perf              = true;
     p.embeddings           = false;
+    if (c->kv_f32) {
+        p.type_k = GGML_TYPE_F32;
+        p.type_v = GGML_TYPE_F32;
+    }
     g_last_log_error.clear();
     c->lctx = llama_init_from_model(c->model->lm, p);
     if (!c->lctx) {
@@ -716,6 +721,7 @@ clover_context_params clover_context_default_params(void) {
     p.n_threads  = 4;
     p.block_size = 0;
     p.flash_attn = -1;
+    p.kv_f32     = 0;
     return p;
 }
 
@@ -761,6 +767,7 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         c->n_ctx       = cp.n_ctx;
         c->n_threads   = default_threads(cp.n_threads);
         c->flash_attn  = cp.flash_attn;
+        c->kv_f32      = cp.kv_f32 != 0;
         std::string msg;
         const int rc = make_lctx(c, B, msg);
         if (rc != CLOVER_OK) {

@@ -126,6 +126,7 @@ typedef struct clover_context_params {
     int32_t n_threads;  /* CPU threads; <= 0 = a default from the hardware; default 4 */
     int32_t block_size; /* B; 0 = the model's training block size (or 32); default 0 */
     int32_t flash_attn; /* -1 auto (default), 0 off, 1 on */
+    int32_t kv_f32;     /* 1 = keep the KV cache in f32 (exact parity runs), 0 = f16 (default) */
 } clover_context_params;
 
 CLOVER_API clover_context_params clover_context_default_params(void);
