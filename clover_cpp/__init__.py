@@ -1,1 +1,36 @@
-"""Clover on llama.cpp: Python side."""
+"""Clover on llama.cpp: Python side.
+
+``Clover`` (the model + decoding context), ``CloverError``, results and ``quantize`` are
+loaded lazily, so ``import clover_cpp`` stays cheap and works without the native library.
+Importing the package sets ``LLAMA_CPP_LIB_PATH`` to our build folder (unless already set),
+so that llama-cpp-python's ``llama_cpp`` module, if imported later, loads our patched libllama.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import _lib  # noqa: F401  - sets LLAMA_CPP_LIB_PATH before anyone imports llama_cpp
+
+__all__ = ["Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
+           "set_verbosity", "render_chat", "quantize", "QUANT_TYPES"]
+
+if TYPE_CHECKING:
+    from .model import (Clover, CloverError, GenerationResult, GenerationStats, GenerationStream,
+                        render_chat, set_verbosity)
+    from .quantize import QUANT_TYPES, quantize
+
+_MODEL = {"Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
+          "set_verbosity", "render_chat"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODEL:
+        from . import model  # noqa: PLC0415
+
+        return getattr(model, name)
+    if name in ("quantize", "QUANT_TYPES"):
+        from . import quantize as q  # noqa: PLC0415
+
+        return getattr(q, name)
+    raise AttributeError(f"module 'clover_cpp' has no attribute {name!r}")

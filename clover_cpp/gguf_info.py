@@ -1,0 +1,186 @@
+"""Reading a Clover GGUF's header with gguf.GGUFReader (no native library needed):
+validation for the command line (:func:`check_clover_gguf`) and ``clover inspect``."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GGUFInfoError", "GGUFInfo", "read_info", "check_clover_gguf"]
+
+ARCH = "clover"
+
+
+class GGUFInfoError(ValueError):
+    """A user-facing problem with a model file (one line)."""
+
+
+@dataclass
+class TensorSummary:
+    name: str
+    shape: tuple[int, ...]
+    type: str
+    n_elements: int
+    n_bytes: int
+
+
+@dataclass
+class GGUFInfo:
+    path: Path
+    file_size: int
+    version: int
+    architecture: str
+    metadata: dict[str, Any]
+    tensors: list[TensorSummary] = field(default_factory=list)
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def type_counts(self) -> Counter[str]:
+        return Counter(t.type for t in self.tensors)
+
+    def hparams(self) -> dict[str, Any]:
+        pre = self.architecture + "."
+        return {k[len(pre):]: v for k, v in self.metadata.items() if k.startswith(pre)}
+
+
+def _value(field: Any) -> Any:
+    from gguf import GGUFValueType  # noqa: PLC0415
+
+    types = list(field.types)
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        n = len(field.data)
+        if len(types) > 1 and types[1] == GGUFValueType.STRING:
+            if n > 16:
+                return f"[{n} strings]"
+            return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+        if n > 16:
+            return f"[{n} values]"
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    v = field.parts[field.data[0]].tolist()
+    return v[0] if isinstance(v, list) and len(v) == 1 else v
+
+
+def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUFInfo:
+    """Header of a GGUF. Raises GGUFInfoError (missing file, not a GGUF, not Clover...)."""
+    p = Path(path)
+    if not p.exists():
+        raise GGUFInfoError(f"{p}: no such file")
+    if p.is_dir():
+        raise GGUFInfoError(f"{p}: is a folder, not a GGUF file")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFInfoError(f"{p}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise GGUFInfoError(f"{p}: not a GGUF file (bad magic)")
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415
+
+        r = GGUFReader(p)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a broken file
+        raise GGUFInfoError(f"{p}: not a valid GGUF file ({type(e).__name__}: {' '.join(str(e).split())})") from None
+    meta: dict[str, Any] = {}
+    for k, f in r.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        try:
+            meta[k] = _value(f)
+        except Exception:  # noqa: BLE001
+            meta[k] = "?"
+    arch = str(meta.get("general.architecture", ""))
+    if require_clover and arch != ARCH:
+        raise GGUFInfoError(f"{p}: not a Clover model (general.architecture = {arch or 'missing'!s}, "
+                            f"expected {ARCH})")
+    tensors = [TensorSummary(t.name, tuple(int(x) for x in reversed(list(t.shape))), t.tensor_type.name,
+                             int(t.n_elements), int(t.n_bytes)) for t in r.tensors]
+    version = r.fields["GGUF.version"].parts[-1].tolist()[0] if "GGUF.version" in r.fields else 0
+    return GGUFInfo(path=p, file_size=p.stat().st_size, version=int(version), architecture=arch,
+                    metadata=meta, tensors=tensors)
+
+
+def check_clover_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
+    return read_info(path, require_clover=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def human_count(n: float) -> str:
+    for unit, d in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= d:
+            return f"{n / d:.2f}{unit}"
+    return str(int(n))
+
+
+def format_info(info: GGUFInfo, all_tensors: bool = False) -> str:
+    md = info.metadata
+    lines = [f"file:          {info.path}",
+             f"size:          {human_bytes(info.file_size)} ({info.file_size} bytes), GGUF v{info.version}",
+             f"architecture:  {info.architecture}"]
+    if md.get("general.name"):
+        lines.append(f"name:          {md['general.name']}")
+    if "general.file_type" in md:
+        lines.append(f"file type:     {md['general.file_type']}")
+    lines.append("hyperparameters:")
+    for k, v in sorted(info.hparams().items()):
+        lines.append(f"  {k:34s} {v}")
+    tc = info.type_counts
+    lines.append(f"tensors:       {len(info.tensors)} ({human_count(info.n_params)} parameters, "
+                 f"{human_bytes(sum(t.n_bytes for t in info.tensors))} of data); types: "
+                 + ", ".join(f"{k} x{v}" for k, v in sorted(tc.items())))
+    shown = info.tensors if all_tensors else _summarise(info.tensors)
+    for t in shown:
+        lines.append(f"  {t.name:44s} {str(list(t.shape)):22s} {t.type}")
+    tok_model = md.get("tokenizer.ggml.model")
+    if tok_model is not None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        n_vocab = tokens if isinstance(tokens, str) else (len(tokens) if isinstance(tokens, list) else "?")
+        if isinstance(n_vocab, str) and n_vocab.startswith("["):
+            n_vocab = n_vocab.strip("[]").split()[0]
+        parts = [f"model {tok_model}", f"pre {md.get('tokenizer.ggml.pre', '-')}", f"vocab {n_vocab}"]
+        for key, label in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("padding_token_id", "pad"),
+                           ("mask_token_id", "mask")):
+            if f"tokenizer.ggml.{key}" in md:
+                parts.append(f"{label} {md[f'tokenizer.ggml.{key}']}")
+        parts.append("chat template: " + ("yes" if md.get("tokenizer.chat_template") else "no"))
+        lines.append("tokenizer:     " + ", ".join(parts))
+    else:
+        lines.append("tokenizer:     none")
+    return "\n".join(lines)
+
+
+def _summarise(tensors: list[TensorSummary]) -> list[TensorSummary]:
+    """Global tensors plus the tensors of the first layer of each distinct layer kind."""
+    import re  # noqa: PLC0415
+
+    out: list[TensorSummary] = []
+    seen_kinds: dict[frozenset[str], int] = {}
+    by_layer: dict[int, list[TensorSummary]] = {}
+    for t in tensors:
+        m = re.match(r"blk\.(\d+)\.", t.name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append(t)
+        else:
+            out.append(t)
+    for i in sorted(by_layer):
+        kind = frozenset(re.sub(r"^blk\.\d+\.", "", t.name) for t in by_layer[i])
+        if kind not in seen_kinds:
+            seen_kinds[kind] = i
+            out.extend(by_layer[i])
+    return out

@@ -1,0 +1,728 @@
+"""Pythonic surface over libclover (:mod:`clover_cpp._native`): :class:`Clover`.
+
+>>> with Clover("model.gguf", n_threads=4) as m:
+...     r = m.generate("The quick brown fox", max_tokens=64, block_size=8)
+...     print(r.text, r.stats.tokens_per_forward)
+...     for piece in m.generate("Once upon a time", stream=True):
+...         print(piece, end="", flush=True)
+
+Decoding follows shared/clover-architecture.md ("Decoding"): the prompt's complete blocks are
+committed, each decode block of B positions starts fully masked (except for the prompt's
+trailing partial block) and is denoised step by step, unmasking every position whose
+confidence reaches ``threshold`` (at least one per step), then committed.
+
+Chat templates: ``jinja2`` is not a dependency. :meth:`Clover.chat` renders ChatML-style
+templates (those using ``<|im_start|>`` / ``<|im_end|>``, and models without a template) with
+a small built-in renderer; any other template is rendered with jinja2 when it happens to be
+installed, and raises :class:`CloverError` otherwise.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import math
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from . import _native as N
+
+__all__ = [
+    "Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
+    "StepCallback", "BlockCallback", "set_verbosity", "render_chat",
+]
+
+Prompt = Union[str, Sequence[int], np.ndarray]
+#: on_step(canvas_tokens, n_masked, block_start) -> True to cancel
+StepCallback = Callable[[list[int], int, int], Any]
+#: on_block(text_piece, tokens) -> True to cancel
+BlockCallback = Callable[[str, list[int]], Any]
+
+_verbosity = 0
+
+
+class CloverError(RuntimeError):
+    """An error reported by libclover (or found while checking arguments for it).
+
+    ``message`` is the one-line native message, ``status`` the libclover status code
+    (``clover_cpp._native.CLOVER_ERR_*``; 0 when the error was found on the Python side)."""
+
+    def __init__(self, message: str, status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
+        self.message = " ".join(str(message).split()) or "unknown error"
+        self.status = int(status)
+        super().__init__(self.message)
+
+
+def _lib() -> ctypes.CDLL:
+    try:
+        return N.lib()
+    except N.CloverLibraryNotFound as e:
+        raise CloverError(str(e), N.CLOVER_ERR_LOAD) from e
+
+
+def _current_verbosity() -> int:
+    return _verbosity
+
+
+def set_verbosity(level: int) -> None:
+    """llama.cpp / ggml logging: 0 = silent (default), 1 = warnings and errors, 2 = everything."""
+    global _verbosity
+    _verbosity = int(level)
+    _lib().clover_set_verbosity(_verbosity)
+
+
+def _check(status: int, err: Any, what: str = "") -> None:
+    if status != N.CLOVER_OK:
+        msg = err.value.decode("utf-8", "replace") if err is not None and err.value else ""
+        if not msg:
+            msg = (_lib().clover_status_str(status) or b"error").decode()
+        raise CloverError(f"{what}: {msg}" if what and not msg.startswith(what) else msg, status)
+
+
+# ----------------------------------------------------------------------------- results
+
+@dataclass
+class GenerationStats:
+    """Numbers of one generation (libclover's clover_stats)."""
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_forward: int = 0          # block passes + commits (prefill included)
+    n_decode_passes: int = 0    # block passes while decoding (= denoising steps)
+    n_steps: int = 0
+    n_commits: int = 0
+    n_blocks: int = 0           # decode blocks started
+    finish_reason: str = ""     # "eos", "stop", "max_tokens", "cancelled" or ""
+    tokens_per_forward: float = 0.0
+    t_prefill_ms: float = 0.0
+    t_decode_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    block_size: int = 0
+
+    @classmethod
+    def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
+        return cls(n_prompt=s.n_prompt, n_generated=s.n_generated, n_forward=s.n_forward,
+                   n_decode_passes=s.n_decode_passes, n_steps=s.n_steps, n_commits=s.n_commits,
+                   n_blocks=s.n_blocks, finish_reason=N.FINISH_REASONS.get(s.finish_reason, ""),
+                   tokens_per_forward=s.tokens_per_forward, t_prefill_ms=s.t_prefill_ms,
+                   t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size)
+
+    def format(self) -> str:
+        """One line for humans."""
+        return (f"block size {self.block_size}: prompt {self.n_prompt} tok, generated {self.n_generated} tok "
+                f"in {self.n_blocks} blocks, {self.n_decode_passes} decode passes "
+                f"({self.tokens_per_forward:.2f} tok/forward), {self.n_forward} forward passes in all; "
+                f"prefill {self.t_prefill_ms:.1f} ms, decode {self.t_decode_ms:.1f} ms "
+                f"({self.tokens_per_second:.1f} tok/s); finish: {self.finish_reason or 'none'}")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+class GenerationStream:
+    """Iterator over the text of each committed block, produced while generation runs in a
+    worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
+    ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation."""
+
+    def __init__(self, run: Callable[[Callable[[str, list[int]], bool], threading.Event], GenerationResult]) -> None:
+        self.result: GenerationResult | None = None
+        self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._cancel = threading.Event()
+        self._done = False
+
+        def on_block(piece: str, toks: list[int]) -> bool:
+            self._q.put(("piece", piece))
+            return self._cancel.is_set()
+
+        def worker() -> None:
+            try:
+                res = run(on_block, self._cancel)
+                self._q.put(("done", res))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                self._q.put(("error", e))
+
+        self._thread = threading.Thread(target=worker, name="clover-generate", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        while not self._done:
+            try:
+                kind, val = self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "piece":
+                if val:
+                    return val
+                continue
+            self._done = True
+            self._thread.join()
+            if kind == "error":
+                raise val
+            self.result = val
+        raise StopIteration
+
+    def close(self) -> None:
+        """Cancel (if still running) and wait for the worker thread."""
+        self._cancel.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if not self._done:
+            self._done = True
+            while True:
+                try:
+                    kind, val = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "done":
+                    self.result = val
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._cancel.set()
+        except Exception:  # noqa: BLE001
+            pass
+
+    @property
+    def text(self) -> str:
+        """Consume what is left and return the whole text."""
+        for _ in self:
+            pass
+        return self.result.text if self.result else ""
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+def _is_chatml(template: str | None) -> bool:
+    return template is None or "<|im_start|>" in template
+
+
+def render_chat(messages: Sequence[Mapping[str, str]], template: str | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """Render chat messages ({"role", "content"} dicts). ChatML-like templates (and no template)
+    use the built-in renderer; others need jinja2 (not a dependency)."""
+    msgs = []
+    for m in messages:
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise CloverError("each chat message must be a mapping with 'role' and 'content'")
+        msgs.append({"role": str(m["role"]), "content": str(m["content"])})
+    if _is_chatml(template):
+        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    try:
+        import jinja2  # type: ignore[import-not-found]  # noqa: PLC0415
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # type: ignore[import-not-found]  # noqa: PLC0415
+    except ImportError:
+        raise CloverError("the model's chat template is not ChatML-like and jinja2 is not installed "
+                          "(pip install jinja2) - or pass a formatted prompt to generate()") from None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return env.from_string(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                                bos_token="", eos_token="")
+    except jinja2.TemplateError as e:
+        raise CloverError(f"chat template: {e}") from e
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise CloverError(f"{name} must be an integer, got {v!r}")
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise CloverError(f"{name} must be {rng}, got {v}")
+    return v
+
+
+def _float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+        raise CloverError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    if math.isnan(v):
+        raise CloverError(f"{name} must not be NaN")
+    return v
+
+
+class Clover:
+    """A Clover GGUF loaded with libclover, plus one decoding context.
+
+    ``n_threads=None`` lets libclover choose from the hardware; ``block_size=None`` uses the
+    model's training block size. ``flash_attn``: None = llama.cpp's automatic choice, False
+    off (use it for exact parity tests), True on. Use as a context manager or call
+    :meth:`close` (idempotent). A Clover object must not be used from two threads at once
+    (calls are serialised by a lock); distinct objects are independent."""
+
+    def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
+                 n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | None = None,
+                 use_mmap: bool | None = None, verbose: bool = False) -> None:
+        self._model: int | None = None
+        self._ctx: int | None = None
+        self._lock = threading.RLock()
+        self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
+        self.model_path = Path(model_path)
+        n_ctx = _int("n_ctx", n_ctx, 1)
+        if n_threads is not None:
+            n_threads = _int("n_threads", n_threads, 1)
+        n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1)
+        if block_size is not None:
+            block_size = _int("block_size", block_size, 1, n_ctx)
+        if not self.model_path.exists():
+            raise CloverError(f"{self.model_path}: no such file", N.CLOVER_ERR_LOAD)
+        if self.model_path.is_dir():
+            raise CloverError(f"{self.model_path}: is a folder, not a GGUF file", N.CLOVER_ERR_LOAD)
+        L = _lib()
+        if verbose:
+            set_verbosity(max(_verbosity, 1))
+        mp = L.clover_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        if use_mmap is not None:
+            mp.use_mmap = 1 if use_mmap else 0
+        err, n = N.err_buffer()
+        m = L.clover_model_load(os.fsencode(self.model_path), ctypes.byref(mp), err, n)
+        if not m:
+            _check(N.CLOVER_ERR_LOAD, err)
+        self._model = m
+        cp = L.clover_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_threads = n_threads if n_threads is not None else 0
+        cp.block_size = block_size or 0
+        cp.flash_attn = -1 if flash_attn is None else (1 if flash_attn else 0)
+        c = L.clover_context_new(m, ctypes.byref(cp), err, n)
+        if not c:
+            L.clover_model_free(m)
+            self._model = None
+            _check(N.CLOVER_ERR_LOAD, err)
+        self._ctx = c
+        self._eot_cache: list[int] | None = None
+
+    # -- lifetime
+    def close(self) -> None:
+        """Free the context and the model. Safe to call more than once."""
+        for s in list(self._streams):
+            s.close()
+        with self._lock:
+            L = N._lib
+            if self._ctx:
+                if L is not None:
+                    L.clover_context_free(self._ctx)
+                self._ctx = None
+            if self._model:
+                if L is not None:
+                    L.clover_model_free(self._model)
+                self._model = None
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def __enter__(self) -> "Clover":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"block_size={self.block_size}, n_ctx={self.n_ctx}"
+        return f"Clover({str(self.model_path)!r}, {state})"
+
+    def _m(self) -> int:
+        if self._model is None or self._ctx is None:
+            raise CloverError("the model is closed")
+        return self._model
+
+    def _c(self) -> int:
+        self._m()
+        assert self._ctx is not None
+        return self._ctx
+
+    # -- properties
+    @property
+    def n_vocab(self) -> int:
+        return int(_lib().clover_n_vocab(self._m()))
+
+    @property
+    def mask_token(self) -> int:
+        return int(_lib().clover_mask_token(self._m()))
+
+    @property
+    def eos_token(self) -> int:
+        return int(_lib().clover_eos_token(self._m()))
+
+    @property
+    def train_block_size(self) -> int:
+        return int(_lib().clover_train_block_size(self._m()))
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(_lib().clover_n_ctx_train(self._m()))
+
+    @property
+    def n_ctx(self) -> int:
+        return int(_lib().clover_n_ctx(self._c()))
+
+    @property
+    def n_committed(self) -> int:
+        return int(_lib().clover_n_committed(self._c()))
+
+    @property
+    def block_size(self) -> int:
+        """The context's block size B. Setting it recreates the llama.cpp context (memory cleared)."""
+        return int(_lib().clover_block_size(self._c()))
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        value = _int("block_size", value, 1)
+        with self._lock:
+            err, n = N.err_buffer()
+            _check(_lib().clover_set_block_size(self._c(), value, err, n), err)
+
+    def set_n_threads(self, n_threads: int) -> None:
+        with self._lock:
+            _check(_lib().clover_set_n_threads(self._c(), _int("n_threads", n_threads)), None)
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None if absent."""
+        L, m = _lib(), self._m()
+        k = key.encode()
+        size = 256
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = L.clover_model_meta(m, k, buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.raw[:n].decode("utf-8", "replace")
+            size = n + 1
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.metadata("tokenizer.chat_template")
+
+    # -- tokenizer
+    def tokenize(self, text: str | bytes, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of text. add_special: BOS/EOS as the model asks; parse_special: recognise
+        special-token text such as ``<|im_start|>``."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        L, m = _lib(), self._m()
+        cap = len(data) + 16
+        for _ in range(2):
+            buf = (ctypes.c_int32 * cap)()
+            n_out = ctypes.c_int32(0)
+            st = L.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special),
+                                   ctypes.byref(n_out))
+            if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+                cap = n_out.value + 1
+                continue
+            _check(st, None, "tokenize")
+            return list(buf[: n_out.value])
+        raise CloverError("tokenize: buffer size negotiation failed", N.CLOVER_ERR_INTERNAL)
+
+    def detokenize_bytes(self, tokens: Sequence[int], special: bool = False) -> bytes:
+        toks = self._tokens(tokens)
+        if not toks:
+            return b""
+        L, m = _lib(), self._m()
+        arr = N.as_int32_array(toks)
+        cap = 8 * len(toks) + 16
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(cap)
+            n_out = ctypes.c_int32(0)
+            st = L.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
+            if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+                cap = n_out.value + 1
+                continue
+            _check(st, None, "detokenize")
+            return buf.raw[: n_out.value]
+        raise CloverError("detokenize: buffer size negotiation failed", N.CLOVER_ERR_INTERNAL)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        """Text of tokens (invalid UTF-8 replaced). special: render special tokens' text."""
+        return self.detokenize_bytes(tokens, special).decode("utf-8", "replace")
+
+    def token_to_piece(self, token: int, special: bool = True) -> bytes:
+        L, m = _lib(), self._m()
+        buf = ctypes.create_string_buffer(64)
+        n_out = ctypes.c_int32(0)
+        st = L.clover_token_to_piece(m, int(token), buf, 64, int(special), ctypes.byref(n_out))
+        if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+            buf = ctypes.create_string_buffer(n_out.value + 1)
+            st = L.clover_token_to_piece(m, int(token), buf, n_out.value + 1, int(special), ctypes.byref(n_out))
+        if st < 0:
+            _check(st, None, "token_to_piece")
+        return buf.raw[:st]
+
+    def _tokens(self, tokens: Any) -> list[int]:
+        if isinstance(tokens, (str, bytes)):
+            raise CloverError("expected a sequence of token ids, got text")
+        try:
+            toks = [int(t) for t in tokens]
+        except (TypeError, ValueError) as e:
+            raise CloverError(f"expected a sequence of token ids: {e}") from None
+        return toks
+
+    def _prompt_tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_special=True, parse_special=True)
+        toks = self._tokens(prompt)
+        nv = self.n_vocab
+        for t in toks:
+            if not 0 <= t < nv:
+                raise CloverError(f"token id {t} out of range [0, {nv})")
+        return toks
+
+    # -- low level passes
+    def reset(self) -> None:
+        """Clear the memory (no committed tokens)."""
+        with self._lock:
+            _check(_lib().clover_reset(self._c()), None, "reset")
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Write the final tokens of the current block (1 <= n <= B) into the memory."""
+        toks = self._tokens(tokens)
+        with self._lock:
+            err, n = N.err_buffer()
+            _check(_lib().clover_commit(self._c(), N.as_int32_array(toks), len(toks), err, n), err)
+
+    def prefill(self, tokens: Sequence[int]) -> list[int]:
+        """Commit every complete block of tokens; returns the trailing tokens left uncommitted."""
+        toks = self._tokens(tokens)
+        with self._lock:
+            err, n = N.err_buffer()
+            rest = ctypes.c_int32(0)
+            _check(_lib().clover_prefill(self._c(), N.as_int32_array(toks), len(toks), ctypes.byref(rest),
+                                         err, n), err)
+            return toks[len(toks) - rest.value:] if rest.value else []
+
+    def block_logits(self, tokens: Sequence[int], commit_before: Sequence[int] | None = None) -> np.ndarray:
+        """Logits [n, n_vocab] (float32) of a block pass of tokens (1 <= n <= B) against the memory,
+        which is left unchanged. With ``commit_before``, the memory is first reset and those
+        tokens (a whole number of blocks) are committed."""
+        toks = self._tokens(tokens)
+        with self._lock:
+            c = self._c()
+            if commit_before is not None:
+                before = self._tokens(commit_before)
+                B = self.block_size
+                if len(before) % B:
+                    raise CloverError(f"commit_before must be a whole number of blocks "
+                                      f"(block size {B}), got {len(before)} tokens")
+                self.reset()
+                if before:
+                    self.prefill(before)
+            nv = self.n_vocab
+            out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
+            err, n = N.err_buffer()
+            st = _lib().clover_block_pass(c, N.as_int32_array(toks), len(toks),
+                                          out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), err, n)
+            _check(st, err)
+            return out[: len(toks)]
+
+    # -- generation
+    def _stop_tokens(self) -> list[int]:
+        """End-of-turn tokens used by chat (besides EOS)."""
+        if self._eot_cache is None:
+            ids: list[int] = []
+            for txt in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+                try:
+                    t = self.tokenize(txt, add_special=False, parse_special=True)
+                except CloverError:
+                    continue
+                if len(t) == 1 and t[0] != self.mask_token:
+                    ids.append(t[0])
+            self._eot_cache = ids
+        return self._eot_cache
+
+    def generate(self, prompt: Prompt, max_tokens: int = 256, block_size: int | None = None,
+                 threshold: float = 0.9, max_steps: int = 0, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, stream: bool = False,
+                 on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
+                 stop_tokens: Sequence[int] = ()) -> Any:
+        """Block-diffusion generation.
+
+        prompt: text (tokenized with add_special and parse_special) or token ids.
+        block_size: B for this call; None = the context's current block size (the model's
+        training block size unless set otherwise). A different B recreates the context.
+        threshold: unmask every masked position whose confidence >= threshold (in [0, 1]).
+        max_steps: per-block step cap (0 = none). temperature 0 = greedy.
+        on_step(canvas_tokens, n_masked, block_start): called after every denoising step with
+        the block's B tokens (masked ones = the mask token); returning True cancels.
+        on_block(text, tokens): called with each committed block's text; True cancels.
+        stop_tokens: extra token ids that end the output like EOS (the output stops before them).
+        A cancelled generation returns what the finished blocks produced (finish_reason
+        "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
+
+        Returns a :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`
+        yielding each committed block's text as soon as it is produced."""
+        kw = self._gen_params(max_tokens, block_size, threshold, max_steps, temperature, top_k, top_p, seed)
+        toks = self._prompt_tokens(prompt)
+        stops = [int(t) for t in stop_tokens]
+        if not stream:
+            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None)
+
+        def run(push: Callable[[str, list[int]], bool], cancel: threading.Event) -> GenerationResult:
+            def both(piece: str, bt: list[int]) -> bool:
+                stop = bool(on_block(piece, bt)) if on_block is not None else False
+                return bool(push(piece, bt)) or stop
+            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, both, cancel)
+
+        s = GenerationStream(run)
+        self._streams.add(s)
+        return s
+
+    def _gen_params(self, max_tokens: Any, block_size: Any, threshold: Any, max_steps: Any, temperature: Any,
+                    top_k: Any, top_p: Any, seed: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(max_tokens=_int("max_tokens", max_tokens, 0),
+                                  max_steps=_int("max_steps", max_steps, 0),
+                                  top_k=_int("top_k", top_k, 0),
+                                  seed=_int("seed", seed, 0, 2**64 - 1))
+        if block_size is not None:
+            kw["block_size"] = _int("block_size", block_size, 1)
+        th = _float("threshold", threshold)
+        if not 0.0 <= th <= 1.0:
+            raise CloverError(f"threshold must be in [0, 1], got {th}")
+        t = _float("temperature", temperature)
+        if t < 0:
+            raise CloverError(f"temperature must be >= 0, got {t}")
+        p = _float("top_p", top_p)
+        if not 0.0 < p <= 1.0:
+            raise CloverError(f"top_p must be in (0, 1], got {p}")
+        kw.update(threshold=th, temperature=t, top_p=p)
+        return kw
+
+    def _run(self, toks: list[int], kw: dict[str, Any], stop_at_eos: bool, stops: list[int],
+             on_step: StepCallback | None, on_block: BlockCallback | None,
+             cancel: threading.Event | None) -> GenerationResult:
+        L = _lib()
+        state: dict[str, Any] = {"exc": None, "stopped": False}
+        dec = codecs.getincrementaldecoder("utf-8")("replace")
+        pieces: list[str] = []
+        got: list[int] = []
+        stopset = set(stops)
+
+        def step_cb(block_start: int, canvas: Any, bsz: int, n_masked: int, _ud: Any) -> int:
+            try:
+                if cancel is not None and cancel.is_set():
+                    return 1
+                if on_step is not None and on_step(list(canvas[:bsz]), int(n_masked), int(block_start)):
+                    return 1
+                return 0
+            except BaseException as e:  # noqa: BLE001 - re-raised after the native call returns
+                state["exc"] = e
+                return 1
+
+        def block_cb(block_start: int, tokens: Any, n_tokens: int, _ud: Any) -> int:
+            try:
+                bt = list(tokens[:n_tokens])
+                stop = False
+                if stopset:
+                    for i, t in enumerate(bt):
+                        if t in stopset:
+                            bt, stop = bt[:i], True
+                            break
+                got.extend(bt)
+                piece = dec.decode(self.detokenize_bytes(bt)) if bt else ""
+                pieces.append(piece)
+                if stop:
+                    state["stopped"] = True
+                    tail = dec.decode(b"", final=True)
+                    if tail:
+                        pieces.append(tail)
+                        piece += tail
+                want_stop = False
+                if on_block is not None:
+                    want_stop = bool(on_block(piece, bt))
+                if cancel is not None and cancel.is_set():
+                    want_stop = True
+                return 1 if (stop or want_stop) else 0
+            except BaseException as e:  # noqa: BLE001
+                state["exc"] = e
+                return 1
+
+        c_step = N.clover_step_callback(step_cb)
+        c_block = N.clover_block_callback(block_cb)
+        with self._lock:
+            c = self._c()
+            gp = L.clover_generate_default_params()
+            gp.block_size = kw.get("block_size", 0)
+            gp.threshold = kw["threshold"]
+            gp.max_steps = kw["max_steps"]
+            gp.temperature = kw["temperature"]
+            gp.top_k = kw["top_k"]
+            gp.top_p = kw["top_p"]
+            gp.seed = kw["seed"]
+            gp.max_tokens = kw["max_tokens"]
+            gp.stop_at_eos = 1 if stop_at_eos else 0
+            gp.step_callback = c_step
+            gp.block_callback = c_block
+            cap = max(kw["max_tokens"], 1)
+            out = (ctypes.c_int32 * cap)()
+            n_out = ctypes.c_int32(0)
+            st = N.clover_stats()
+            err, n = N.err_buffer()
+            arr = N.as_int32_array(toks)
+            rc = L.clover_generate(c, arr, len(toks), ctypes.byref(gp), out, cap, ctypes.byref(n_out),
+                                   ctypes.byref(st), err, n)
+            B = int(L.clover_block_size(c))
+        if state["exc"] is not None:
+            raise state["exc"]
+        if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):
+            _check(rc, err)
+        tokens = list(out[: n_out.value])
+        stats = GenerationStats._from_native(st, B)
+        if state["stopped"]:
+            tokens = got
+            stats.finish_reason = "stop"
+            stats.n_generated = len(tokens)
+            if stats.n_decode_passes:
+                stats.tokens_per_forward = len(tokens) / stats.n_decode_passes
+            if stats.t_decode_ms > 0:
+                stats.tokens_per_second = len(tokens) / (stats.t_decode_ms / 1000.0)
+        tail = dec.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+            if on_block is not None:
+                on_block(tail, [])
+        text = "".join(pieces) if tokens == got else self.detokenize(tokens)
+        return GenerationResult(text=text, tokens=tokens, stats=stats)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
+        """Format messages with the model's chat template (see the module doc) and generate the
+        assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
+        of :meth:`generate` (stream=True works)."""
+        prompt = self.format_chat(messages)
+        stops = list(gen_kwargs.pop("stop_tokens", ())) + self._stop_tokens()
+        return self.generate(prompt, stop_tokens=stops, **gen_kwargs)
+
+    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        return render_chat(messages, self.chat_template, add_generation_prompt)
