@@ -136,10 +136,10 @@ def format_info(info: GGUFInfo, all_tensors: bool = False) -> str:
     if md.get("general.name"):
         lines.append(f"name:          {md['general.name']}")
     if "general.file_type" in md:
-        lines.append(f"file type:     {md['general.file_type']}")
+        lines.append(f"file type:     {_ftype_name(md['general.file_type'])}")
     lines.append("hyperparameters:")
     for k, v in sorted(info.hparams().items()):
-        lines.append(f"  {k:34s} {v}")
+        lines.append(f"  {k:34s} {_fmt(v)}")
     tc = info.type_counts
     lines.append(f"tensors:       {len(info.tensors)} ({human_count(info.n_params)} parameters, "
                  f"{human_bytes(sum(t.n_bytes for t in info.tensors))} of data); types: "
@@ -163,6 +163,21 @@ def format_info(info: GGUFInfo, all_tensors: bool = False) -> str:
     else:
         lines.append("tokenizer:     none")
     return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.7g}"
+    return str(v)
+
+
+def _ftype_name(v: Any) -> str:
+    from .quantize import QUANT_TYPES  # noqa: PLC0415
+
+    names = {n: k for k, n in QUANT_TYPES.items()}
+    if isinstance(v, int) and v in names:
+        return f"{names[v]} ({v})" if v else "F32 (0)"
+    return str(v)
 
 
 def _summarise(tensors: list[TensorSummary]) -> list[TensorSummary]:

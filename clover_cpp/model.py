@@ -273,13 +273,14 @@ class Clover:
 
     ``n_threads=None`` lets libclover choose from the hardware; ``block_size=None`` uses the
     model's training block size. ``flash_attn``: None = llama.cpp's automatic choice, False
-    off (use it for exact parity tests), True on. Use as a context manager or call
+    off, True on. ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
+    exact parity runs against the numpy reference). Use as a context manager or call
     :meth:`close` (idempotent). A Clover object must not be used from two threads at once
     (calls are serialised by a lock); distinct objects are independent."""
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | None = None,
-                 use_mmap: bool | None = None, verbose: bool = False) -> None:
+                 kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False) -> None:
         self._model: int | None = None
         self._ctx: int | None = None
         self._lock = threading.RLock()
@@ -312,6 +313,10 @@ class Clover:
         cp.n_threads = n_threads if n_threads is not None else 0
         cp.block_size = block_size or 0
         cp.flash_attn = -1 if flash_attn is None else (1 if flash_attn else 0)
+        if kv_f32:
+            if not any(f[0] == "kv_f32" for f in N.clover_context_params._fields_):
+                raise CloverError("kv_f32 needs a libclover with clover_context_params.kv_f32")
+            cp.kv_f32 = 1
         c = L.clover_context_new(m, ctypes.byref(cp), err, n)
         if not c:
             L.clover_model_free(m)
@@ -480,7 +485,9 @@ class Clover:
             st = L.clover_token_to_piece(m, int(token), buf, n_out.value + 1, int(special), ctypes.byref(n_out))
         if st < 0:
             _check(st, None, "token_to_piece")
-        return buf.raw[:st]
+        # clover.h documents "returns the number of bytes written"; the implementation returns
+        # CLOVER_OK and reports the count through n_out - accept both
+        return buf.raw[: (st if st > 0 else n_out.value)]
 
     def _tokens(self, tokens: Any) -> list[int]:
         if isinstance(tokens, (str, bytes)):

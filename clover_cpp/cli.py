@@ -1,0 +1,668 @@
+"""The ``clover`` command: convert, quantize, run, chat, inspect, bench, demo.
+
+Flag names follow llama.cpp's tools (-m, -p, -n, -t, -c, --temp, --top-k, --top-p, --seed).
+User errors print one line ``error: ...`` on stderr and exit with status 1 (no traceback;
+set CLOVER_DEBUG=1 to see one for unexpected errors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import unicodedata
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from . import _lib
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+DEFAULT_DEMO_PROMPT = "def fibonacci(n):"
+
+
+class UserError(click.ClickException):
+    """One-line error for the user (exit status 1)."""
+
+
+def _one_line(msg: object) -> str:
+    return " ".join(str(msg).split()) or "unknown error"
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .gguf_info import GGUFInfoError
+    from .model import CloverError
+    from .quantize import QuantizeError
+
+    errs: list[type[BaseException]] = [CloverError, GGUFInfoError, QuantizeError, OSError, ValueError]
+    try:
+        from clover_convert.mapping import ConversionError
+        from clover_convert.safetensors_io import CheckpointError
+
+        errs += [ConversionError, CheckpointError]
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errs)
+
+
+def _fail(msg: object, code: int = 1) -> NoReturn:
+    click.echo(f"error: {_one_line(msg)}", err=True)
+    sys.exit(code)
+
+
+class CloverGroup(click.Group):
+    """A group whose errors (click's usage errors included) are one line and exit 1."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s))
+        except ValueError:  # not the main thread
+            pass
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "clover", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.Abort:
+            _fail("interrupted", 130)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except click.ClickException as e:
+            _fail(e.format_message())
+        except SystemExit:
+            raise
+        except _user_errors() as e:
+            if isinstance(e, OSError) and getattr(e, "filename", None):
+                _fail(f"{e.filename}: {e.strerror or e}")
+            _fail(e)
+        except Exception as e:  # noqa: BLE001
+            if os.environ.get("CLOVER_DEBUG"):
+                raise
+            _fail(f"unexpected {type(e).__name__}: {e} (set CLOVER_DEBUG=1 for a traceback)")
+        code = rv if isinstance(rv, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+@click.group(cls=CloverGroup, context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="clover-cpp", prog_name="clover")
+def cli() -> None:
+    """Clover block-diffusion language models on llama.cpp.
+
+    \b
+    clover demo                       generate with the bundled default model
+    clover convert SRC OUT            Hugging Face checkpoint -> GGUF
+    clover quantize IN OUT Q4_K_M     quantize a GGUF
+    clover run -m MODEL -p PROMPT     block-diffusion generation (live view on a terminal)
+    clover chat -m MODEL              interactive chat
+    clover inspect MODEL              what is in a GGUF
+    clover bench -m MODEL             tokens/s and tokens per forward vs block size
+    """
+
+
+# ----------------------------------------------------------------------------- shared options
+
+def _model_option(f: Any) -> Any:
+    return click.option("-m", "--model", "model", required=True, metavar="FILE", help="Clover GGUF file.")(f)
+
+
+def _runtime_options(f: Any) -> Any:
+    opts = [
+        click.option("-t", "--threads", "threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads (default: from the hardware)."),
+        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=1), default=4096, show_default=True,
+                     help="Context size (prompt + generation) in tokens."),
+        click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0,
+                     show_default=True, help="Layers to offload to the GPU (-1 = all)."),
+        click.option("--verbose", is_flag=True, help="Show llama.cpp's log."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _sampling_options(f: Any, n_default: int = 128) -> Any:
+    opts = [
+        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=n_default,
+                     show_default=True, help="Tokens to generate at most."),
+        click.option("-b", "--block-size", "block_size", type=click.IntRange(min=1), default=None,
+                     help="Block size B (default: the model's training block size; 1 = autoregressive)."),
+        click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+                     help="Unmask every position whose confidence is at least this."),
+        click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Denoising steps per block at most (0 = no cap)."),
+        click.option("--temp", "temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+                     help="Sampling temperature (0 = greedy)."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k (0 = off)."),
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+                     help="Top-p (1 = off)."),
+        click.option("-s", "--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
+                     help="Sampling seed."),
+        click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: int | None,
+                verbose: bool) -> Any:
+    from .gguf_info import check_clover_gguf
+    from .model import Clover, CloverError, set_verbosity
+
+    check_clover_gguf(path)  # friendly messages for missing / not GGUF / wrong architecture
+    if verbose:
+        set_verbosity(2)
+    try:
+        return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers, block_size=block_size)
+    except CloverError as e:
+        raise UserError(e.message) from None
+
+
+def _gen_kwargs(n_predict: int, block_size: int | None, threshold: float, max_steps: int, temperature: float,
+                top_k: int, top_p: float, seed: int, ignore_eos: bool) -> dict[str, Any]:
+    return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos)
+
+
+def _stats_line(stats: Any) -> str:
+    return (f"[clover] B={stats.block_size} prompt={stats.n_prompt} tok, generated={stats.n_generated} tok, "
+            f"blocks={stats.n_blocks}, decode passes={stats.n_decode_passes} "
+            f"({stats.tokens_per_forward:.2f} tok/forward), forward passes={stats.n_forward}, "
+            f"prefill={stats.t_prefill_ms:.1f} ms, decode={stats.t_decode_ms:.1f} ms "
+            f"({stats.tokens_per_second:.1f} tok/s), finish={stats.finish_reason or 'none'}")
+
+
+# ----------------------------------------------------------------------------- live view
+
+def _printable(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch == "\n":
+            out.append("\u21b5")
+        elif ch == "\t":
+            out.append(" ")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn") or unicodedata.east_asian_width(ch) in "WF":
+            out.append("\u00b7" if unicodedata.category(ch)[0] == "C" else "?")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+class LiveView:
+    """Draws the committed text followed by the block being denoised; masked positions are
+    shown as a shaded cell, tokens unmasked in the last step highlighted. The block is redrawn
+    in place (ANSI cursor movement), committed text is written once."""
+
+    MASK = "\u2591"
+
+    def __init__(self, model: Any, out: Any = None, color: bool = True, n_prompt: int = 0) -> None:
+        self.m = model
+        self.n_prompt = n_prompt
+        self.out = out or sys.stdout
+        self.color = color
+        self.col = 0          # cursor column after the committed text
+        self.drawn = 0        # printable width of the block drawn after it
+        self.prev: list[int] = []
+        self.mask = model.mask_token
+        self.width = max(20, shutil.get_terminal_size((80, 24)).columns)
+        self._piece_cache: dict[int, str] = {}
+
+    def _piece(self, t: int) -> str:
+        s = self._piece_cache.get(t)
+        if s is None:
+            try:
+                s = _printable(self.m.token_to_piece(t, special=True).decode("utf-8", "replace"))
+            except Exception:  # noqa: BLE001
+                s = "?"
+            self._piece_cache[t] = s
+        return s
+
+    def _erase(self) -> None:
+        if self.drawn:
+            up = (self.col + self.drawn - 1) // self.width - self.col // self.width
+            seq = (f"\x1b[{up}A" if up > 0 else "") + f"\x1b[{self.col % self.width + 1}G\x1b[J"
+            self.out.write(seq)
+            self.drawn = 0
+
+    def step(self, canvas: list[int], n_masked: int, block_start: int) -> None:
+        self._erase()
+        dim, hi, rst = ("\x1b[2m", "\x1b[1;32m", "\x1b[0m") if self.color else ("", "", "")
+        parts, width = [], 0
+        budget = max(10, self.width * 3)
+        for i, t in enumerate(canvas):
+            if block_start + i < self.n_prompt:
+                continue
+            if t == self.mask:
+                s, style = self.MASK, dim
+            else:
+                s = self._piece(t)
+                style = hi if (i < len(self.prev) and self.prev[i] == self.mask) else ""
+            if width + len(s) > budget:
+                break
+            parts.append(f"{style}{s}{rst}" if style else s)
+            width += len(s)
+        self.prev = list(canvas) if n_masked else []
+        self.out.write("".join(parts))
+        self.out.flush()
+        self.drawn = width
+
+    def block(self, text: str, tokens: list[int]) -> None:
+        self._erase()
+        self.write(text)
+        self.prev = []
+
+    def write(self, text: str, width_of: str | None = None) -> None:
+        self.out.write(text)
+        self.out.flush()
+        for ch in text if width_of is None else width_of:
+            if ch == "\n":
+                self.col = 0
+            else:
+                self.col += 1
+
+    def finish(self) -> None:
+        self._erase()
+        self.out.flush()
+
+
+def _generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any = None, prefix: str = "",
+                          **kw: Any) -> Any:
+    """Run one generation, writing prefix then its text to stdout (live view or plain streaming)."""
+    if visual:
+        # tokenize here so that the view knows which canvas positions hold the prompt
+        if chat_messages is not None:
+            toks = m.tokenize(m.format_chat(chat_messages), add_special=True, parse_special=True)
+            kw = dict(kw, stop_tokens=list(kw.get("stop_tokens", ())) + m._stop_tokens())
+        else:
+            toks = m.tokenize(prompt, add_special=True, parse_special=True)
+        view = LiveView(m, color=True, n_prompt=len(toks))
+        if prefix:
+            view.write(f"\x1b[1m{prefix}\x1b[0m", width_of=prefix)
+        try:
+            r = m.generate(toks, on_step=view.step, on_block=view.block, **kw)
+        finally:
+            view.finish()
+        return r
+    if prefix:
+        sys.stdout.write(prefix)
+    stream = m.chat(chat_messages, stream=True, **kw) if chat_messages is not None else \
+        m.generate(prompt, stream=True, **kw)
+    try:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        stream.close()
+    return stream.result
+
+
+# ----------------------------------------------------------------------------- convert
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("src")
+@click.argument("out")
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "auto"], case_sensitive=False),
+              default="auto", show_default=True, help="Tensor type (norms, routers, conv taps stay f32).")
+@click.option("--split-max-size", default=None, metavar="SIZE",
+              help="Split the output into files of at most SIZE of tensor data (e.g. 50M, 2G).")
+@click.option("--dry-run", is_flag=True, help="Print the plan; read and write no weights.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def convert(src: str, out: str, outtype: str, split_max_size: str | None, dry_run: bool, force: bool,
+            no_progress: bool) -> None:
+    """Convert a Hugging Face Clover checkpoint SRC (folder or org/name) to a GGUF at OUT
+    (a file, or a folder to name it after the model)."""
+    from clover_convert import convert as do_convert
+
+    plan = do_convert(src, out, outtype=outtype.lower(), split_max_size=split_max_size, dry_run=dry_run,
+                      force=force, progress=not no_progress and sys.stderr.isatty())
+    if dry_run:
+        click.echo(plan.format())
+    else:
+        click.echo(plan.summary(), err=True)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("inp", metavar="IN")
+@click.argument("out")
+@click.argument("qtype", metavar="TYPE")
+@click.option("-t", "--threads", type=click.IntRange(min=0), default=0, help="Threads (0 = all cores).")
+@click.option("--force", is_flag=True, help="Overwrite an existing OUT.")
+@click.option("--allow-requantize", is_flag=True, help="Allow requantizing already quantized tensors.")
+@click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight unquantized.")
+@click.option("--pure", is_flag=True, help="Use TYPE for all tensors (no mixtures).")
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's log.")
+def quantize(inp: str, out: str, qtype: str, threads: int, force: bool, allow_requantize: bool,
+             leave_output_tensor: bool, pure: bool, verbose: bool) -> None:
+    """Quantize the Clover GGUF IN to TYPE (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, F16, BF16, ...) at OUT.
+
+    Runs llama.cpp's llama_model_quantize; writes a temporary file and renames it."""
+    from .gguf_info import human_bytes
+    from .quantize import parse_quant_type
+    from .quantize import quantize as do_quantize
+
+    name, _ = parse_quant_type(qtype)
+    if verbose:
+        from .model import set_verbosity
+
+        set_verbosity(2)
+    t0 = time.monotonic()
+    dst = do_quantize(inp, out, name, n_threads=threads, force=force, allow_requantize=allow_requantize,
+                      leave_output_tensor=leave_output_tensor, pure=pure)
+    click.echo(f"quantized {inp} ({human_bytes(Path(inp).stat().st_size)}) -> {dst} "
+               f"({human_bytes(dst.stat().st_size)}, {name}) in {time.monotonic() - t0:.1f} s", err=True)
+
+
+# ----------------------------------------------------------------------------- run
+
+def _read_prompt(prompt: str | None, file: str | None) -> str:
+    if prompt is not None and file is not None:
+        raise UserError("give either -p/--prompt or -f/--file, not both")
+    if file is not None:
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"{file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{file}: not UTF-8 text") from None
+    if prompt is None:
+        raise UserError("missing prompt: give -p/--prompt TEXT or -f/--file FILE")
+    if prompt == "-":
+        return sys.stdin.read()
+    return prompt
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@_model_option
+@click.option("-p", "--prompt", default=None, help="Prompt text ('-' = read stdin).")
+@click.option("-f", "--file", default=None, metavar="FILE", help="Read the prompt from FILE.")
+@_sampling_options
+@_runtime_options
+@click.option("--visual/--no-visual", default=None,
+              help="Live view of the block being denoised (default: when stdout is a terminal).")
+@click.option("--echo/--no-echo", default=False, help="Print the prompt before the output.")
+@click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
+def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: int | None,
+        threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int,
+        ignore_eos: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool,
+        visual: bool | None, echo: bool, stats: bool) -> None:
+    """Generate text from a prompt with block-diffusion decoding."""
+    text = _read_prompt(prompt, file)
+    kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos)
+    if visual is None:
+        visual = sys.stdout.isatty()
+    with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose) as m:
+        r = _generate_to_terminal(m, text, visual, prefix=text if echo else "", **kw)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats:
+            click.echo(_stats_line(r.stats), err=True)
+
+
+# ----------------------------------------------------------------------------- chat
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@_model_option
+@click.option("--system", default=None, help="System message.")
+@_sampling_options
+@_runtime_options
+@click.option("--visual/--no-visual", default=None,
+              help="Live view of the block being denoised (default: when stdout is a terminal).")
+@click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
+def chat(model: str, system: str | None, n_predict: int, block_size: int | None, threshold: float,
+         max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
+         threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool, visual: bool | None,
+         stats: bool) -> None:
+    """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
+    /reset to forget the conversation."""
+    kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos)
+    interactive = sys.stdin.isatty()
+    if visual is None:
+        visual = sys.stdout.isatty()
+    base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose) as m:
+        m.format_chat([{"role": "user", "content": "x"}])  # template problems show up now, not later
+        history: list[dict[str, str]] = []
+        if interactive:
+            click.echo("clover chat - /exit to quit, /reset to start over", err=True)
+        while True:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if line.strip() == "/reset":
+                history = []
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            msgs = _fit_history(m, base, history, kw["max_tokens"])
+            r = _generate_to_terminal(m, None, visual, chat_messages=msgs, **kw)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            history.append({"role": "assistant", "content": r.text})
+            if stats:
+                click.echo(_stats_line(r.stats), err=True)
+
+
+def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str]],
+                 max_tokens: int) -> list[dict[str, str]]:
+    """Drop the oldest turns until the prompt plus the budget fits the context."""
+    B = m.block_size
+    while True:
+        msgs = base + history
+        n = len(m.tokenize(m.format_chat(msgs), add_special=True, parse_special=True))
+        need = -(-(n + max_tokens) // B) * B
+        if need <= m.n_ctx or len(history) <= 1:
+            if need > m.n_ctx:
+                raise UserError(f"the message ({n} tokens) and -n {max_tokens} do not fit the context "
+                                f"({m.n_ctx}); raise -c or lower -n")
+            return msgs
+        del history[:2]
+
+
+# ----------------------------------------------------------------------------- inspect
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("model")
+@click.option("--tensors", "all_tensors", is_flag=True, help="List every tensor (default: one layer of each kind).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
+    """Architecture, hyperparameters, tensors, size and tokenizer of a Clover GGUF."""
+    from .gguf_info import format_info, read_info
+
+    info = read_info(model, require_clover=True)
+    if as_json:
+        md = {k: v for k, v in info.metadata.items()}
+        click.echo(json.dumps({
+            "path": str(info.path), "file_size": info.file_size, "gguf_version": info.version,
+            "architecture": info.architecture, "hyperparameters": info.hparams(),
+            "n_tensors": len(info.tensors), "n_params": info.n_params, "types": dict(info.type_counts),
+            "tensors": [{"name": t.name, "shape": list(t.shape), "type": t.type} for t in info.tensors],
+            "metadata": md}, indent=2, default=str))
+        return
+    click.echo(format_info(info, all_tensors=all_tensors))
+
+
+# ----------------------------------------------------------------------------- bench
+
+def _parse_block_sizes(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UserError(f"--block-sizes: expected a comma-separated list of integers, got {s!r}") from None
+    if not out or any(b < 1 for b in out):
+        raise UserError(f"--block-sizes: block sizes must be >= 1, got {s!r}")
+    return out
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@_model_option
+@click.option("-p", "--prompt", default="The quick brown fox jumps over the lazy dog.", show_default=True,
+              help="Prompt text.")
+@click.option("--block-sizes", default="1,4,8,16,32", show_default=True, help="Block sizes to compare.")
+@click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens to generate per run.")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+              help="Confidence threshold.")
+@click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Step cap per block.")
+@click.option("-r", "--repetitions", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per block size (the best is kept).")
+@_runtime_options
+def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: float, max_steps: int,
+          repetitions: int, threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool) -> None:
+    """Tokens/s and tokens per forward pass for each block size, against B = 1 (autoregressive).
+
+    EOS is ignored so that every run generates -n tokens."""
+    sizes = _parse_block_sizes(block_sizes)
+    if 1 not in sizes:
+        sizes = [1] + sizes
+    rows = []
+    with _open_model(model, threads, ctx_size, n_gpu_layers, None, verbose) as m:
+        m.generate(prompt, max_tokens=min(n_predict, 8), block_size=sizes[0], stop_at_eos=False)  # warm up
+        for B in sizes:
+            best = None
+            for _ in range(repetitions):
+                r = m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
+                               max_steps=max_steps, stop_at_eos=False)
+                if best is None or r.stats.tokens_per_second > best.stats.tokens_per_second:
+                    best = r
+            assert best is not None
+            rows.append((B, best.stats))
+    base = next(s for B, s in rows if B == 1)
+    hdr = f"{'B':>4} {'tokens':>7} {'passes':>7} {'tok/fwd':>8} {'tok/s':>10} {'decode ms':>10} " \
+          f"{'x tok/fwd':>10} {'x tok/s':>8}"
+    click.echo(f"model {model}, prompt {base.n_prompt} tok, -n {n_predict}, threshold {threshold}"
+               + (f", max steps {max_steps}" if max_steps else ""))
+    click.echo(hdr)
+    click.echo("-" * len(hdr))
+    for B, s in rows:
+        r_tpf = s.tokens_per_forward / base.tokens_per_forward if base.tokens_per_forward else 0.0
+        r_tps = s.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
+        click.echo(f"{B:>4} {s.n_generated:>7} {s.n_decode_passes:>7} {s.tokens_per_forward:>8.2f} "
+                   f"{s.tokens_per_second:>10.1f} {s.t_decode_ms:>10.1f} {r_tpf:>9.2f}x {r_tps:>7.2f}x")
+
+
+# ----------------------------------------------------------------------------- demo
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("CLOVER_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "clover-cpp" / "demo"
+
+
+def bundled_model_dir() -> Path | None:
+    """The trained default checkpoint shipped in the repository (models/clover-default/), if any."""
+    env = os.environ.get("CLOVER_DEMO_MODEL")
+    cands = [Path(env)] if env else []
+    cands += [_lib.repo_root() / "models" / "clover-default", Path(__file__).resolve().parent / "models" / "clover-default"]
+    for d in cands:
+        if d.is_file() and d.suffix == ".gguf":
+            return d
+        if (d / "config.json").is_file():
+            return d
+    return None
+
+
+def _folder_fingerprint(d: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(d.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def demo_model(cache_dir: Path, log: Any = None) -> tuple[Path, str]:
+    """The demo GGUF (built and cached on first use) and a description of its source.
+
+    Sources, in order: ``CLOVER_DEMO_MODEL`` (a checkpoint folder or a .gguf), the checkpoint
+    folder ``models/clover-default/`` of the repository, the synthetic ``tiny`` preset
+    (random weights: the text is gibberish, the decoding mechanics are real)."""
+    from clover_convert import convert as do_convert
+
+    say = log or (lambda s: click.echo(s, err=True))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    src = bundled_model_dir()
+    if src is not None and src.suffix == ".gguf":
+        return src, f"{src}"
+    if src is not None:
+        out = cache_dir / f"clover-default-{_folder_fingerprint(src)}-f16.gguf"
+        desc = f"{src} (converted to f16)"
+        if not out.is_file():
+            say(f"converting {src} -> {out} ...")
+            do_convert(str(src), str(out), outtype="f16", force=True, progress=sys.stderr.isatty())
+        return out, desc
+    from .checkpoints import write_checkpoint
+
+    out = cache_dir / "clover-tiny-f16.gguf"
+    desc = "synthetic 'tiny' preset (random weights: expect gibberish; the decoding is real)"
+    if not out.is_file():
+        ck = cache_dir / "tiny-checkpoint"
+        say(f"writing the tiny preset checkpoint to {ck} and converting it to {out} ...")
+        write_checkpoint(ck, preset="tiny", dtype="f32")
+        do_convert(str(ck), str(out), outtype="f16", force=True, progress=False)
+    return out, desc
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@click.option("-p", "--prompt", default=DEFAULT_DEMO_PROMPT, show_default=True, help="Prompt text.")
+@click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Tokens to generate.")
+@click.option("-b", "--block-size", "block_size", type=click.IntRange(min=1), default=None,
+              help="Block size (default: the model's training block size).")
+@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+              help="Confidence threshold.")
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the demo model is built (default: ~/.cache/clover-cpp/demo, or $CLOVER_CACHE_DIR).")
+@click.option("--visual/--no-visual", default=None, help="Live view (default: when stdout is a terminal).")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Also run B = 1 (autoregressive) and show the speed-up.")
+def demo(prompt: str, n_predict: int, block_size: int | None, threshold: float, threads: int | None,
+         cache_dir: str | None, visual: bool | None, compare: bool) -> None:
+    """Block-diffusion generation with the bundled default model (built on first use)."""
+    path, desc = demo_model(Path(cache_dir) if cache_dir else default_cache_dir())
+    click.echo(f"model: {desc}\n       {path}", err=True)
+    if visual is None:
+        visual = sys.stdout.isatty()
+    with _open_model(str(path), threads, 4096, 0, block_size, False) as m:
+        B = block_size or m.block_size
+        click.echo(f"prompt: {prompt!r}; block size {B}, threshold {threshold}", err=True)
+        kw = dict(max_tokens=n_predict, block_size=B, threshold=threshold)
+        r = _generate_to_terminal(m, prompt, visual, prefix=prompt, **kw)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        click.echo(_stats_line(r.stats), err=True)
+        if compare and B != 1:
+            ar = m.generate(prompt, max_tokens=n_predict, block_size=1, threshold=threshold)
+            click.echo(_stats_line(ar.stats), err=True)
+            ratio_f = r.stats.tokens_per_forward / ar.stats.tokens_per_forward if ar.stats.tokens_per_forward else 0
+            ratio_s = r.stats.tokens_per_second / ar.stats.tokens_per_second if ar.stats.tokens_per_second else 0
+            click.echo(f"[clover] block diffusion (B={B}) vs autoregressive (B=1): "
+                       f"{ratio_f:.2f}x tokens per forward, {ratio_s:.2f}x tokens/s", err=True)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """Entry point of the ``clover`` command."""
+    return cli.main(args=list(argv) if argv is not None else None, prog_name="clover")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
