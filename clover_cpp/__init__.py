@@ -18,7 +18,7 @@ __all__ = ["Clover", "CloverError", "GenerationResult", "GenerationStats", "Gene
 if TYPE_CHECKING:
     from .model import (Clover, CloverError, GenerationResult, GenerationStats, GenerationStream,
                         render_chat, set_verbosity)
-    from .quantize import QUANT_TYPES, quantize
+    from .quant import QUANT_TYPES, quantize
 
 _MODEL = {"Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
           "set_verbosity", "render_chat"}
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(model, name)
     if name in ("quantize", "QUANT_TYPES"):
-        from . import quantize as q  # noqa: PLC0415
+        from . import quant as q  # noqa: PLC0415
 
         return getattr(q, name)
     raise AttributeError(f"module 'clover_cpp' has no attribute {name!r}")

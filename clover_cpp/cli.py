@@ -38,7 +38,7 @@ def _one_line(msg: object) -> str:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .gguf_info import GGUFInfoError
     from .model import CloverError
-    from .quantize import QuantizeError
+    from .quant import QuantizeError
 
     errs: list[type[BaseException]] = [CloverError, GGUFInfoError, QuantizeError, OSError, ValueError]
     try:
@@ -347,8 +347,8 @@ def quantize(inp: str, out: str, qtype: str, threads: int, force: bool, allow_re
 
     Runs llama.cpp's llama_model_quantize; writes a temporary file and renames it."""
     from .gguf_info import human_bytes
-    from .quantize import parse_quant_type
-    from .quantize import quantize as do_quantize
+    from .quant import parse_quant_type
+    from .quant import quantize as do_quantize
 
     name, _ = parse_quant_type(qtype)
     if verbose:

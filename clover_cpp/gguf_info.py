@@ -172,7 +172,7 @@ def _fmt(v: Any) -> str:
 
 
 def _ftype_name(v: Any) -> str:
-    from .quantize import QUANT_TYPES  # noqa: PLC0415
+    from .quant import QUANT_TYPES  # noqa: PLC0415
 
     names = {n: k for k, n in QUANT_TYPES.items()}
     if isinstance(v, int) and v in names:

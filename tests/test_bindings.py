@@ -1,0 +1,360 @@
+"""The Python bindings (clover_cpp.Clover) on the tiny preset: generation, streaming, chat,
+tokenizer, block logits and greedy decoding against the numpy reference, errors, lifetime."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clover_cpp import _native
+from clover_cpp.checkpoints import write_checkpoint
+
+try:
+    _LIB = _native.find_library()
+    _SKIP = None
+except _native.CloverLibraryNotFound as e:  # pragma: no cover - depends on the build
+    _LIB, _SKIP = None, f"libclover is not built ({e})"
+
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+PROMPTS = ["hello world", "def fibonacci(n):", "The quick brown fox jumps over the lazy dog."]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(checkpoint folder, f32 GGUF) of the tiny preset, built once."""
+    from clover_convert import convert
+
+    d = tmp_path_factory.mktemp("bindings")
+    ck = d / "ck"
+    write_checkpoint(ck, preset="tiny", dtype="f32")
+    gguf_path = d / "tiny-f32.gguf"
+    convert(str(ck), str(gguf_path), outtype="f32", force=True, progress=False)
+    return ck, gguf_path
+
+
+@pytest.fixture(scope="session")
+def ref(tiny):
+    from clover_cpp.reference import CloverReference
+
+    return CloverReference.from_pretrained(tiny[0])
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    from clover_cpp import Clover
+
+    with Clover(tiny[1], n_ctx=1024, n_threads=1, flash_attn=False, kv_f32=True) as m:
+        yield m
+
+
+def test_properties(model) -> None:
+    assert model.n_vocab == 576
+    assert model.train_block_size == 8 and model.block_size == 8
+    assert model.mask_token == 559 and model.eos_token == 556
+    assert model.n_ctx == 1024
+    assert "<|im_start|>" in (model.chat_template or "")
+    assert model.metadata("general.architecture") == "clover"
+    assert model.metadata("no.such.key") is None
+    assert "block_size=8" in repr(model)
+
+
+def test_generate_result(model) -> None:
+    r = model.generate("hello world", max_tokens=20)
+    assert len(r.tokens) == 20 and r.stats.n_generated == 20
+    assert r.text == model.detokenize(r.tokens)
+    s = r.stats
+    assert s.finish_reason == "max_tokens" and r.finish_reason == "max_tokens"
+    assert s.block_size == 8 and s.n_decode_passes > 0 and s.n_forward >= s.n_decode_passes
+    assert s.tokens_per_forward == pytest.approx(20 / s.n_decode_passes)
+    assert s.t_decode_ms > 0 and s.tokens_per_second > 0
+    assert "tok/forward" in s.format()
+    # token ids as the prompt give the same output
+    r2 = model.generate(model.tokenize("hello world", add_special=True), max_tokens=20)
+    assert r2.tokens == r.tokens
+    assert model.generate("hello", max_tokens=0).tokens == []
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("B", [1, 4, 8])
+def test_stream_equals_generate(model, prompt: str, B: int) -> None:
+    r = model.generate(prompt, max_tokens=24, block_size=B)
+    stream = model.generate(prompt, max_tokens=24, block_size=B, stream=True)
+    pieces = list(stream)
+    assert "".join(pieces) == r.text
+    assert stream.result is not None and stream.result.tokens == r.tokens
+    assert stream.result.text == r.text
+    assert len(pieces) >= 1
+
+
+def test_stream_really_streams(model) -> None:
+    """The first piece arrives while the generation is still running."""
+    gate = threading.Event()
+    seen_first = []
+
+    def on_step(canvas, n_masked, block_start):
+        if block_start >= 16:  # third block: wait until the consumer saw a piece
+            gate.wait(timeout=10)
+        return False
+
+    stream = model.generate("hello world", max_tokens=40, block_size=8, stream=True, on_step=on_step)
+    it = iter(stream)
+    first = next(it)
+    seen_first.append(first)
+    assert stream.result is None  # still running
+    gate.set()
+    rest = list(it)
+    assert "".join(seen_first + rest) == stream.result.text
+
+
+def test_stream_close_cancels(model) -> None:
+    stream = model.generate("hello world", max_tokens=200, block_size=4, stream=True)
+    next(iter(stream))
+    stream.close()
+    assert stream.result is None or stream.result.finish_reason in ("cancelled", "max_tokens")
+    # the model is usable afterwards
+    assert len(model.generate("x", max_tokens=4).tokens) == 4
+
+
+def test_on_step_sees_canvas_and_cancels(model) -> None:
+    calls = []
+
+    def on_step(canvas, n_masked, block_start):
+        calls.append((list(canvas), n_masked, block_start))
+
+    r = model.generate("hello world", max_tokens=16, block_size=8, on_step=on_step)
+    assert calls and all(len(c) == 8 for c, _, _ in calls)
+    assert all(c.count(model.mask_token) == n for c, n, _ in calls)
+    assert {b for _, _, b in calls} == {0, 8, 16}
+    assert calls[-1][1] == 0
+    # the canvases of finished blocks hold the output
+    done = [c for c, n, _ in calls if n == 0]
+    assert (done[0][7:] + done[1] + done[2])[:16] == r.tokens
+
+    r2 = model.generate("hello world", max_tokens=64, block_size=8,
+                        on_step=lambda c, n, b: b >= 16)
+    assert r2.finish_reason == "cancelled"
+    assert r2.tokens == r.tokens[:9]  # blocks 0 (1 token) and 8 finished; 16 was interrupted
+
+
+def test_callback_exception_is_reraised(model) -> None:
+    def boom(canvas, n_masked, block_start):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        model.generate("hello", max_tokens=8, on_step=boom)
+    with pytest.raises(KeyError):
+        list(model.generate("hello", max_tokens=8, on_step=boom, stream=True))
+    with pytest.raises(ZeroDivisionError):
+        model.generate("hello", max_tokens=8, on_block=lambda text, toks: 1 / 0)
+    assert len(model.generate("hello", max_tokens=8).tokens) == 8
+
+
+def test_seeded_sampling_is_deterministic(model) -> None:
+    kw = dict(max_tokens=24, temperature=0.8, top_k=40, top_p=0.9)
+    a = model.generate("hello", seed=1, **kw)
+    b = model.generate("hello", seed=1, **kw)
+    c = model.generate("hello", seed=2, **kw)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_max_steps_caps_the_steps(model) -> None:
+    r = model.generate("hello world", max_tokens=24, block_size=8, threshold=1.0, max_steps=2)
+    assert r.stats.n_decode_passes <= 2 * r.stats.n_blocks
+
+
+def test_chat(model) -> None:
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    prompt = model.format_chat(msgs)
+    assert prompt == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                      "<|im_start|>assistant\n")
+    r = model.chat(msgs, max_tokens=16)
+    im_end = model.tokenize("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] not in r.tokens
+    full = model.generate(prompt, max_tokens=16)
+    # the chat reply is the plain generation cut at the end-of-turn token
+    cut = full.tokens[: full.tokens.index(im_end[0])] if im_end[0] in full.tokens else full.tokens
+    assert r.tokens == cut
+    streamed = "".join(model.chat(msgs, max_tokens=16, stream=True))
+    assert streamed == r.text
+
+
+def test_render_chat_without_jinja() -> None:
+    from clover_cpp import CloverError, render_chat
+
+    assert render_chat([{"role": "user", "content": "a"}], None, add_generation_prompt=False) == \
+        "<|im_start|>user\na<|im_end|>\n"
+    with pytest.raises(CloverError):
+        render_chat([{"content": "no role"}])
+    try:
+        import jinja2  # noqa: F401
+    except ImportError:
+        with pytest.raises(CloverError, match="jinja2"):
+            render_chat([{"role": "user", "content": "a"}], "{{ messages[0].content }}[INST]")
+
+
+@pytest.mark.parametrize("text", ["hello world", "def fibonacci(n):\n    return n", "  spaces  and\ttabs",
+                                  "ünïcödé ✓", "<|im_start|>user\nhi<|im_end|>"])
+def test_tokenize_round_trip(model, text: str) -> None:
+    toks = model.tokenize(text)
+    assert toks and all(0 <= t < model.n_vocab for t in toks)
+    assert model.detokenize(toks, special=True) == text
+
+
+def test_tokenize_special(model) -> None:
+    assert model.tokenize("<|im_start|>", parse_special=True) == [557]
+    assert len(model.tokenize("<|im_start|>", parse_special=False)) > 1
+    assert model.detokenize([557]) == "" and model.detokenize([557], special=True) == "<|im_start|>"
+    assert model.tokenize("") == []
+    assert model.detokenize([]) == ""
+
+
+def test_block_logits_match_reference(model, ref) -> None:
+    B = 8
+    before = model.tokenize("The quick brown fox jumps over the lazy dog, twice.")[:16]
+    assert len(before) == 16
+    for toks in ([5, 6, 7, 559, 559], [559] * 8, [100]):
+        got = model.block_logits(toks, commit_before=before)
+        mem = ref.new_memory()
+        ref.prefill(mem, before, B)
+        want = ref.block_pass(mem, toks, B)
+        assert got.shape == (len(toks), model.n_vocab) and got.dtype == np.float32
+        # f32 weights, f32 KV cache, no flash attention: float rounding only
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    # against an empty memory
+    model.reset()
+    assert model.n_committed == 0
+    got = model.block_logits([1, 2, 3])
+    want = ref.block_pass(ref.new_memory(), [1, 2, 3], B)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_commit_and_prefill(model, ref) -> None:
+    model.reset()
+    rest = model.prefill(list(range(20)))
+    assert rest == [16, 17, 18, 19] and model.n_committed == 16
+    model.commit(list(range(20, 28)))
+    assert model.n_committed == 24
+    got = model.block_logits([1, 2])
+    mem = ref.new_memory()
+    ref.prefill(mem, list(range(16)) + list(range(20, 28)), 8)
+    want = ref.block_pass(mem, [1, 2], 8)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    model.reset()
+
+
+def test_block_logits_default_kv_cache(tiny, ref) -> None:
+    """The default (f16 KV cache, automatic flash attention) stays close to the reference."""
+    from clover_cpp import Clover
+
+    with Clover(tiny[1], n_ctx=256, n_threads=1) as m:
+        before = list(range(30, 46))
+        got = m.block_logits([3, 559, 559, 4], commit_before=before)
+        mem = ref.new_memory()
+        ref.prefill(mem, before, 8)
+        want = ref.block_pass(mem, [3, 559, 559, 4], 8)
+        assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.9, 1.0])
+@pytest.mark.parametrize("B", [1, 4, 8])
+def test_greedy_equals_reference(model, ref, B: int, threshold: float) -> None:
+    from clover_cpp.reference import generate
+
+    for prompt in PROMPTS:
+        toks = model.tokenize(prompt, add_special=True)
+        want = generate(ref, toks, max_tokens=16, block_size=B, threshold=threshold)
+        got = model.generate(toks, max_tokens=16, block_size=B, threshold=threshold)
+        assert got.tokens == want.tokens, (prompt, B, threshold)
+        assert got.stats.n_decode_passes == want.n_steps
+        assert got.stats.n_forward == want.n_forward
+    model.block_size = 8
+
+
+def test_errors(model, tiny, tmp_path: Path) -> None:
+    from clover_cpp import Clover, CloverError
+
+    bad = [dict(threshold=2.0), dict(threshold=-0.1), dict(block_size=0), dict(temperature=-1),
+           dict(top_p=0.0), dict(top_k=-1), dict(max_steps=-1), dict(max_tokens=-1), dict(max_tokens=1.5)]
+    for kw in bad:
+        with pytest.raises(CloverError):
+            model.generate("hello", **kw)
+    with pytest.raises(CloverError, match="out of range"):
+        model.generate([0, 99999])
+    with pytest.raises(CloverError):  # context full: native message
+        model.generate("hello", max_tokens=5000)
+    with pytest.raises(CloverError) as ei:
+        model.block_logits(list(range(9)))  # more than B tokens
+    assert ei.value.message and ei.value.status == _native.CLOVER_ERR_INVALID_ARG
+    with pytest.raises(CloverError, match="whole number of blocks"):
+        model.block_logits([1], commit_before=[1, 2, 3])
+    # loading
+    with pytest.raises(CloverError, match="no such file"):
+        Clover(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(CloverError, match="not a GGUF"):
+        Clover(junk)
+    with pytest.raises(CloverError):
+        Clover(tiny[1], n_ctx=0)
+    with pytest.raises(CloverError):
+        Clover(tiny[1], block_size=0)
+    assert issubclass(CloverError, RuntimeError)
+
+
+def test_wrong_architecture(tmp_path: Path) -> None:
+    import gguf
+
+    from clover_cpp import Clover, CloverError
+
+    p = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CloverError):
+        Clover(p)
+
+
+def test_two_models_and_close(tiny) -> None:
+    from clover_cpp import Clover, CloverError
+
+    a = Clover(tiny[1], n_ctx=256, n_threads=1, flash_attn=False, kv_f32=True)
+    b = Clover(tiny[1], n_ctx=256, n_threads=1, block_size=4, flash_attn=False, kv_f32=True)
+    assert a.block_size == 8 and b.block_size == 4
+    ra = a.generate("hello", max_tokens=12)
+    rb = b.generate("hello", max_tokens=12)
+    assert ra.tokens == a.generate("hello", max_tokens=12).tokens
+    assert rb.tokens == a.generate("hello", max_tokens=12, block_size=4).tokens
+    a.close()
+    a.close()  # harmless
+    assert a.closed and not b.closed
+    with pytest.raises(CloverError, match="closed"):
+        a.generate("hello")
+    assert b.generate("hello", max_tokens=12).tokens == rb.tokens
+    with b:
+        pass
+    assert b.closed
+    b.close()
+
+
+def test_quantize_api(tiny, tmp_path: Path) -> None:
+    from clover_cpp import Clover, quantize
+    from clover_cpp.quant import QuantizeError
+
+    out = quantize(tiny[1], tmp_path / "q8.gguf", "Q8_0", n_threads=1)
+    assert out.is_file() and out.stat().st_size < tiny[1].stat().st_size
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    with Clover(out, n_ctx=256, n_threads=1) as m:
+        assert len(m.generate("hello", max_tokens=8).tokens) == 8
+    with pytest.raises(QuantizeError, match="already exists"):
+        quantize(tiny[1], out, "Q8_0")
+    with pytest.raises(QuantizeError, match="unknown"):
+        quantize(tiny[1], tmp_path / "x.gguf", "Q9_9")
