@@ -1,0 +1,622 @@
+"""Numpy reference implementation of Clover (the oracle for the native code).
+
+Follows /work/shared/clover-architecture.md ("Clover as implemented here"). It is
+meant to be obviously correct, not fast: all math is float64, loops are written out
+per token and per head where that reads more clearly. Only numpy is used.
+
+API::
+
+    cfg = CloverConfig.from_dict(config_json_dict)
+    model = CloverReference(cfg, weights)          # or CloverReference.from_pretrained(folder)
+    mem = model.new_memory()
+    logits = model.block_pass(mem, tokens, block_size)   # [n, vocab] float64, mem unchanged
+    model.commit(mem, tokens, block_size)                # writes the block into mem
+    rest = model.prefill(mem, prompt_tokens, block_size) # commits full blocks, returns the tail
+    res = generate(model, prompt_tokens, max_tokens=..., block_size=...)
+
+Project decisions (beyond the spec):
+
+* Blocks are aligned at absolute position 0: ``block_pass`` and ``commit`` require
+  ``mem.n_committed % block_size == 0`` and ``1 <= len(tokens) <= block_size``
+  (ValueError otherwise). Logits at position t predict the token AT t (no shift).
+* Block calibration: ``tau_j = exp(theta_j + phi_j * ln(B / B0))``, B the run-time
+  block size, B0 = ``config.block_size``.
+* Conv: causal taps read the committed conv tail (last K-1 pre-conv rows u of the
+  committed tokens; zeros when fewer were committed); lookahead taps read zeros past
+  the n tokens given to the pass (they never see beyond the block).
+* q/k L2 norm: ``x / sqrt(sum x^2 + 1e-6)``; memory read ``S_j^T q^ / sqrt(dk)``; value
+  head j uses key head ``j // (Hv / Hk)``. Block attention logits are ``tau * q^.k^``.
+* Full attention: RoPE NeoX style (rotate_half) on the first ``int(dh *
+  partial_rotary_factor)`` dims at absolute positions; keys = committed cache + all n
+  block tokens; q_proj rows per head are [dh query, dh gate]; out = attn * sigmoid(gate).
+  The KV cache stores k after k_norm and RoPE.
+* Commit recomputes the block on its final tokens, then per GDN layer runs
+  ``S <- exp(g_t) S; S <- S + k^_t (beta_t (v_t - S^T k^_t))^T`` for t in order, in
+  float64, and stores S as float32 (one rounding per commit). Conv tail = last K-1 rows
+  of [tail ; u] (float64). The KV cache is float64.
+* MoE: softmax over all E, top-k (ties: lower expert index), renormalised when
+  norm_topk_prob; shared expert gated by sigmoid(x . w_shared_gate).
+
+Decoding (``generate``):
+
+* The mask token is never a candidate: its logit is set to -inf first.
+* temperature 0: candidate = argmax (ties: lowest id), confidence = softmax prob.
+  temperature > 0: logits / T, top-k (0 = off; ties keep lower ids), top-p (1.0 = off;
+  smallest prefix of the prob-sorted tokens whose cumulative prob >= top_p, at least
+  one), renormalise, sample. One ``np.random.default_rng(seed)`` for the whole
+  generation; per step the masked positions are sampled in increasing position order,
+  each with one ``rng.random()`` draw u, token = first index whose cumulative prob > u.
+  Confidence = the sampled token's prob in that renormalised distribution.
+* Unmask every masked position with confidence >= threshold; if none, the single most
+  confident (ties: lowest position). With max_steps S > 0, at step s (0-based within
+  the block) at least ceil(masked / (S - s)) of the most confident are unmasked
+  (ties: lowest position), so a block never takes more than S steps.
+* Decode blocks always have B positions; the first one holds the prompt's partial last
+  block (fixed tokens). A finished block is committed, except the final block of the
+  generation (after which we stop), which is not committed.
+* Stop after the block containing EOS (any of ``config.eos_token_ids``, generated
+  tokens only) when stop_at_eos, or once the generated tokens >= max_tokens. The output
+  ends before the first EOS and is cut to max_tokens.
+* ``step_callback(block_start, canvas_tokens_list, n_masked)`` is called after each
+  step; if it returns True, generation stops: the output holds the completed blocks
+  only (the current block counts as completed if it has no masks left).
+* Counters: ``n_steps`` = decode block passes (one per denoising step);
+  ``n_forward`` = every block pass + every commit (prefill commits included);
+  ``tokens_per_forward`` = len(res.tokens) / n_steps (decode passes only; 0.0 if none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["CloverConfig", "CloverReference", "Memory", "generate", "GenerateResult",
+           "bidirectional_conv", "block_tau", "rms_norm_1p"]
+
+QK_NORM_EPS = 1e-6
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class CloverConfig:
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    full_attention_interval: int = 4
+    layer_types: list[str] = field(default_factory=list)  # filled by __post_init__
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    linear_conv_lookahead: int = 3
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 1e7
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    block_size: int = 32
+    mask_token_id: int | None = None
+    eos_token_id: int | None = None          # the first EOS id
+    eos_token_ids: tuple[int, ...] = ()      # all EOS ids (config may give a list)
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CloverConfig":
+        """Build from a config.json dict; unknown keys are ignored."""
+        names = {f for f in cls.__dataclass_fields__ if f != "eos_token_ids"}
+        kw = {k: v for k, v in d.items() if k in names}
+        rp = d.get("rope_parameters") or {}
+        for k in ("rope_theta", "partial_rotary_factor"):
+            if k not in kw and k in rp:
+                kw[k] = rp[k]
+        eos = kw.pop("eos_token_id", None)
+        ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
+            () if eos is None else (int(eos),))
+        return cls(**kw, eos_token_id=ids[0] if ids else None, eos_token_ids=ids)
+
+    def __post_init__(self) -> None:
+        if self.eos_token_id is not None and not self.eos_token_ids:
+            self.eos_token_ids = (int(self.eos_token_id),)
+        ints = ["vocab_size", "hidden_size", "num_hidden_layers", "linear_num_key_heads",
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "block_size"]
+        for k in ints:
+            v = getattr(self, k)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"config: {k} must be a positive integer, got {v!r}")
+        if not isinstance(self.linear_conv_lookahead, int) or self.linear_conv_lookahead < 0:
+            raise ValueError("config: linear_conv_lookahead must be an integer >= 0")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("config: num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError("config: num_experts_per_tok > num_experts")
+        if not 0.0 <= self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ValueError("config: head_dim * partial_rotary_factor must be an even number <= head_dim")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError("config: rms_norm_eps and rope_theta must be > 0")
+        if not self.layer_types:
+            iv = self.full_attention_interval
+            if not isinstance(iv, int) or iv < 1:
+                raise ValueError("config: full_attention_interval must be a positive integer")
+            self.layer_types = [FULL if (i + 1) % iv == 0 else LINEAR
+                                for i in range(self.num_hidden_layers)]
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or any(
+                t not in (LINEAR, FULL) for t in self.layer_types):
+            raise ValueError(f"config: layer_types must be {self.num_hidden_layers} entries of "
+                             f"{LINEAR!r}/{FULL!r}")
+        for k in ("mask_token_id", "eos_token_id"):
+            v = getattr(self, k)
+            if v is not None and not 0 <= v < self.vocab_size:
+                raise ValueError(f"config: {k}={v} outside the vocabulary")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+
+# ----------------------------------------------------------------------------- math
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rms_norm_1p(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * (1 + w), over the last axis."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def l2_norm(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)
+
+
+def block_tau(block_calib: np.ndarray, block_size: int, train_block_size: int) -> np.ndarray:
+    """tau_j = exp(theta_j + phi_j * ln(B / B0)); block_calib is [2, Hv] (theta, phi)."""
+    theta, phi = block_calib[0], block_calib[1]
+    return np.exp(theta + phi * math.log(block_size / train_block_size))
+
+
+def bidirectional_conv(tail: np.ndarray, u: np.ndarray, w_conv: np.ndarray,
+                       w_look: np.ndarray) -> np.ndarray:
+    """Pre-activation conv output c [n, C] (apply silu after).
+
+    tail [K-1, C] (committed rows), u [n, C] (this block's rows), w_conv [C, K] (last tap =
+    current token), w_look [C, R] (tap j multiplies u[t+1+j], zero past row n-1).
+    """
+    n, C = u.shape
+    K, R = w_conv.shape[1], w_look.shape[1]
+    U = np.concatenate([tail, u], axis=0)                     # row t+K-1 is token t
+    ahead = np.concatenate([u, np.zeros((R, C))], axis=0)     # zeros past the block end
+    c = np.zeros((n, C))
+    for t in range(n):
+        for j in range(K):
+            c[t] += w_conv[:, j] * U[t + j]
+        for j in range(R):
+            c[t] += w_look[:, j] * ahead[t + 1 + j]
+    return c
+
+
+def rope_neox(x: np.ndarray, positions: np.ndarray, rot: int, theta: float) -> np.ndarray:
+    """x [..., n, dh]; rotate the first `rot` dims (rotate_half pairing i, i + rot/2)."""
+    if rot == 0:
+        return x
+    half = rot // 2
+    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rot)
+    ang = positions[:, None].astype(np.float64) * inv_freq[None, :]   # [n, half]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., :half], x[..., half:rot]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:rot] = x2 * cos + x1 * sin
+    return out
+
+
+# ----------------------------------------------------------------------------- memory
+
+@dataclass
+class Memory:
+    """Everything committed so far. Per layer index: GDN state S [Hv, dk, dv] float32 and
+    conv tail [K-1, C] float64 (linear layers); keys/values [nkv, T, dh] float64 (full)."""
+    n_committed: int
+    state: dict[int, np.ndarray]
+    conv_tail: dict[int, np.ndarray]
+    keys: dict[int, np.ndarray]
+    values: dict[int, np.ndarray]
+
+    def copy(self) -> "Memory":
+        cp = lambda d: {k: v.copy() for k, v in d.items()}  # noqa: E731
+        return Memory(self.n_committed, cp(self.state), cp(self.conv_tail),
+                      cp(self.keys), cp(self.values))
+
+
+# ----------------------------------------------------------------------------- model
+
+def _expected_shapes(cfg: CloverConfig, tied: bool) -> dict[str, tuple[int, ...]]:
+    H, V = cfg.hidden_size, cfg.vocab_size
+    Hk, Hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                      cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    nh, nkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    C = cfg.conv_dim
+    s = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i, lt in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (H,)
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        if lt == LINEAR:
+            a = p + "linear_attn."
+            s.update({a + "in_proj_qkv.weight": (C, H), a + "in_proj_z.weight": (Hv * dv, H),
+                      a + "in_proj_b.weight": (Hv, H), a + "in_proj_a.weight": (Hv, H),
+                      a + "in_proj_m.weight": (Hv, H),
+                      a + "conv1d.weight": (C, 1, cfg.linear_conv_kernel_dim),
+                      a + "dt_bias": (Hv,), a + "A_log": (Hv,), a + "block_calib": (2, Hv),
+                      a + "norm.weight": (dv,), a + "out_proj.weight": (H, Hv * dv)})
+            if cfg.linear_conv_lookahead:
+                s[a + "conv1d_lookahead.weight"] = (C, 1, cfg.linear_conv_lookahead)
+        else:
+            a = p + "self_attn."
+            s.update({a + "q_proj.weight": (nh * dh * 2, H), a + "k_proj.weight": (nkv * dh, H),
+                      a + "v_proj.weight": (nkv * dh, H), a + "o_proj.weight": (H, nh * dh),
+                      a + "q_norm.weight": (dh,), a + "k_norm.weight": (dh,)})
+        m = p + "mlp."
+        s[m + "gate.weight"] = (E, H)
+        for e in range(E):
+            s[m + f"experts.{e}.gate_proj.weight"] = (I, H)
+            s[m + f"experts.{e}.up_proj.weight"] = (I, H)
+            s[m + f"experts.{e}.down_proj.weight"] = (H, I)
+        s.update({m + "shared_expert.gate_proj.weight": (Is, H),
+                  m + "shared_expert.up_proj.weight": (Is, H),
+                  m + "shared_expert.down_proj.weight": (H, Is),
+                  m + "shared_expert_gate.weight": (1, H)})
+    if not tied:
+        s["lm_head.weight"] = (V, H)
+    return s
+
+
+def _unfuse_experts(cfg: CloverConfig, w: dict[str, np.ndarray]) -> None:
+    """Rewrite fused experts.gate_up_proj [E,2I,H] / experts.down_proj [E,H,I] per expert."""
+    I = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        m = f"model.layers.{i}.mlp.experts."
+        if m + "gate_up_proj" not in w and m + "down_proj" not in w:
+            continue
+        gu, dn = w.pop(m + "gate_up_proj", None), w.pop(m + "down_proj", None)
+        if gu is None or dn is None:
+            raise ValueError(f"{m}: fused experts need both gate_up_proj and down_proj")
+        E, H = cfg.num_experts, cfg.hidden_size
+        if gu.shape != (E, 2 * I, H) or dn.shape != (E, H, I):
+            raise ValueError(f"{m}: fused expert shapes {gu.shape}, {dn.shape} != "
+                             f"{(E, 2 * I, H)}, {(E, H, I)}")
+        for e in range(E):
+            w[m + f"{e}.gate_proj.weight"] = gu[e, :I]
+            w[m + f"{e}.up_proj.weight"] = gu[e, I:]
+            w[m + f"{e}.down_proj.weight"] = dn[e]
+
+
+class CloverReference:
+    def __init__(self, cfg: CloverConfig, weights: dict[str, np.ndarray]):
+        self.cfg = cfg
+        w = {k: np.asarray(v) for k, v in weights.items()}
+        _unfuse_experts(cfg, w)
+        # tied when the config says so or when lm_head is absent (then embed_tokens is used)
+        self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
+        want = _expected_shapes(cfg, self.tied)
+        missing = [k for k in want if k not in w]
+        if missing:
+            raise ValueError(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
+        for k, shp in want.items():
+            if tuple(w[k].shape) != shp:
+                raise ValueError(f"{k}: shape {tuple(w[k].shape)} != expected {shp}")
+        self.w = {k: w[k].astype(np.float64) for k in want}
+        self.lm_head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "CloverReference":
+        folder = Path(folder)
+        cfg = CloverConfig.from_dict(json.loads((folder / "config.json").read_text()))
+        from clover_convert.safetensors_io import CheckpointReader
+        reader = CheckpointReader(folder)
+        return cls(cfg, {n: reader.read_f32(n) for n in reader.names()})
+
+    # -- memory ---------------------------------------------------------------------
+    def new_memory(self) -> Memory:
+        c = self.cfg
+        mem = Memory(0, {}, {}, {}, {})
+        for i, lt in enumerate(c.layer_types):
+            if lt == LINEAR:
+                mem.state[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim,
+                                         c.linear_value_head_dim), np.float32)
+                mem.conv_tail[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.conv_dim))
+            else:
+                mem.keys[i] = np.zeros((c.num_key_value_heads, 0, c.head_dim))
+                mem.values[i] = np.zeros((c.num_key_value_heads, 0, c.head_dim))
+        return mem
+
+    # -- mixers ---------------------------------------------------------------------
+    def _gdn(self, i: int, x: np.ndarray, mem: Memory, B: int) -> tuple[np.ndarray, dict]:
+        c, p = self.cfg, f"model.layers.{i}.linear_attn."
+        W = lambda name: self.w[p + name]  # noqa: E731
+        n = x.shape[0]
+        Hk, Hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
+                          c.linear_key_head_dim, c.linear_value_head_dim)
+        r = Hv // Hk
+        u, z = x @ W("in_proj_qkv.weight").T, x @ W("in_proj_z.weight").T
+        b, a, m = x @ W("in_proj_b.weight").T, x @ W("in_proj_a.weight").T, x @ W("in_proj_m.weight").T
+        w_look = (W("conv1d_lookahead.weight")[:, 0, :] if c.linear_conv_lookahead
+                  else np.zeros((c.conv_dim, 0)))
+        conv = bidirectional_conv(mem.conv_tail[i], u, W("conv1d.weight")[:, 0, :], w_look)
+        cs = silu(conv)
+        q = l2_norm(cs[:, :Hk * dk].reshape(n, Hk, dk))
+        k = l2_norm(cs[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk))
+        v = cs[:, 2 * Hk * dk:].reshape(n, Hv, dv)
+        S = mem.state[i].astype(np.float64)
+        tau = block_tau(W("block_calib"), B, c.block_size)
+        lam = sigmoid(m)
+        o = np.zeros((n, Hv, dv))
+        for j in range(Hv):
+            kh = j // r
+            o_mem = q[:, kh] @ S[j] / math.sqrt(dk)                  # [n, dv] = (S^T q)^T
+            att = softmax(tau[j] * (q[:, kh] @ k[:, kh].T), axis=-1)  # [n, n]
+            o_blk = att @ v[:, j]
+            o[:, j] = lam[:, j:j + 1] * o_mem + (1.0 - lam[:, j:j + 1]) * o_blk
+        on = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + c.rms_norm_eps)
+        y = W("norm.weight") * on * silu(z.reshape(n, Hv, dv))
+        out = y.reshape(n, Hv * dv) @ W("out_proj.weight").T
+        return out, dict(u=u, conv=conv, q=q, k=k, v=v, b=b, a=a, m=m, z=z, tau=tau, o=o)
+
+    def _attn(self, i: int, x: np.ndarray, mem: Memory, pos: np.ndarray) -> tuple[np.ndarray, dict]:
+        c, p = self.cfg, f"model.layers.{i}.self_attn."
+        n, nh, nkv, dh = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qf = (x @ self.w[p + "q_proj.weight"].T).reshape(n, nh, 2 * dh)
+        q, gate = qf[..., :dh], qf[..., dh:]
+        k = (x @ self.w[p + "k_proj.weight"].T).reshape(n, nkv, dh)
+        v = (x @ self.w[p + "v_proj.weight"].T).reshape(n, nkv, dh)
+        q = rms_norm_1p(q, self.w[p + "q_norm.weight"], c.rms_norm_eps).transpose(1, 0, 2)
+        k = rms_norm_1p(k, self.w[p + "k_norm.weight"], c.rms_norm_eps).transpose(1, 0, 2)
+        q = rope_neox(q, pos, c.rotary_dim, c.rope_theta)           # [nh, n, dh]
+        k = rope_neox(k, pos, c.rotary_dim, c.rope_theta)           # [nkv, n, dh]
+        v = v.transpose(1, 0, 2)
+        K = np.concatenate([mem.keys[i], k], axis=1)                # cache + whole block
+        Vv = np.concatenate([mem.values[i], v], axis=1)
+        out = np.zeros((n, nh, dh))
+        for h in range(nh):
+            g = h // (nh // nkv)
+            att = softmax(q[h] @ K[g].T / math.sqrt(dh), axis=-1)
+            out[:, h] = (att @ Vv[g]) * sigmoid(gate[:, h])
+        return out.reshape(n, nh * dh) @ self.w[p + "o_proj.weight"].T, dict(k=k, v=v)
+
+    def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
+        c, p = self.cfg, f"model.layers.{i}.mlp."
+        W = lambda name: self.w[p + name]  # noqa: E731
+        probs = softmax(x @ W("gate.weight").T, axis=-1)             # [n, E]
+        out = np.zeros_like(x)
+        for t in range(x.shape[0]):
+            top = np.argsort(-probs[t], kind="stable")[:c.num_experts_per_tok]
+            pw = probs[t, top]
+            if c.norm_topk_prob:
+                pw = pw / pw.sum()
+            for e, pe in zip(top, pw):
+                e_ = f"experts.{e}."
+                hmid = silu(W(e_ + "gate_proj.weight") @ x[t]) * (W(e_ + "up_proj.weight") @ x[t])
+                out[t] += pe * (W(e_ + "down_proj.weight") @ hmid)
+        hs = silu(x @ W("shared_expert.gate_proj.weight").T) * (x @ W("shared_expert.up_proj.weight").T)
+        shared = hs @ W("shared_expert.down_proj.weight").T
+        return out + sigmoid(x @ W("shared_expert_gate.weight").T) * shared
+
+    # -- passes ---------------------------------------------------------------------
+    def _check(self, mem: Memory, tokens: Sequence[int], B: int) -> np.ndarray:
+        if not isinstance(B, (int, np.integer)) or B < 1:
+            raise ValueError(f"block_size must be a positive integer, got {B!r}")
+        if mem.n_committed % B:
+            raise ValueError(f"n_committed={mem.n_committed} is not a multiple of block_size={B}")
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if not 1 <= len(toks) <= B:
+            raise ValueError(f"a block pass takes 1..{B} tokens, got {len(toks)}")
+        if toks.min() < 0 or toks.max() >= self.cfg.vocab_size:
+            raise ValueError("token id outside the vocabulary")
+        return toks
+
+    def trace(self, mem: Memory, tokens: Sequence[int], block_size: int) -> tuple[np.ndarray, list[dict]]:
+        """Block pass that also returns per-layer intermediates (for checks and commit).
+
+        Each layer's dict has x_in (normed mixer input), mix (mixer output), h (after the
+        mixer residual), x_out (layer output); GDN layers add u, conv (pre-silu), q, k
+        (L2-normed, per key head), v, b, a, m, z (projections), tau and o (mixed, pre-norm);
+        attention layers add k, v as appended to the KV cache ([nkv, n, dh], k after RoPE).
+        """
+        toks = self._check(mem, tokens, block_size)
+        c = self.cfg
+        pos = mem.n_committed + np.arange(len(toks))
+        x = self.w["model.embed_tokens.weight"][toks]
+        layers = []
+        for i, lt in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            xn = rms_norm_1p(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            if lt == LINEAR:
+                mix, rec = self._gdn(i, xn, mem, block_size)
+            else:
+                mix, rec = self._attn(i, xn, mem, pos)
+            h = x + mix
+            x = h + self._moe(i, rms_norm_1p(h, self.w[p + "post_attention_layernorm.weight"],
+                                             c.rms_norm_eps))
+            rec.update(x_in=xn, mix=mix, h=h, x_out=x)
+            layers.append(rec)
+        logits = rms_norm_1p(x, self.w["model.norm.weight"], c.rms_norm_eps) @ self.lm_head.T
+        return logits, layers
+
+    def block_pass(self, mem: Memory, tokens: Sequence[int], block_size: int) -> np.ndarray:
+        return self.trace(mem, tokens, block_size)[0]
+
+    def commit(self, mem: Memory, tokens: Sequence[int], block_size: int) -> None:
+        _, layers = self.trace(mem, tokens, block_size)
+        c = self.cfg
+        r = c.linear_num_value_heads // c.linear_num_key_heads
+        for i, (lt, rec) in enumerate(zip(c.layer_types, layers)):
+            if lt == FULL:
+                mem.keys[i] = np.concatenate([mem.keys[i], rec["k"]], axis=1)
+                mem.values[i] = np.concatenate([mem.values[i], rec["v"]], axis=1)
+                continue
+            p = f"model.layers.{i}.linear_attn."
+            beta = sigmoid(rec["b"])                                             # [n, Hv]
+            g = -np.exp(self.w[p + "A_log"]) * softplus(rec["a"] + self.w[p + "dt_bias"])
+            S = mem.state[i].astype(np.float64)
+            for t in range(len(rec["u"])):
+                for j in range(c.linear_num_value_heads):
+                    kt, vt = rec["k"][t, j // r], rec["v"][t, j]
+                    S[j] *= math.exp(g[t, j])
+                    S[j] += np.outer(kt, beta[t, j] * (vt - S[j].T @ kt))
+            mem.state[i] = S.astype(np.float32)
+            U = np.concatenate([mem.conv_tail[i], rec["u"]], axis=0)
+            mem.conv_tail[i] = U[len(U) - (c.linear_conv_kernel_dim - 1):].copy()
+        mem.n_committed += len(layers[0]["x_out"])
+
+    def prefill(self, mem: Memory, prompt_tokens: Sequence[int], block_size: int) -> list[int]:
+        if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        toks = [int(t) for t in prompt_tokens]
+        n_full = len(toks) // block_size * block_size
+        for s in range(0, n_full, block_size):
+            self.commit(mem, toks[s:s + block_size], block_size)
+        return toks[n_full:]
+
+
+# ----------------------------------------------------------------------------- decoding
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    n_forward: int            # block passes + commits, prefill commits included
+    n_steps: int              # decode block passes (denoising steps)
+    tokens_per_forward: float # len(tokens) / n_steps
+    n_commits: int = 0        # commits, prefill included
+    finish_reason: str = ""   # "eos", "max_tokens" or "cancelled"
+
+
+def _candidates(logits: np.ndarray, mask_id: int, temperature: float, top_k: int,
+                top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of logits [m, V]: candidate token and its confidence."""
+    l = logits.astype(np.float64).copy()
+    l[:, mask_id] = -np.inf
+    toks, conf = np.zeros(len(l), np.int64), np.zeros(len(l))
+    for row in range(len(l)):
+        if temperature == 0.0:
+            p = softmax(l[row])
+            toks[row] = int(np.argmax(p))
+        else:
+            z = l[row] / temperature
+            order = np.argsort(-z, kind="stable")
+            if top_k > 0:
+                z[order[top_k:]] = -np.inf
+            p = softmax(z)
+            if top_p < 1.0:
+                order = np.argsort(-p, kind="stable")
+                cum = np.cumsum(p[order])
+                keep = int(np.searchsorted(cum, top_p, side="left")) + 1   # first cum >= top_p
+                p[order[min(keep, len(p)):]] = 0.0
+                p = p / p.sum()
+            cdf = np.cumsum(p)
+            idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+            toks[row] = min(idx, len(p) - 1)
+        conf[row] = p[toks[row]]
+    return toks, conf
+
+
+def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens: int,
+             block_size: int, threshold: float = 0.9, max_steps: int = 0,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_at_eos: bool = True,
+             step_callback: Callable[[int, list[int], int], Any] | None = None) -> GenerateResult:
+    cfg, B = model.cfg, block_size
+    if cfg.mask_token_id is None:
+        raise ValueError("config has no mask_token_id")
+    if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or max_steps < 0:
+        raise ValueError("bad sampling parameters")
+    mask, eos = cfg.mask_token_id, set(cfg.eos_token_ids) if stop_at_eos else set()
+    rng = np.random.default_rng(seed)
+    mem = model.new_memory()
+    n_commits = n_steps = 0
+    out: list[int] = []
+    reason = "max_tokens"
+    if max_tokens > 0:
+        rest = model.prefill(mem, prompt_tokens, B)
+        n_commits = len(prompt_tokens) // B
+        while True:
+            start = mem.n_committed
+            canvas = list(rest) + [mask] * (B - len(rest))
+            masked = [p for p in range(len(rest), B)]
+            step, cancelled = 0, False
+            while masked:
+                logits = model.block_pass(mem, canvas, B)
+                n_steps += 1
+                cand, conf = _candidates(logits[masked], mask, temperature, top_k, top_p, rng)
+                if np.any(cand == mask):             # would never terminate
+                    raise RuntimeError("the mask token was chosen as a candidate")
+                ranked = sorted(range(len(masked)), key=lambda i: (-conf[i], masked[i]))
+                n_unmask = max(1, int(np.sum(conf >= threshold)))
+                if max_steps > 0:
+                    left = max_steps - step
+                    n_unmask = max(n_unmask, len(masked) if left <= 0 else -(-len(masked) // left))
+                for i in ranked[:n_unmask]:
+                    canvas[masked[i]] = int(cand[i])
+                masked = [p for p in masked if canvas[p] == mask]
+                step += 1
+                if step_callback is not None and step_callback(start, list(canvas), len(masked)):
+                    cancelled = True
+                    break
+            if not masked:
+                out.extend(canvas[len(rest):])
+            if cancelled:
+                reason = "cancelled"
+                break
+            if any(t in eos for t in canvas[len(rest):]):
+                reason = "eos"
+                break
+            if len(out) >= max_tokens:
+                break
+            model.commit(mem, canvas, B)
+            n_commits += 1
+            rest = []
+    for idx, t in enumerate(out):
+        if t in eos:
+            out = out[:idx]
+            break
+    out = out[:max(max_tokens, 0)]
+    return GenerateResult(tokens=out, n_forward=n_steps + n_commits, n_steps=n_steps,
+                          tokens_per_forward=len(out) / n_steps if n_steps else 0.0,
+                          n_commits=n_commits, finish_reason=reason)

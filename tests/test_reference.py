@@ -1,0 +1,571 @@
+"""Tests of the numpy reference (clover_cpp.reference) on a tiny random model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from clover_cpp.reference import (CloverConfig, CloverReference, GenerateResult, Memory,
+                                  bidirectional_conv, block_tau, generate, rope_neox)
+
+MASK, EOS = 63, 62
+
+TINY = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=4, full_attention_interval=4,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_conv_lookahead=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5,
+    rope_theta=10000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=16, norm_topk_prob=True, rms_norm_eps=1e-6,
+    block_size=4, mask_token_id=MASK, eos_token_id=EOS, tie_word_embeddings=False,
+)
+
+
+def make_weights(cfg: CloverConfig, seed: int = 0, fused: bool = False) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    nh, nkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    E, I, Is, C = (cfg.num_experts, cfg.moe_intermediate_size,
+                   cfg.shared_expert_intermediate_size, cfg.conv_dim)
+    lin = lambda o, i: rng.normal(0, 1 / math.sqrt(i), (o, i)).astype(np.float32)  # noqa: E731
+    vec = lambda n, s=0.1: rng.normal(0, s, (n,)).astype(np.float32)  # noqa: E731
+    w = {"model.embed_tokens.weight": rng.normal(0, 1, (V, H)).astype(np.float32),
+         "model.norm.weight": vec(H), "lm_head.weight": 3 * lin(V, H)}
+    for i, lt in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = vec(H)
+        w[p + "post_attention_layernorm.weight"] = vec(H)
+        if lt == "linear_attention":
+            a = p + "linear_attn."
+            w[a + "in_proj_qkv.weight"] = lin(C, H)
+            w[a + "in_proj_z.weight"] = lin(Hv * dv, H)
+            w[a + "in_proj_b.weight"] = lin(Hv, H)
+            w[a + "in_proj_a.weight"] = lin(Hv, H)
+            w[a + "in_proj_m.weight"] = lin(Hv, H)
+            w[a + "conv1d.weight"] = rng.normal(0, 0.5, (C, 1, cfg.linear_conv_kernel_dim)).astype(np.float32)
+            w[a + "conv1d_lookahead.weight"] = rng.normal(0, 0.5, (C, 1, cfg.linear_conv_lookahead)).astype(np.float32)
+            w[a + "dt_bias"] = vec(Hv, 0.5)
+            w[a + "A_log"] = vec(Hv, 0.5)
+            w[a + "block_calib"] = np.stack([1 + vec(Hv, 0.3), vec(Hv, 0.5)]).astype(np.float32)
+            w[a + "norm.weight"] = 1 + vec(dv)
+            w[a + "out_proj.weight"] = lin(H, Hv * dv)
+        else:
+            a = p + "self_attn."
+            w[a + "q_proj.weight"] = lin(nh * dh * 2, H)
+            w[a + "k_proj.weight"] = lin(nkv * dh, H)
+            w[a + "v_proj.weight"] = lin(nkv * dh, H)
+            w[a + "o_proj.weight"] = lin(H, nh * dh)
+            w[a + "q_norm.weight"] = vec(dh)
+            w[a + "k_norm.weight"] = vec(dh)
+        m = p + "mlp."
+        w[m + "gate.weight"] = lin(E, H)
+        gate_up = np.stack([lin(2 * I, H) for _ in range(E)])
+        down = np.stack([lin(H, I) for _ in range(E)])
+        if fused:
+            w[m + "experts.gate_up_proj"] = gate_up
+            w[m + "experts.down_proj"] = down
+        else:
+            for e in range(E):
+                w[m + f"experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+                w[m + f"experts.{e}.up_proj.weight"] = gate_up[e, I:]
+                w[m + f"experts.{e}.down_proj.weight"] = down[e]
+        w[m + "shared_expert.gate_proj.weight"] = lin(Is, H)
+        w[m + "shared_expert.up_proj.weight"] = lin(Is, H)
+        w[m + "shared_expert.down_proj.weight"] = lin(H, Is)
+        w[m + "shared_expert_gate.weight"] = lin(1, H)
+    return w
+
+
+@pytest.fixture(scope="module")
+def cfg() -> CloverConfig:
+    return CloverConfig.from_dict(TINY)
+
+
+@pytest.fixture(scope="module")
+def weights(cfg) -> dict[str, np.ndarray]:
+    return make_weights(cfg)
+
+
+@pytest.fixture(scope="module")
+def model(cfg, weights) -> CloverReference:
+    return CloverReference(cfg, weights)
+
+
+def assert_mem_equal(a: Memory, b: Memory) -> None:
+    assert a.n_committed == b.n_committed
+    for d in ("state", "conv_tail", "keys", "values"):
+        da, db = getattr(a, d), getattr(b, d)
+        assert da.keys() == db.keys()
+        for k in da:
+            np.testing.assert_array_equal(da[k], db[k])
+
+
+# ------------------------------------------------------------------------- config
+
+def test_config_defaults_and_layer_types():
+    c = CloverConfig.from_dict({})
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_experts) == (248320, 2048, 40, 256)
+    assert c.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert c.rotary_dim == 64 and c.block_size == 32 and c.linear_conv_lookahead == 3
+    lt = ["full_attention", "linear_attention"]
+    c2 = CloverConfig.from_dict({**TINY, "num_hidden_layers": 2, "layer_types": lt})
+    assert c2.layer_types == lt
+    c3 = CloverConfig.from_dict({**TINY, "eos_token_id": [7, 9]})
+    assert c3.eos_token_id == 7 and c3.eos_token_ids == (7, 9)
+    with pytest.raises(ValueError):
+        CloverConfig.from_dict({**TINY, "linear_num_value_heads": 3})
+    with pytest.raises(ValueError):
+        CloverConfig.from_dict({**TINY, "layer_types": lt})  # wrong length
+    with pytest.raises(ValueError):
+        CloverConfig.from_dict({**TINY, "mask_token_id": 64})
+
+
+# ------------------------------------------------------------------------- commit
+
+def naive_commit_state(model, S0, rec, layer):
+    """Gated delta recurrence written out independently from the pass's raw values."""
+    c, p = model.cfg, f"model.layers.{layer}.linear_attn."
+    Hk, Hv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+    act = rec["conv"] / (1 + np.exp(-rec["conv"]))                 # silu
+    S = S0.astype(np.float64).copy()
+    for t in range(act.shape[0]):
+        for j in range(Hv):
+            kh = j // (Hv // Hk)
+            k = act[t, Hk * dk + kh * dk: Hk * dk + (kh + 1) * dk]
+            k = k / np.sqrt(np.dot(k, k) + 1e-6)
+            v = act[t, 2 * Hk * dk + j * c.linear_value_head_dim: 2 * Hk * dk + (j + 1) * c.linear_value_head_dim]
+            beta = 1 / (1 + np.exp(-rec["b"][t, j]))
+            g = -np.exp(float(model.w[p + "A_log"][j])) * np.log1p(np.exp(rec["a"][t, j] + model.w[p + "dt_bias"][j]))
+            S[j] = np.exp(g) * S[j]
+            S[j] = S[j] + np.outer(k, beta * (v - S[j].T @ k))
+    return S
+
+
+@pytest.mark.parametrize("B", [4, 2])
+def test_commit_matches_naive_recurrence(model, B):
+    mem = model.new_memory()
+    toks = [3, 14, 15, 9, 26, 5, 35, 8][:2 * B]
+    model.commit(mem, toks[:B], B)                  # non-zero starting state
+    before = mem.copy()
+    _, layers = model.trace(mem, toks[B:], B)
+    model.commit(mem, toks[B:], B)
+    assert mem.n_committed == 2 * B
+    K = model.cfg.linear_conv_kernel_dim
+    for i, lt in enumerate(model.cfg.layer_types):
+        if lt == "full_attention":
+            np.testing.assert_array_equal(mem.keys[i][:, B:], layers[i]["k"])
+            assert mem.keys[i].shape[1] == 2 * B
+            continue
+        want = naive_commit_state(model, before.state[i], layers[i], i)
+        assert mem.state[i].dtype == np.float32
+        np.testing.assert_allclose(mem.state[i], want, rtol=1e-5, atol=1e-6)
+        assert np.abs(want).max() > 1e-2
+        tail = np.concatenate([before.conv_tail[i], layers[i]["u"]])[-(K - 1):]
+        np.testing.assert_array_equal(mem.conv_tail[i], tail)
+
+
+def test_prefill_equals_block_commits(model):
+    toks = [int(t) for t in np.random.default_rng(1).integers(0, 60, 14)]
+    for B in (4, 1):
+        a, b = model.new_memory(), model.new_memory()
+        rest = model.prefill(a, toks, B)
+        n_full = len(toks) // B * B
+        assert rest == toks[n_full:]
+        for s in range(0, n_full, B):
+            model.commit(b, toks[s:s + B], B)
+        assert_mem_equal(a, b)
+        assert a.n_committed == n_full
+    # a block committed at once is not the same as per-token commits (block structure matters)
+    a, b = model.new_memory(), model.new_memory()
+    model.commit(a, toks[:4], 4)
+    for t in toks[:4]:
+        model.commit(b, [t], 1)
+    assert not np.allclose(a.state[0], b.state[0])
+
+
+def test_block_pass_does_not_change_memory_and_checks_alignment(model):
+    mem = model.new_memory()
+    model.commit(mem, [1, 2, 3, 4], 4)
+    snap = mem.copy()
+    l1 = model.block_pass(mem, [5, 6, MASK], 4)
+    l2 = model.block_pass(mem, [5, 6, MASK], 4)
+    assert l1.shape == (3, 64) and l1.dtype == np.float64
+    np.testing.assert_array_equal(l1, l2)
+    assert_mem_equal(mem, snap)
+    with pytest.raises(ValueError):
+        model.block_pass(mem, [1, 2, 3], 3)          # 4 committed, not a multiple of 3
+    with pytest.raises(ValueError):
+        model.block_pass(mem, [1] * 5, 4)
+    with pytest.raises(ValueError):
+        model.block_pass(mem, [], 4)
+    # bidirectional inside the block: the first position sees later block tokens
+    assert not np.allclose(model.block_pass(mem, [5, 6, 7], 4)[0], model.block_pass(mem, [5, 6, 8], 4)[0])
+
+
+# ------------------------------------------------------------------------- mixers, written out again
+
+def _sig(x):
+    return 1 / (1 + np.exp(-x))
+
+
+@pytest.fixture(scope="module")
+def second_block(model):
+    """Memory after one committed block, and the trace of the next (partial) block."""
+    mem = model.new_memory()
+    model.commit(mem, [3, 14, 15, 9], 4)
+    logits, layers = model.trace(mem, [26, MASK, 35], 4)
+    return mem, logits, layers
+
+
+def test_gdn_mixer_matches_formula(model, second_block):
+    mem, _, layers = second_block
+    c, rec, p = model.cfg, layers[0], "model.layers.0.linear_attn."
+    W = {k[len(p):]: v.astype(np.float64) for k, v in model.w.items() if k.startswith(p)}
+    x, n = rec["x_in"], 3
+    u = x @ W["in_proj_qkv.weight"].T
+    np.testing.assert_allclose(rec["u"], u)
+    conv = np.stack([sum(W["conv1d.weight"][:, 0, j] * np.concatenate([mem.conv_tail[0], u])[t + j] for j in range(4))
+                     + sum(W["conv1d_lookahead.weight"][:, 0, j] * u[t + 1 + j] for j in range(2) if t + 1 + j < n)
+                     for t in range(n)])
+    act = conv * _sig(conv)
+    tau = np.exp(W["block_calib"][0] + W["block_calib"][1] * math.log(4 / 4))
+    S = mem.state[0].astype(np.float64)
+    assert np.abs(S).max() > 1e-2
+    ys = []
+    for j in range(4):                                # value heads; key head j // 2
+        kh = j // 2
+        q = act[:, kh * 8:(kh + 1) * 8]
+        k = act[:, 16 + kh * 8:16 + (kh + 1) * 8]
+        v = act[:, 32 + j * 8:32 + (j + 1) * 8]
+        q = q / np.sqrt((q ** 2).sum(1, keepdims=True) + 1e-6)
+        k = k / np.sqrt((k ** 2).sum(1, keepdims=True) + 1e-6)
+        o_mem = np.stack([S[j].T @ q[t] for t in range(n)]) / math.sqrt(8)
+        sc = tau[j] * q @ k.T
+        att = np.exp(sc) / np.exp(sc).sum(1, keepdims=True)
+        lam = _sig(x @ W["in_proj_m.weight"][j])[:, None]
+        o = lam * o_mem + (1 - lam) * (att @ v)
+        np.testing.assert_allclose(rec["o"][:, j], o, rtol=1e-10, atol=1e-12)
+        z = x @ W["in_proj_z.weight"][j * 8:(j + 1) * 8].T
+        ys.append(W["norm.weight"] * o / np.sqrt((o ** 2).mean(1, keepdims=True) + c.rms_norm_eps) * z * _sig(z))
+    np.testing.assert_allclose(rec["mix"], np.concatenate(ys, axis=1) @ W["out_proj.weight"].T, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_mixer_matches_formula(model, second_block):
+    mem, _, layers = second_block
+    c, rec, p = model.cfg, layers[3], "model.layers.3.self_attn."
+    W = {k[len(p):]: v.astype(np.float64) for k, v in model.w.items() if k.startswith(p)}
+    x, n, dh = rec["x_in"], 3, 8
+    pos = np.arange(4, 4 + n)                         # absolute positions of the block
+
+    def norm_rope(t, w, where):                      # t [dh], RMSNorm1p then NeoX RoPE (complex form)
+        t = t / np.sqrt((t ** 2).mean() + c.rms_norm_eps) * (1 + w)
+        z = (t[0:2] + 1j * t[2:4]) * np.exp(1j * where * 10000.0 ** (-np.arange(2) / 2))
+        return np.concatenate([z.real, z.imag, t[4:]])
+
+    qf = x @ W["q_proj.weight"].T
+    kf = x @ W["k_proj.weight"].T
+    vf = x @ W["v_proj.weight"].T
+    heads = []
+    for h in range(4):
+        g = h // 2
+        q = np.stack([norm_rope(qf[t, h * 16:h * 16 + 8], W["q_norm.weight"], pos[t]) for t in range(n)])
+        gate = qf[:, h * 16 + 8:h * 16 + 16]
+        k_blk = np.stack([norm_rope(kf[t, g * 8:(g + 1) * 8], W["k_norm.weight"], pos[t]) for t in range(n)])
+        keys = np.concatenate([mem.keys[3][g], k_blk])
+        vals = np.concatenate([mem.values[3][g], vf[:, g * 8:(g + 1) * 8]])
+        sc = q @ keys.T / math.sqrt(dh)
+        att = np.exp(sc - sc.max(1, keepdims=True))
+        att /= att.sum(1, keepdims=True)
+        heads.append(att @ vals * _sig(gate))
+        if h % 2 == 0:
+            np.testing.assert_allclose(rec["k"][g], k_blk, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(rec["mix"], np.concatenate(heads, axis=1) @ W["o_proj.weight"].T, rtol=1e-10, atol=1e-12)
+    # the cache of block 0 holds keys at positions 0..3: recompute one
+    assert mem.keys[3].shape == (2, 4, 8)
+
+
+def test_moe_and_head_match_formula(model, second_block):
+    _, logits, layers = second_block
+    c = model.cfg
+    for i in (0, 3):
+        rec, p = layers[i], f"model.layers.{i}.mlp."
+        W = lambda k: model.w[p + k].astype(np.float64)  # noqa: E731
+        h = rec["h"]
+        x = h / np.sqrt((h ** 2).mean(1, keepdims=True) + c.rms_norm_eps) * (1 + model.w[f"model.layers.{i}.post_attention_layernorm.weight"])
+        for t in range(len(x)):
+            lg = W("gate.weight") @ x[t]
+            pr = np.exp(lg) / np.exp(lg).sum()
+            top = sorted(range(4), key=lambda e: -pr[e])[:2]
+            wts = pr[top] / pr[top].sum()
+            silu = lambda a: a * _sig(a)  # noqa: E731
+            out = sum(wt * W(f"experts.{e}.down_proj.weight") @ (silu(W(f"experts.{e}.gate_proj.weight") @ x[t]) * (W(f"experts.{e}.up_proj.weight") @ x[t]))
+                      for e, wt in zip(top, wts))
+            sh = W("shared_expert.down_proj.weight") @ (silu(W("shared_expert.gate_proj.weight") @ x[t]) * (W("shared_expert.up_proj.weight") @ x[t]))
+            out = out + _sig(W("shared_expert_gate.weight")[0] @ x[t]) * sh
+            np.testing.assert_allclose(rec["x_out"][t], h[t] + out, rtol=1e-10, atol=1e-12)
+    y = layers[-1]["x_out"]
+    yn = y / np.sqrt((y ** 2).mean(1, keepdims=True) + c.rms_norm_eps) * (1 + model.w["model.norm.weight"])
+    np.testing.assert_allclose(logits, yn @ model.w["lm_head.weight"].T.astype(np.float64), rtol=1e-10, atol=1e-10)
+    # the logits are not degenerate: top probabilities spread between 0.05 and 0.999
+    pr = np.exp(logits - logits.max(1, keepdims=True))
+    pr = (pr / pr.sum(1, keepdims=True)).max(1)
+    assert np.all(pr < 0.999) and np.all(pr > 0.05)
+
+
+# ------------------------------------------------------------------------- conv, tau, rope
+
+def test_bidirectional_conv_taps():
+    rng = np.random.default_rng(2)
+    C, K, R, n = 3, 4, 2, 5
+    tail, u = rng.normal(size=(K - 1, C)), rng.normal(size=(n, C))
+    wc, wl = rng.normal(size=(C, K)), rng.normal(size=(C, R))
+    c = bidirectional_conv(tail, u, wc, wl)
+    # hand formula for t = 1, with U = [tail; u]
+    want1 = wc[:, 0] * tail[1] + wc[:, 1] * tail[2] + wc[:, 2] * u[0] + wc[:, 3] * u[1] \
+        + wl[:, 0] * u[2] + wl[:, 1] * u[3]
+    np.testing.assert_allclose(c[1], want1)
+    # last row: lookahead reads zeros past the block end
+    want_last = wc[:, 0] * u[1] + wc[:, 1] * u[2] + wc[:, 2] * u[3] + wc[:, 3] * u[4]
+    np.testing.assert_allclose(c[n - 1], want_last)
+    # a shorter block: rows far from its end are unchanged, rows near its end lose lookahead
+    m = 3
+    cm = bidirectional_conv(tail, u[:m], wc, wl)
+    np.testing.assert_allclose(cm[:m - R], c[:m - R])
+    assert not np.allclose(cm[m - 1], c[m - 1])     # lookahead within the block matters
+    cz = bidirectional_conv(tail, np.concatenate([u[:m], np.zeros((2, C))]), wc, wl)
+    np.testing.assert_allclose(cm, cz[:m])           # == zeros past the end
+
+
+def test_model_conv_never_reads_past_block_end(model):
+    mem = model.new_memory()
+    model.commit(mem, [7, 8, 9, 10], 4)
+    K = model.cfg.linear_conv_kernel_dim
+    w_c = model.w["model.layers.0.linear_attn.conv1d.weight"][:, 0, :]
+    _, full = model.trace(mem, [11, 12, 13, 14], 4)
+    _, part = model.trace(mem, [11, 12], 4)
+    _, other = model.trace(mem, [11, 12, 40, 41], 4)
+    u, c = part[0]["u"], part[0]["conv"]             # layer 0: u is per token
+    np.testing.assert_array_equal(u, full[0]["u"][:2])
+    # last row of the 2-token pass: causal taps only (tail rows + u), no lookahead
+    U = np.concatenate([mem.conv_tail[0], u])
+    causal = sum(w_c[:, j] * U[1 + j] for j in range(K))
+    np.testing.assert_allclose(c[1], causal)
+    # in the full block the same rows see tokens 2, 3 through the lookahead taps
+    assert not np.allclose(full[0]["conv"][:2], c)
+    assert not np.allclose(full[0]["conv"][:2], other[0]["conv"][:2])
+    # causal taps of the first row read the committed tail (last K-1 rows of block 0)
+    np.testing.assert_array_equal(mem.conv_tail[0], model.trace(model.new_memory(), [7, 8, 9, 10], 4)[1][0]["u"][1:])
+
+
+def test_block_calibration(cfg, weights):
+    calib = np.array([[0.3, -0.2], [0.5, 1.5]])
+    np.testing.assert_allclose(block_tau(calib, 4, 4), np.exp([0.3, -0.2]))
+    np.testing.assert_allclose(block_tau(calib, 8, 4), [math.exp(0.3) * math.sqrt(2), math.exp(-0.2) * 2 ** 1.5])
+    np.testing.assert_allclose(block_tau(calib, 2, 8), [math.exp(0.3) * 0.25 ** 0.5, math.exp(-0.2) * 0.25 ** 1.5])
+    # model level: run at B = 8 with B0 = 4 == theta shifted by phi*ln 2 with phi = 0
+    shifted = dict(weights)
+    for i, lt in enumerate(cfg.layer_types):
+        if lt == "linear_attention":
+            k = f"model.layers.{i}.linear_attn.block_calib"
+            th, ph = weights[k].astype(np.float64)
+            shifted[k] = np.stack([th + ph * math.log(2), np.zeros_like(ph)])
+    toks = [1, 2, 3, 4, 5, MASK, MASK, 6]
+    a = CloverReference(cfg, weights).block_pass(CloverReference(cfg, weights).new_memory(), toks, 8)
+    mb = CloverReference(cfg, shifted)
+    np.testing.assert_allclose(a, mb.block_pass(mb.new_memory(), toks, 8), rtol=1e-6, atol=1e-6)
+    # and it is not the uncalibrated value
+    mc = CloverReference(dataclasses.replace(cfg, block_size=8), weights)
+    assert not np.allclose(a, mc.block_pass(mc.new_memory(), toks, 8))
+
+
+def test_rope_neox_hand_value():
+    x = np.arange(1.0, 9.0).reshape(1, 1, 8)         # dh 8, rotary dims 4: pairs (0,2), (1,3)
+    y = rope_neox(x, np.array([3]), 4, 100.0)
+    a0, a1 = 3.0, 3.0 / 100.0 ** 0.5
+    want = [1 * math.cos(a0) - 3 * math.sin(a0), 2 * math.cos(a1) - 4 * math.sin(a1),
+            3 * math.cos(a0) + 1 * math.sin(a0), 4 * math.cos(a1) + 2 * math.sin(a1), 5, 6, 7, 8]
+    np.testing.assert_allclose(y[0, 0], want)
+
+
+# ------------------------------------------------------------------------- weights
+
+def test_fused_experts_and_tied_lm_head(cfg, weights, model):
+    toks = [3, 1, 4, 1]
+    ref = model.block_pass(model.new_memory(), toks, 4)
+    fused = CloverReference(cfg, make_weights(cfg, fused=True))
+    np.testing.assert_array_equal(fused.block_pass(fused.new_memory(), toks, 4), ref)
+    # tied: lm_head absent, or config says tied (lm_head ignored) == lm_head equal to embeddings
+    no_head = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    emb_head = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    t1 = CloverReference(cfg, no_head)
+    t2 = CloverReference(dataclasses.replace(cfg, tie_word_embeddings=True), weights)
+    u = CloverReference(cfg, emb_head)
+    l1 = t1.block_pass(t1.new_memory(), toks, 4)
+    np.testing.assert_array_equal(l1, t2.block_pass(t2.new_memory(), toks, 4))
+    np.testing.assert_array_equal(l1, u.block_pass(u.new_memory(), toks, 4))
+    assert not np.allclose(l1, ref)
+    with pytest.raises(ValueError):
+        CloverReference(cfg, {k: v for k, v in weights.items() if "in_proj_m" not in k})
+
+
+def test_from_pretrained_single_file(tmp_path, cfg, weights, model):
+    import json
+    from safetensors.numpy import save_file
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    loaded = CloverReference.from_pretrained(tmp_path)
+    toks = [9, 8, 7]
+    np.testing.assert_array_equal(loaded.block_pass(loaded.new_memory(), toks, 4),
+                                  model.block_pass(model.new_memory(), toks, 4))
+
+
+def test_from_pretrained_generated_checkpoint(tmp_path):
+    ckpt = pytest.importorskip("clover_cpp.checkpoints")
+    ckpt.write_checkpoint(tmp_path, preset="tiny", dtype="bf16", shards=2, fused_experts=True, tied=True)
+    m = CloverReference.from_pretrained(tmp_path)
+    B = m.cfg.block_size
+    logits = m.block_pass(m.new_memory(), [1, 2, 3][:B], B)
+    assert np.all(np.isfinite(logits)) and logits.shape[1] == m.cfg.vocab_size
+
+
+# ------------------------------------------------------------------------- decoding
+
+PROMPT = [5, 17, 3, 22, 9, 41]
+
+
+def test_b1_is_autoregressive(model):
+    res = generate(model, PROMPT, max_tokens=6, block_size=1, stop_at_eos=False)
+    mem = model.new_memory()
+    for t in PROMPT:
+        model.commit(mem, [t], 1)
+    want = []
+    for _ in range(6):
+        logits = model.block_pass(mem, [MASK], 1)[0]
+        logits[MASK] = -np.inf
+        want.append(int(np.argmax(logits)))
+        model.commit(mem, [want[-1]], 1)
+    assert res.tokens == want
+    assert res.n_steps == 6 and res.tokens_per_forward == 1.0
+    assert res.n_forward == 6 + len(PROMPT) + 5      # passes + prompt commits + decode commits
+
+
+def test_greedy_threshold_behaviour(model):
+    steps = []
+    cb = lambda start, canvas, n_masked: steps.append((start, n_masked)) and False  # noqa: E731
+    r1 = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=1.0, step_callback=cb,
+                  stop_at_eos=False)
+    # prompt 6 tokens: 1 prefill block, first decode block at 4 has 2 masks, then 4, 4
+    assert [s for s in steps if s[0] == 4] == [(4, 1), (4, 0)]
+    assert [s for s in steps if s[0] == 8] == [(8, 3), (8, 2), (8, 1), (8, 0)]
+    assert r1.n_steps == 10 and len(r1.tokens) == 10 and r1.n_commits == 1 + 2
+    assert r1.n_forward == r1.n_steps + r1.n_commits
+    r0 = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=0.0, stop_at_eos=False)
+    assert r0.n_steps == 3 and r0.tokens_per_forward == pytest.approx(10 / 3)
+    assert MASK not in r1.tokens and MASK not in r0.tokens
+    # max_steps cap: at most 2 steps per block even with threshold 1
+    steps.clear()
+    r2 = generate(model, [], max_tokens=12, block_size=4, threshold=1.0, max_steps=2,
+                  step_callback=cb, stop_at_eos=False)
+    assert [n for _, n in steps] == [2, 0, 2, 0, 2, 0] and r2.n_steps == 6
+    # max_steps 3 on 4 masks: ceil(4/3)=2, then ceil(2/2)=1, then 1
+    steps.clear()
+    generate(model, [], max_tokens=4, block_size=4, threshold=1.0, max_steps=3, step_callback=cb)
+    assert [n for _, n in steps] == [2, 1, 0]
+
+
+def test_max_tokens_cut_and_eos_stop(cfg, weights, model):
+    full = generate(model, PROMPT, max_tokens=14, block_size=4, stop_at_eos=False)
+    assert len(full.tokens) == 14
+    cut = generate(model, PROMPT, max_tokens=5, block_size=4, stop_at_eos=False)
+    assert cut.tokens == full.tokens[:5] and cut.finish_reason == "max_tokens"
+    assert cut.n_commits == 2           # prefill + first decode block; the last is not committed
+    # make a token the greedy run produces be EOS: output stops before its first occurrence
+    pos = 7
+    eos = full.tokens[pos]
+    first = full.tokens.index(eos)
+    me = CloverReference(dataclasses.replace(cfg, eos_token_id=eos, eos_token_ids=(eos,)), weights)
+    r = generate(me, PROMPT, max_tokens=14, block_size=4)
+    assert r.tokens == full.tokens[:first] and r.finish_reason == "eos"
+    n_blocks = (len(PROMPT) + first) // 4 - len(PROMPT) // 4 + 1   # decode blocks run
+    assert r.n_commits == 1 + n_blocks - 1
+    r_no = generate(me, PROMPT, max_tokens=14, block_size=4, stop_at_eos=False)
+    assert r_no.tokens == full.tokens
+
+
+def test_sampling_seeded_and_never_mask(model):
+    kw = dict(max_tokens=12, block_size=4, temperature=1.5, top_k=20, top_p=0.95, stop_at_eos=False)
+    a = generate(model, PROMPT, seed=1, **kw)
+    b = generate(model, PROMPT, seed=1, **kw)
+    c = generate(model, PROMPT, seed=2, **kw)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert MASK not in a.tokens + c.tokens
+    greedy = generate(model, PROMPT, max_tokens=12, block_size=4, stop_at_eos=False)
+    assert a.tokens != greedy.tokens
+    # top_k = 1 sampling is greedy at any temperature
+    k1 = generate(model, PROMPT, max_tokens=12, block_size=4, temperature=2.0, top_k=1,
+                  threshold=0.0, stop_at_eos=False)
+    g0 = generate(model, PROMPT, max_tokens=12, block_size=4, threshold=0.0, stop_at_eos=False)
+    assert k1.tokens == g0.tokens
+
+
+def test_cancel(model):
+    r = generate(model, PROMPT, max_tokens=12, block_size=4, threshold=1.0,
+                 step_callback=lambda s, c, n: True)
+    assert r.tokens == [] and r.finish_reason == "cancelled" and r.n_steps == 1
+    # cancelling right after a finished block keeps that block
+    r = generate(model, PROMPT, max_tokens=12, block_size=4, threshold=0.0,
+                 step_callback=lambda s, c, n: n == 0 and s == 4, stop_at_eos=False)
+    assert len(r.tokens) == 2 and r.finish_reason == "cancelled"
+    assert isinstance(r, GenerateResult)
+
+
+def test_mask_token_is_never_a_candidate(model):
+    """A model that loves the mask token decodes exactly like the plain one."""
+    class MaskLover(CloverReference):
+        def block_pass(self, mem, tokens, block_size):
+            logits = super().block_pass(mem, tokens, block_size)
+            logits[:, MASK] += 1e3
+            return logits
+    lover = MaskLover(model.cfg, model.w)
+    for kw in (dict(), dict(temperature=1.0, top_k=8, top_p=0.9, seed=3)):
+        a = generate(lover, PROMPT, max_tokens=9, block_size=4, stop_at_eos=False, **kw)
+        b = generate(model, PROMPT, max_tokens=9, block_size=4, stop_at_eos=False, **kw)
+        assert a.tokens == b.tokens and a.n_steps == b.n_steps and MASK not in a.tokens
+
+
+@pytest.mark.parametrize("threshold,max_steps", [(1.0, 0), (0.3, 0), (1.0, 3)])
+def test_unmask_choice_replayed(model, threshold, max_steps):
+    """Replay each step of one greedy block and check which positions were unmasked."""
+    canvases = []
+    generate(model, [], max_tokens=4, block_size=4, threshold=threshold, max_steps=max_steps,
+             step_callback=lambda s, c, n: canvases.append(c))
+    prev, mem = [MASK] * 4, model.new_memory()
+    for step, cur in enumerate(canvases):
+        logits = model.block_pass(mem, prev, 4)
+        masked = [p for p in range(4) if prev[p] == MASK]
+        conf, tok = {}, {}
+        for p in masked:
+            lg = np.delete(logits[p], MASK)            # the mask token is not a candidate
+            pr = np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum()
+            conf[p], tok[p] = pr.max(), int(np.argmax(pr))
+            tok[p] += tok[p] >= MASK
+        by_conf = sorted(masked, key=lambda p: (-conf[p], p))
+        n = max(1, sum(conf[p] >= threshold for p in masked))
+        if max_steps:
+            n = max(n, math.ceil(len(masked) / (max_steps - step)))
+        want = sorted(by_conf[:n])
+        assert [p for p in masked if cur[p] != MASK] == want
+        assert all(cur[p] == tok[p] for p in want)
+        prev = cur
+    assert MASK not in prev
+
+
+def test_top_p_tiny_is_greedy(model):
+    g = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=0.0, stop_at_eos=False)
+    s = generate(model, PROMPT, max_tokens=10, block_size=4, temperature=1.0, top_p=1e-9,
+                 threshold=0.999, seed=5, stop_at_eos=False)
+    assert s.tokens == g.tokens and s.n_steps == g.n_steps == 3   # confidence 1: one step a block
