@@ -18,6 +18,7 @@ PY=$VENV/bin/python
 BUILD=$ROOT/build
 SDIST=${CLOVER_CACHE:-$HOME/.cache/clover-cpp}/llama_cpp_python-0.3.36.tar.gz
 JOBS=${CLOVER_JOBS:-$(nproc 2>/dev/null || echo 2)}
+export CCACHE_BASEDIR=$ROOT  # lets ccache reuse objects across checkouts
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
