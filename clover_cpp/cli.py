@@ -90,7 +90,7 @@ class CloverGroup(click.Group):
         return code
 
 
-@click.group(cls=CloverGroup, context_settings=CONTEXT_SETTINGS)
+@click.group(name="clover", cls=CloverGroup, context_settings=CONTEXT_SETTINGS)
 @click.version_option(package_name="clover-cpp", prog_name="clover")
 def cli() -> None:
     """Clover block-diffusion language models on llama.cpp.

@@ -1,0 +1,274 @@
+"""The ``clover`` command: every subcommand's happy path through click's CliRunner, a few real
+subprocesses, and user errors (one ``error:`` line, exit status 1, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from clover_cpp import _native
+from clover_cpp.checkpoints import write_checkpoint
+from clover_cpp.cli import cli
+
+try:
+    _native.find_library()
+    _NO_LIB = None
+except _native.CloverLibraryNotFound as e:  # pragma: no cover - depends on the build
+    _NO_LIB = f"libclover is not built ({e})"
+
+needs_lib = pytest.mark.skipif(_NO_LIB is not None, reason=_NO_LIB or "")
+
+REPO = Path(__file__).resolve().parent.parent
+CLOVER_BIN = REPO / ".venv" / "bin" / "clover"
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from clover_convert import convert
+
+    import gguf
+
+    d = tmp_path_factory.mktemp("cli")
+    ck = d / "ck"
+    write_checkpoint(ck, preset="tiny", dtype="f32")
+    model = d / "tiny-f32.gguf"
+    convert(str(ck), str(model), outtype="f32", force=True, progress=False)
+    junk = d / "junk.gguf"
+    junk.write_bytes(np.random.default_rng(1).bytes(2048))
+    llama = d / "llama.gguf"
+    w = gguf.GGUFWriter(str(llama), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"dir": d, "ck": ck, "model": model, "junk": junk, "llama": llama}
+
+
+def invoke(args: list[str], input: str | None = None):
+    runner = CliRunner()
+    return runner.invoke(cli, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def assert_user_error(res, *needles: str) -> None:
+    assert res.exit_code == 1, res.output
+    out = res.output
+    assert "Traceback" not in out
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    for n in needles:
+        assert n in lines[0], out
+
+
+# ----------------------------------------------------------------------------- help
+
+@pytest.mark.parametrize("cmd", [[], ["convert"], ["quantize"], ["run"], ["chat"], ["inspect"], ["bench"], ["demo"]])
+def test_help(cmd: list[str]) -> None:
+    res = invoke(cmd + ["--help"])
+    assert res.exit_code == 0
+    assert "Usage: clover" in res.output
+
+
+# ----------------------------------------------------------------------------- happy paths
+
+def test_convert(files, tmp_path: Path) -> None:
+    out = tmp_path / "conv.gguf"
+    res = invoke(["convert", files["ck"], out, "--outtype", "f16"])
+    assert res.exit_code == 0, res.output
+    assert out.is_file() and "wrote" in res.output
+    res = invoke(["convert", files["ck"], tmp_path / "dry.gguf", "--dry-run"])
+    assert res.exit_code == 0 and "token_embd.weight" in res.output
+    assert not (tmp_path / "dry.gguf").exists()
+    assert_user_error(invoke(["convert", files["ck"], out]), "already exists")
+    assert invoke(["convert", files["ck"], out, "--force", "--outtype", "q8_0"]).exit_code == 0
+
+
+def test_inspect(files) -> None:
+    res = invoke(["inspect", files["model"]])
+    assert res.exit_code == 0, res.output
+    for needle in ("architecture:  clover", "diffusion.block_size", "85", "token_embd.weight",
+                   "tokenizer:", "mask 559", "chat template: yes"):
+        assert needle in res.output
+    res = invoke(["inspect", files["model"], "--json"])
+    d = json.loads(res.output)
+    assert d["architecture"] == "clover" and d["n_tensors"] == 85
+    assert d["hyperparameters"]["block_count"] == 4
+    assert len(invoke(["inspect", files["model"], "--tensors"]).output.splitlines()) > 85
+
+
+@needs_lib
+def test_quantize(files, tmp_path: Path) -> None:
+    out = tmp_path / "q.gguf"
+    res = invoke(["quantize", files["model"], out, "q8_0", "-t", "1"])
+    assert res.exit_code == 0, res.output
+    assert out.is_file() and "Q8_0" in res.output
+    assert "Q8_0" in invoke(["inspect", out]).output
+    assert_user_error(invoke(["quantize", files["model"], out, "Q4_K_M"]), "already exists")
+    res = invoke(["quantize", files["model"], out, "Q4_K_M", "--force", "-t", "1"])
+    assert res.exit_code == 0, res.output
+    assert "Q4_K_M" in invoke(["inspect", out]).output
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@needs_lib
+def test_run_plain(files) -> None:
+    from clover_cpp import Clover
+
+    res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "24", "-t", "1", "--no-visual"])
+    assert res.exit_code == 0, res.output
+    with Clover(files["model"], n_threads=1) as m:
+        want = m.generate("hello world", max_tokens=24).text
+    assert res.stdout == want + "\n"
+    assert "[clover]" in res.stderr and "tok/forward" in res.stderr and "generated=24" in res.stderr
+
+
+@needs_lib
+def test_run_visual(files) -> None:
+    res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1", "--visual",
+                  "--echo", "-b", "4", "--threshold", "0.5"])
+    assert res.exit_code == 0, res.output
+    assert "\u2591" in res.stdout and "\x1b[" in res.stdout  # masked cells, ANSI redraws
+    assert "B=4" in res.stderr
+
+
+@needs_lib
+def test_run_prompt_file_and_stdin(files, tmp_path: Path) -> None:
+    pf = tmp_path / "prompt.txt"
+    pf.write_text("hello world")
+    a = invoke(["run", "-m", files["model"], "-f", pf, "-n", "8", "-t", "1", "--no-visual", "--no-stats"])
+    b = invoke(["run", "-m", files["model"], "-p", "-", "-n", "8", "-t", "1", "--no-visual", "--no-stats"],
+               input="hello world")
+    assert a.exit_code == 0 and b.exit_code == 0
+    assert a.stdout == b.stdout and a.stdout.strip()
+
+
+@needs_lib
+def test_chat(files) -> None:
+    res = invoke(["chat", "-m", files["model"], "-n", "8", "-t", "1", "--no-visual", "--stats"],
+                 input="hi there\nhow are you?\n/exit\nnot read\n")
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("[clover]") == 2  # two replies, the line after /exit is not read
+    res = invoke(["chat", "-m", files["model"], "-n", "8", "-t", "1", "--no-visual"], input="hello\n")
+    assert res.exit_code == 0, res.output  # end of input ends the chat
+
+
+@needs_lib
+def test_bench(files) -> None:
+    res = invoke(["bench", "-m", files["model"], "--block-sizes", "4,8", "-n", "16", "-t", "1"])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    rows = [ln.split() for ln in lines if ln.strip() and ln.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["1", "4", "8"]  # B = 1 added as the baseline
+    assert rows[0][-1] == "1.00x" and rows[0][-2] == "1.00x"
+    assert all(r[1] == "16" for r in rows)
+
+
+@needs_lib
+def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CLOVER_DEMO_MODEL", raising=False)
+    import clover_cpp.cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "bundled_model_dir", lambda: None)  # the tiny preset path
+    cache = tmp_path / "cache"
+    res = invoke(["demo", "--cache-dir", cache, "-n", "16", "-t", "1", "--no-visual"])
+    assert res.exit_code == 0, res.output
+    assert (cache / "clover-tiny-f16.gguf").is_file()
+    assert res.stdout.startswith("def fibonacci(n):")
+    assert "tiny" in res.stderr and "[clover] B=8" in res.stderr and "[clover] B=1" in res.stderr
+    assert "vs autoregressive" in res.stderr
+    # second run reuses the cache
+    res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare"])
+    assert res.exit_code == 0 and "writing the tiny preset" not in res.stderr
+
+
+@needs_lib
+def test_demo_prefers_bundled_checkpoint(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint folder in models/clover-default (here: CLOVER_DEMO_MODEL) is used first."""
+    monkeypatch.setenv("CLOVER_DEMO_MODEL", str(files["ck"]))
+    cache = tmp_path / "cache"
+    res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare"])
+    assert res.exit_code == 0, res.output
+    assert str(files["ck"]) in res.stderr
+    assert list(cache.glob("clover-default-*-f16.gguf"))
+
+
+# ----------------------------------------------------------------------------- user errors
+
+@pytest.mark.parametrize("case", ["missing", "junk", "llama", "folder"])
+@pytest.mark.parametrize("cmd", ["run", "inspect", "quantize", "bench"])
+def test_bad_model_files(files, tmp_path: Path, case: str, cmd: str) -> None:
+    path = {"missing": tmp_path / "nope.gguf", "junk": files["junk"], "llama": files["llama"],
+            "folder": tmp_path}[case]
+    args = {"run": ["run", "-m", path, "-p", "x"], "inspect": ["inspect", path],
+            "quantize": ["quantize", path, tmp_path / "o.gguf", "Q8_0"], "bench": ["bench", "-m", path]}[cmd]
+    needle = {"missing": "no such file", "junk": "not a GGUF", "llama": "not a Clover model",
+              "folder": "folder"}[case]
+    assert_user_error(invoke(args), needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--threshold", "2"], "--threshold"),
+    (["--threshold", "-0.5"], "--threshold"),
+    (["-b", "0"], "--block-size"),
+    (["--block-size", "zero"], "--block-size"),
+    (["--temp", "-1"], "--temp"),
+    (["--top-p", "0"], "--top-p"),
+    (["-n", "-3"], "--n-predict"),
+    (["-c", "8", "-n", "64"], "n_ctx"),
+    (["--bogus-flag"], "bogus"),
+])
+def test_bad_run_flags(files, args: list[str], needle: str) -> None:
+    assert_user_error(invoke(["run", "-m", files["model"], "-p", "hello", "-t", "1", "--no-visual"] + args),
+                      needle)
+
+
+def test_other_user_errors(files, tmp_path: Path) -> None:
+    assert_user_error(invoke(["quantize", files["model"], tmp_path / "o.gguf", "Q9_X"]), "unknown quantization type")
+    assert_user_error(invoke(["run", "-m", files["model"]]), "missing prompt")
+    assert_user_error(invoke(["run", "-p", "x"]), "-m")
+    assert_user_error(invoke(["bench", "-m", files["model"], "--block-sizes", "4,0"]), "block-sizes")
+    assert_user_error(invoke(["convert", tmp_path / "no-such-ckpt", tmp_path / "x.gguf"]))
+    assert_user_error(invoke(["nosuchcommand"]), "nosuchcommand")
+    assert_user_error(invoke(["run", "-m", files["model"], "-f", tmp_path / "none.txt"]), "none.txt")
+
+
+# ----------------------------------------------------------------------------- real processes
+
+def _sub(args: list[str], **kw) -> subprocess.CompletedProcess:
+    exe = [str(CLOVER_BIN)] if CLOVER_BIN.exists() else [sys.executable, "-m", "clover_cpp.cli"]
+    env = dict(os.environ)
+    env.pop("CLOVER_DEBUG", None)
+    return subprocess.run(exe + [str(a) for a in args], capture_output=True, text=True, timeout=120, env=env, **kw)
+
+
+def test_subprocess_help() -> None:
+    p = _sub(["--help"])
+    assert p.returncode == 0 and "convert" in p.stdout and "demo" in p.stdout
+
+
+@needs_lib
+def test_subprocess_run(files) -> None:
+    p = _sub(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1", "--no-visual"])
+    assert p.returncode == 0, p.stderr
+    assert "\x1b[" not in p.stdout and p.stdout.endswith("\n") and len(p.stdout) > 1
+    assert p.stderr.startswith("[clover]") and "Traceback" not in p.stderr
+    # stdout is a pipe: plain text even without --no-visual
+    q = _sub(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1"])
+    assert q.returncode == 0 and q.stdout == p.stdout
+
+
+def test_subprocess_errors(files) -> None:
+    p = _sub(["run", "-m", files["junk"], "-p", "x"])
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in p.stderr
+    p = _sub(["run", "-m", files["model"], "-p", "x", "--threshold", "2"])
+    assert p.returncode == 1 and "Traceback" not in p.stderr and p.stderr.startswith("error: ")
