@@ -1,0 +1,240 @@
+"""Low-level ctypes declarations for libclover (native/clover.h).
+
+This is a thin, 1:1 layer in the style of llama-cpp-python's ``llama_cpp.llama_cpp``: the
+structs mirror clover.h field for field, and every function keeps its C signature. Errors are
+returned as int status codes (``CLOVER_OK`` = 0); nothing here raises on a bad status.
+
+The library is located, in order, via
+  1. the environment variable ``CLOVER_LIB_PATH`` (the library file itself or a directory
+     holding it),
+  2. ``build/bin`` next to the repository root (a source checkout built with CMake),
+  3. ``clover_cpp/lib`` inside the installed package.
+``load_library()`` raises ``CloverLibraryNotFound`` with the places tried when it is missing.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_float, c_int,
+                    c_int32, c_size_t, c_uint64, c_void_p)
+from pathlib import Path
+
+__all__ = [
+    "CloverLibraryNotFound", "find_library", "load_library", "lib",
+    "clover_model_params", "clover_context_params", "clover_generate_params", "clover_stats",
+    "clover_step_callback", "clover_block_callback",
+]
+
+# ----------------------------------------------------------------------------- constants
+CLOVER_API_VERSION = 1
+
+CLOVER_OK = 0
+CLOVER_ERR_INVALID_ARG = -1
+CLOVER_ERR_LOAD = -2
+CLOVER_ERR_DECODE = -3
+CLOVER_ERR_CANCELLED = -4
+CLOVER_ERR_CONTEXT_FULL = -5
+CLOVER_ERR_BUFFER_TOO_SMALL = -6
+CLOVER_ERR_INTERNAL = -7
+
+CLOVER_FINISH_NONE = 0
+CLOVER_FINISH_EOS = 1
+CLOVER_FINISH_MAX_TOKENS = 2
+CLOVER_FINISH_CANCELLED = 3
+
+FINISH_REASONS = {CLOVER_FINISH_NONE: "", CLOVER_FINISH_EOS: "eos",
+                  CLOVER_FINISH_MAX_TOKENS: "max_tokens", CLOVER_FINISH_CANCELLED: "cancelled"}
+
+
+# ----------------------------------------------------------------------------- structs
+class clover_model_params(Structure):
+    _fields_ = [
+        ("n_gpu_layers", c_int32),
+        ("use_mmap", c_int32),
+        ("use_mlock", c_int32),
+    ]
+
+
+class clover_context_params(Structure):
+    _fields_ = [
+        ("n_ctx", c_int32),
+        ("n_threads", c_int32),
+        ("block_size", c_int32),
+        ("flash_attn", c_int32),
+        ("kv_f32", c_int32),
+    ]
+
+
+# int (*)(int32_t block_start, const int32_t * canvas, int32_t block_size, int32_t n_masked, void * user_data)
+clover_step_callback = CFUNCTYPE(c_int, c_int32, POINTER(c_int32), c_int32, c_int32, c_void_p)
+# int (*)(int32_t block_start, const int32_t * tokens, int32_t n_tokens, void * user_data)
+clover_block_callback = CFUNCTYPE(c_int, c_int32, POINTER(c_int32), c_int32, c_void_p)
+
+
+class clover_generate_params(Structure):
+    _fields_ = [
+        ("block_size", c_int32),
+        ("threshold", c_double),
+        ("max_steps", c_int32),
+        ("temperature", c_double),
+        ("top_k", c_int32),
+        ("top_p", c_double),
+        ("seed", c_uint64),
+        ("max_tokens", c_int32),
+        ("stop_at_eos", c_int32),
+        ("step_callback", clover_step_callback),
+        ("block_callback", clover_block_callback),
+        ("user_data", c_void_p),
+    ]
+
+
+class clover_stats(Structure):
+    _fields_ = [
+        ("n_prompt", c_int32),
+        ("n_generated", c_int32),
+        ("n_forward", c_int32),
+        ("n_decode_passes", c_int32),
+        ("n_steps", c_int32),
+        ("n_commits", c_int32),
+        ("n_blocks", c_int32),
+        ("finish_reason", c_int32),
+        ("tokens_per_forward", c_double),
+        ("t_prefill_ms", c_double),
+        ("t_decode_ms", c_double),
+        ("tokens_per_second", c_double),
+    ]
+
+
+clover_model_p = c_void_p     # opaque clover_model *
+clover_context_p = c_void_p   # opaque clover_context *
+c_int32_p = POINTER(c_int32)
+c_float_p = POINTER(c_float)
+c_double_p = POINTER(c_double)
+
+
+# ----------------------------------------------------------------------------- loading
+class CloverLibraryNotFound(OSError):
+    pass
+
+
+def _lib_names() -> list[str]:
+    if sys.platform == "darwin":
+        return ["libclover.dylib"]
+    if sys.platform.startswith("win"):
+        return ["clover.dll", "libclover.dll"]
+    return ["libclover.so"]
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def _candidates() -> list[Path]:
+    out: list[Path] = []
+    env = os.environ.get("CLOVER_LIB_PATH")
+    if env:
+        p = Path(env)
+        out += [p / n for n in _lib_names()] if p.is_dir() else [p]
+    for d in (_repo_root() / "build" / "bin", Path(__file__).resolve().parent / "lib"):
+        out += [d / n for n in _lib_names()]
+    return out
+
+
+def find_library() -> Path:
+    """Path of libclover, or CloverLibraryNotFound listing where it looked."""
+    tried = _candidates()
+    env = os.environ.get("CLOVER_LIB_PATH")
+    if env:  # an explicit setting must not silently fall back to another build
+        for p in tried[: (len(_lib_names()) if Path(env).is_dir() else 1)]:
+            if p.is_file():
+                return p
+        raise CloverLibraryNotFound(f"CLOVER_LIB_PATH={env!r} does not name libclover "
+                                    f"(tried: {', '.join(map(str, tried[:len(_lib_names())]))})")
+    for p in tried:
+        if p.is_file():
+            return p
+    raise CloverLibraryNotFound(
+        "libclover not found (tried: " + ", ".join(map(str, tried)) + "). Build it with "
+        "`cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release && "
+        "cmake --build build --target clover`, or set CLOVER_LIB_PATH to the library file "
+        "or its directory.")
+
+
+def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
+    def fn(name, restype, *argtypes):
+        f = getattr(L, name)
+        f.restype = restype
+        f.argtypes = list(argtypes)
+
+    fn("clover_status_str", c_char_p, c_int)
+    fn("clover_set_verbosity", None, c_int)
+
+    fn("clover_model_default_params", clover_model_params)
+    fn("clover_model_load", clover_model_p, c_char_p, POINTER(clover_model_params), c_char_p, c_size_t)
+    fn("clover_model_free", None, clover_model_p)
+    fn("clover_n_vocab", c_int32, clover_model_p)
+    fn("clover_mask_token", c_int32, clover_model_p)
+    fn("clover_eos_token", c_int32, clover_model_p)
+    fn("clover_train_block_size", c_int32, clover_model_p)
+    fn("clover_n_ctx_train", c_int32, clover_model_p)
+    fn("clover_model_meta", c_int32, clover_model_p, c_char_p, c_char_p, c_size_t)
+    fn("clover_tokenize", c_int, clover_model_p, c_char_p, c_int32, c_int32_p, c_int32, c_int, c_int, c_int32_p)
+    fn("clover_token_to_piece", c_int, clover_model_p, c_int32, c_char_p, c_int32, c_int, c_int32_p)
+    fn("clover_detokenize", c_int, clover_model_p, c_int32_p, c_int32, c_char_p, c_int32, c_int, c_int, c_int32_p)
+
+    fn("clover_context_default_params", clover_context_params)
+    fn("clover_context_new", clover_context_p, clover_model_p, POINTER(clover_context_params), c_char_p, c_size_t)
+    fn("clover_context_free", None, clover_context_p)
+    fn("clover_block_size", c_int32, clover_context_p)
+    fn("clover_n_ctx", c_int32, clover_context_p)
+    fn("clover_set_block_size", c_int, clover_context_p, c_int32, c_char_p, c_size_t)
+    fn("clover_set_n_threads", c_int, clover_context_p, c_int32)
+
+    fn("clover_block_pass", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
+    fn("clover_commit", c_int, clover_context_p, c_int32_p, c_int32, c_char_p, c_size_t)
+    fn("clover_prefill", c_int, clover_context_p, c_int32_p, c_int32, c_int32_p, c_char_p, c_size_t)
+    fn("clover_reset", c_int, clover_context_p)
+    fn("clover_n_committed", c_int32, clover_context_p)
+
+    fn("clover_generate_default_params", clover_generate_params)
+    fn("clover_generate", c_int, clover_context_p, c_int32_p, c_int32, POINTER(clover_generate_params),
+       c_int32_p, c_int32, c_int32_p, POINTER(clover_stats), c_char_p, c_size_t)
+
+    fn("clover_pick_candidate", c_int, c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64,
+       c_int32_p, c_double_p)
+    fn("clover_select_unmask", c_int32, c_double_p, c_int32, c_double, c_int32, c_int32, c_int32_p)
+    return L
+
+
+_lib: ctypes.CDLL | None = None
+
+
+def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Load (once) and declare libclover. `path` overrides the search."""
+    global _lib
+    if _lib is not None and path is None:
+        return _lib
+    p = Path(path) if path is not None else find_library()
+    try:
+        L = ctypes.CDLL(str(p))
+    except OSError as e:
+        raise CloverLibraryNotFound(f"cannot load {p}: {e}") from e
+    _declare(L)
+    if path is None:
+        _lib = L
+    return L
+
+
+def lib() -> ctypes.CDLL:
+    return load_library()
+
+
+def err_buffer(size: int = 1024):
+    """A buffer for the `err, err_len` arguments: (buffer, length)."""
+    return ctypes.create_string_buffer(size), size
+
+
+def as_int32_array(tokens) -> "ctypes.Array[c_int32]":
+    seq = [int(t) for t in tokens]
+    return (c_int32 * max(len(seq), 1))(*seq)
