@@ -424,29 +424,49 @@ int decode_status(int rc, const char * what, std::string & msg) {
 }
 
 // block pass: seq 1 = copy of seq 0, decode there, read logits, drop seq 1.
-// `out` may be null (then `rows` receives pointers valid until the next decode).
-int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float * out, std::string & msg) {
+// want: which rows to compute (nullptr = all); rows[i] = the logits of token i (nullptr
+// where not wanted), valid until the next llama_decode on this context.
+int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const std::vector<char> * want,
+                    std::vector<const float *> & rows, std::string & msg) {
     llama_memory_t mem = llama_get_memory(c->lctx);
     llama_memory_seq_rm(mem, 1, -1, -1);
     llama_memory_seq_cp(mem, 0, 1, -1, -1);
     fill_batch(c, tokens, n, 1, true);
+    if (want) {
+        for (int32_t i = 0; i < n; ++i) {
+            c->batch.logits[i] = (*want)[i] ? 1 : 0;
+        }
+    }
     g_last_log_error.clear();
     const int rc = llama_decode(c->lctx, c->batch);
+    llama_memory_seq_rm(mem, 1, -1, -1);
     if (rc != 0) {
-        llama_memory_seq_rm(mem, 1, -1, -1);
         return decode_status(rc, "block pass", msg);
     }
-    const size_t V = (size_t) c->model->n_vocab;
+    rows.assign(n, nullptr);
     for (int32_t i = 0; i < n; ++i) {
-        const float * l = llama_get_logits_ith(c->lctx, i);
-        if (!l) {
-            llama_memory_seq_rm(mem, 1, -1, -1);
+        if (want && !(*want)[i]) {
+            continue;
+        }
+        rows[i] = llama_get_logits_ith(c->lctx, i);
+        if (!rows[i]) {
             msg = "block pass: no logits for token " + std::to_string(i);
             return CLOVER_ERR_DECODE;
         }
-        memcpy(out + i * V, l, V * sizeof(float));
     }
-    llama_memory_seq_rm(mem, 1, -1, -1);
+    return CLOVER_OK;
+}
+
+int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float * out, std::string & msg) {
+    std::vector<const float *> rows;
+    const int rc = block_pass_rows(c, tokens, n, nullptr, rows, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    const size_t V = (size_t) c->model->n_vocab;
+    for (int32_t i = 0; i < n; ++i) {
+        memcpy(out + i * V, rows[i], V * sizeof(float));
+    }
     return CLOVER_OK;
 }
 
@@ -1050,7 +1070,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
 
         std::vector<int32_t> canvas(B);
-        std::vector<float>   logits((size_t) B * V);
+        std::vector<char>    want(B);          // logits only for the masked positions
+        std::vector<const float *> rows;
         std::vector<int32_t> masked, cand_tok, order;
         std::vector<double>  cand_conf;
         int32_t              n_rest = n_prompt - n_full;
@@ -1068,7 +1089,10 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             ++n_blocks;
             int32_t step = 0;
             while (!masked.empty()) {
-                rc = block_pass_impl(ctx, canvas.data(), B, logits.data(), msg);
+                for (int32_t i = 0; i < B; ++i) {
+                    want[i] = canvas[i] == mask;
+                }
+                rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
                 if (rc != CLOVER_OK) {
                     finish = CLOVER_FINISH_NONE;
                     finish_stats();
@@ -1080,7 +1104,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 cand_conf.resize(nm);
                 order.resize(nm);
                 for (int32_t j = 0; j < nm; ++j) {
-                    clover_detail::pick_candidate(logits.data() + (size_t) masked[j] * V, V, mask, gp.temperature,
+                    clover_detail::pick_candidate(rows[masked[j]], V, mask, gp.temperature,
                                                   gp.top_k, gp.top_p, rng, work, cand_tok[j], cand_conf[j]);
                 }
                 const int32_t k = clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, step,
