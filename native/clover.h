@@ -154,7 +154,9 @@ CLOVER_API int clover_block_pass(clover_context * ctx, const int32_t * tokens, i
 /* Write the n final tokens of the current block into the memory (n_committed += n). */
 CLOVER_API int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len);
 /* Commit every complete block of `tokens` (n_committed must be 0 or block aligned); returns
- * through *n_rest the number of trailing tokens (< B) left uncommitted. */
+ * through *n_rest the number of trailing tokens (< B) left uncommitted. One llama_decode per
+ * block (the pinned llama.cpp refuses non-causal batches larger than n_ubatch); the numbers
+ * are those of block-by-block clover_commit calls. */
 CLOVER_API int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest,
                               char * err, size_t err_len);
 /* Clear the memory (n_committed = 0). */
@@ -164,13 +166,14 @@ CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
 /* ---------------------------------------------------------------- generation */
 
 /* Called after every denoising step: block_start = absolute position of the block,
- * canvas = its block_size tokens (masked positions hold the mask token), n_masked = masks
- * left. Return nonzero to cancel. */
+ * canvas = its block_size tokens (masked positions hold the mask token; valid during the
+ * call only), n_masked = masks left. Return nonzero to cancel. */
 typedef int (*clover_step_callback)(int32_t block_start, const int32_t * canvas, int32_t block_size,
                                     int32_t n_masked, void * user_data);
 /* Called once per finished block with the tokens it adds to the output (the generated
- * positions, already cut at EOS / max_tokens; n_tokens may be 0). The concatenation of
- * everything passed to it equals the final output. Return nonzero to cancel (stop now). */
+ * positions, already cut at EOS / max_tokens; n_tokens may be 0; valid during the call
+ * only). The concatenation of everything passed to it equals the final output. Called
+ * before the block is committed; return nonzero to cancel (stop now). */
 typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens, int32_t n_tokens,
                                      void * user_data);
 
