@@ -35,8 +35,9 @@ void log_callback(ggml_log_level level, const char * text, void * /*user*/) {
         g_last_level = level;
     }
     if (eff == GGML_LOG_LEVEL_ERROR && text) {
-        if (level != GGML_LOG_LEVEL_CONT) {
-            g_last_log_error.clear();
+        // keep every error line since the last clear: the first one usually names the cause
+        if (level != GGML_LOG_LEVEL_CONT && !g_last_log_error.empty()) {
+            g_last_log_error += "; ";
         }
         g_last_log_error += text;
         if (g_last_log_error.size() > 2000) {
@@ -64,7 +65,36 @@ std::string trim(std::string s) {
         s.pop_back();
     }
     std::replace(s.begin(), s.end(), '\n', ' ');
+    for (size_t at; (at = s.find(" ; ")) != std::string::npos;) {
+        s.erase(at, 1);
+    }
     return s;
+}
+
+// The generic llama.cpp loader GGML_ASSERTs (aborts) on some counts; check them first.
+std::string check_hparams(const gguf_context * g) {
+    auto get_u32 = [&](const char * key, int64_t & out) {
+        const int64_t id = gguf_find_key(g, key);
+        if (id < 0) {
+            return false;
+        }
+        switch (gguf_get_kv_type(g, id)) {
+            case GGUF_TYPE_UINT32: out = gguf_get_val_u32(g, id); return true;
+            case GGUF_TYPE_INT32:  out = gguf_get_val_i32(g, id); return true;
+            default:               return false;
+        }
+    };
+    int64_t n_layer = 0, n_expert = 0, n_used = 0;
+    if (!get_u32("clover.block_count", n_layer) || n_layer < 1 || n_layer > 512) {
+        return "clover.block_count must be a u32 in [1, 512]";
+    }
+    if (!get_u32("clover.expert_count", n_expert) || n_expert < 1 || n_expert > 1024) {
+        return "clover.expert_count must be a u32 in [1, 1024]";
+    }
+    if (!get_u32("clover.expert_used_count", n_used) || n_used < 1 || n_used > n_expert) {
+        return "clover.expert_used_count must be a u32 in [1, clover.expert_count]";
+    }
+    return "";
 }
 
 std::string last_log_error() {
@@ -588,6 +618,7 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
             if (k >= 0 && gguf_get_kv_type(g, k) == GGUF_TYPE_STRING) {
                 arch = gguf_get_val_str(g, k);
             }
+            const std::string bad = arch == "clover" ? check_hparams(g) : "";
             gguf_free(g);
             if (k < 0) {
                 return set_err(err, err_len, CLOVER_ERR_LOAD,
@@ -597,6 +628,9 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
                 return set_err(err, err_len, CLOVER_ERR_LOAD,
                                std::string("'") + path + "' is a '" + arch +
                                    "' model, not a 'clover' model (general.architecture)");
+            }
+            if (!bad.empty()) {
+                return set_err(err, err_len, CLOVER_ERR_LOAD, std::string("'") + path + "': " + bad);
             }
         }
         llama_model_params lp = llama_model_default_params();

@@ -799,6 +799,48 @@ def test_errors_model_files(artifacts, tmp_path):
     assert not L.clover_model_load(None, None, eb, el)
 
 
+def _rewrite_gguf(src, dst, *, drop_tensor=None, kv=None, shrink_tensor=None):
+    """Copy a GGUF, optionally dropping a tensor, overriding keys or cutting a tensor's last column."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "clover")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        value = (kv or {}).get(f.name, f.contents())
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(f.name, value, f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, value, f.types[0])
+    for t in reader.tensors:
+        if t.name == drop_tensor:
+            continue
+        data = np.array(t.data)
+        if t.name == shrink_tensor:
+            data = np.ascontiguousarray(data[..., :-1])
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("missing", dict(drop_tensor="blk.0.ssm_mix.weight"), "tensor 'blk.0.ssm_mix.weight' not found"),
+    ("block0", dict(kv={"clover.diffusion.block_size": 0}), "diffusion.block_size must be > 0"),
+    ("experts", dict(kv={"clover.expert_used_count": 99}), "expert_used_count must be a u32 in [1, clover.expert_count]"),
+    ("shape", dict(shrink_tensor="blk.1.ssm_out.weight"), "tensor 'blk.1.ssm_out.weight' has wrong shape"),
+])
+def test_bad_clover_gguf_fails_to_load_with_a_message(artifacts, tmp_path, case, edit, message):
+    bad = tmp_path / f"{case}.gguf"
+    _rewrite_gguf(artifacts["f32"], bad, **edit)
+    eb, el = N.err_buffer()
+    m = L.clover_model_load(str(bad).encode(), None, eb, el)
+    assert not m
+    assert message in eb.value.decode()
+
+
 # ----------------------------------------------------------------------------- CLI
 @pytest.mark.skipif(not CLI.is_file(), reason="clover-cli is not built")
 def test_cli(artifacts):
