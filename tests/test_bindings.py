@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from clover_cpp import _native
-from clover_cpp.checkpoints import write_checkpoint
 
 try:
     _LIB = _native.find_library()
@@ -24,16 +23,9 @@ PROMPTS = ["hello world", "def fibonacci(n):", "The quick brown fox jumps over t
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(checkpoint folder, f32 GGUF) of the tiny preset, built once."""
-    from clover_convert import convert
-
-    d = tmp_path_factory.mktemp("bindings")
-    ck = d / "ck"
-    write_checkpoint(ck, preset="tiny", dtype="f32")
-    gguf_path = d / "tiny-f32.gguf"
-    convert(str(ck), str(gguf_path), outtype="f32", force=True, progress=False)
-    return ck, gguf_path
+def tiny(tiny_artifacts) -> tuple[Path, Path]:
+    """(checkpoint folder, f32 GGUF) of the tiny preset."""
+    return tiny_artifacts["ckpt"], tiny_artifacts["f32"]
 
 
 @pytest.fixture(scope="session")
@@ -306,21 +298,11 @@ def test_errors(model, tiny, tmp_path: Path) -> None:
     assert issubclass(CloverError, RuntimeError)
 
 
-def test_wrong_architecture(tmp_path: Path) -> None:
-    import gguf
-
+def test_wrong_architecture(llama_gguf: Path) -> None:
     from clover_cpp import Clover, CloverError
 
-    p = tmp_path / "llama.gguf"
-    w = gguf.GGUFWriter(str(p), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(CloverError):
-        Clover(p)
+    with pytest.raises(CloverError, match="not a 'clover' model"):
+        Clover(llama_gguf)
 
 
 def test_two_models_and_close(tiny) -> None:

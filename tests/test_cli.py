@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 
 from clover_cpp import _native
-from clover_cpp.checkpoints import write_checkpoint
 from clover_cpp.cli import cli
 
 try:
@@ -30,27 +29,11 @@ CLOVER_BIN = REPO / ".venv" / "bin" / "clover"
 
 
 @pytest.fixture(scope="session")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from clover_convert import convert
-
-    import gguf
-
-    d = tmp_path_factory.mktemp("cli")
-    ck = d / "ck"
-    write_checkpoint(ck, preset="tiny", dtype="f32")
-    model = d / "tiny-f32.gguf"
-    convert(str(ck), str(model), outtype="f32", force=True, progress=False)
+def files(tiny_artifacts, llama_gguf) -> dict[str, Path]:
+    d = tiny_artifacts["dir"]
     junk = d / "junk.gguf"
     junk.write_bytes(np.random.default_rng(1).bytes(2048))
-    llama = d / "llama.gguf"
-    w = gguf.GGUFWriter(str(llama), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {"dir": d, "ck": ck, "model": model, "junk": junk, "llama": llama}
+    return {"dir": d, "ck": tiny_artifacts["ckpt"], "model": tiny_artifacts["f32"], "junk": junk, "llama": llama_gguf}
 
 
 def invoke(args: list[str], input: str | None = None):

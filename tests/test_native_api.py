@@ -175,18 +175,8 @@ class Ctx:
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    from clover_cpp.checkpoints import write_checkpoint
-    import clover_convert
-
-    d = tmp_path_factory.mktemp("clover_native")
-    ckpt = d / "tiny"
-    cfg = write_checkpoint(ckpt, preset="tiny", dtype="f32")
-    ggufs = {}
-    for t in ("f32", "f16", "q8_0"):
-        ggufs[t] = d / f"tiny-{t}.gguf"
-        clover_convert.convert(ckpt, ggufs[t], outtype=t, progress=False)
-    return {"dir": d, "ckpt": ckpt, "cfg": cfg, **ggufs}
+def artifacts(tiny_artifacts):
+    return tiny_artifacts
 
 
 @pytest.fixture(scope="module")
@@ -767,9 +757,7 @@ def test_errors_block_size_and_passes(model, vocab_hi):
     L.clover_model_free(None)
 
 
-def test_errors_model_files(artifacts, tmp_path):
-    import gguf
-
+def test_errors_model_files(artifacts, tmp_path, llama_gguf):
     eb, el = N.err_buffer()
 
     def load(p):
@@ -787,14 +775,7 @@ def test_errors_model_files(artifacts, tmp_path):
     m, msg = load(tmp_path / "trunc.gguf")
     assert not m and msg
     # a GGUF of another architecture
-    w = gguf.GGUFWriter(str(tmp_path / "llama.gguf"), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    m, msg = load(tmp_path / "llama.gguf")
+    m, msg = load(llama_gguf)
     assert not m and "'llama'" in msg and "clover" in msg
     assert not L.clover_model_load(None, None, eb, el)
 

@@ -4,8 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from clover_convert import convert
-from clover_cpp.checkpoints import write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,17 +15,9 @@ def load_check_ops():
     return module
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ops")
-    write_checkpoint(folder / "hf", preset="tiny", dtype="f32")
-    convert(folder / "hf", folder / "tiny.gguf", outtype="f16", progress=False)
-    return folder / "tiny.gguf"
-
-
-def test_graph_ops_supported_by_every_backend(tiny_gguf):
+def test_graph_ops_supported_by_every_backend(tiny_artifacts):
     check_ops = load_check_ops()
-    ops = check_ops.graph_ops(tiny_gguf, 8)
+    ops = check_ops.graph_ops(tiny_artifacts["f16"], 8)
     # the ops that make Clover what it is must really be in the graph
     for op in ("GATED_DELTA_NET", "SSM_CONV", "PAD", "SOFT_MAX", "MUL_MAT_ID", "ROPE", "EXP"):
         assert op in ops

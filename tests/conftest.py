@@ -1,0 +1,37 @@
+"""Fixtures shared by the test modules: the tiny preset as a checkpoint and as GGUFs."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny preset (f32 checkpoint) converted once to f32, f16 and q8_0 GGUFs."""
+    from clover_convert import convert
+    from clover_cpp.checkpoints import write_checkpoint
+
+    d = tmp_path_factory.mktemp("tiny")
+    ckpt = d / "ck"
+    cfg = write_checkpoint(ckpt, preset="tiny", dtype="f32")
+    ggufs = {}
+    for outtype in ("f32", "f16", "q8_0"):
+        ggufs[outtype] = d / f"tiny-{outtype}.gguf"
+        convert(ckpt, ggufs[outtype], outtype=outtype, progress=False)
+    return {"dir": d, "ckpt": ckpt, "cfg": cfg, **ggufs}
+
+
+@pytest.fixture(scope="session")
+def llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A valid GGUF of another architecture ('llama')."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("foreign") / "llama.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
