@@ -1,0 +1,126 @@
+"""Training code: torch forward == numpy reference, masking, resume (needs torch)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # train/ is not installed
+
+torch = pytest.importorskip("torch")
+
+from clover_cpp.reference import CloverConfig, CloverReference  # noqa: E402
+from train.model import CloverTorch  # noqa: E402
+from train import train as tr  # noqa: E402
+
+
+def tiny_cfg(**kw) -> CloverConfig:
+    d = dict(vocab_size=50, hidden_size=16, num_hidden_layers=3, full_attention_interval=2,
+             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_conv_lookahead=2,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=8, partial_rotary_factor=0.5,
+             rope_theta=10000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             shared_expert_intermediate_size=8, block_size=4, mask_token_id=49, eos_token_id=48)
+    d.update(kw)
+    return CloverConfig.from_dict(d)
+
+
+def random_model(cfg: CloverConfig, seed: int = 0) -> CloverTorch:
+    m = CloverTorch(cfg, seed=seed).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # bigger than the training init so that every path matters
+        for name, p in m.p.items():
+            if "A_log" in name or "dt_bias" in name:
+                continue
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return m
+
+
+@pytest.mark.parametrize("B", [4, 2, 8, 3])
+def test_forward_matches_reference(B):
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    ref = CloverReference(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
+    rng = np.random.default_rng(B)
+    N, nb = 2, 3
+    T = nb * B
+    clean = rng.integers(0, 48, size=(N, T))
+    noisy = np.where(rng.random((N, T)) < 0.5, cfg.mask_token_id, clean)
+    trace: dict = {}
+    with torch.no_grad():
+        logits, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, trace=trace)
+    for n in range(N):
+        mem = ref.new_memory()
+        for b in range(nb):
+            sl = slice(b * B, (b + 1) * B)
+            want = ref.block_pass(mem, noisy[n, sl], B)
+            np.testing.assert_allclose(logits[n, sl].numpy(), want, rtol=1e-5, atol=1e-6)
+            ref.commit(mem, clean[n, sl], B)
+            for i, S in mem.state.items():   # states after committing block b (f32 in the reference)
+                np.testing.assert_allclose(trace["states"][i][n, b + 1].numpy(), S, rtol=1e-5, atol=1e-6)
+        for i, tail in mem.conv_tail.items():
+            np.testing.assert_allclose(trace["conv_tail"][i][n].numpy(), tail, rtol=1e-5, atol=1e-6)
+        for i, k in mem.keys.items():
+            np.testing.assert_allclose(trace["keys"][i][n].numpy(), k, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(trace["values"][i][n].numpy(), mem.values[i], rtol=1e-5, atol=1e-6)
+
+
+def test_hf_roundtrip_and_tied():
+    cfg = tiny_cfg(tie_word_embeddings=True, linear_conv_lookahead=0)
+    a, b = random_model(cfg, 1), CloverTorch(cfg, seed=5).double()
+    b.load_hf(a.hf_state_dict())
+    for k in a.p:
+        assert torch.equal(a.p[k], b.p[k])
+    assert "lm_head.weight" not in a.hf_state_dict()
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in a.hf_state_dict()
+
+
+def test_mask_and_loss_only_on_masked():
+    cfg = tiny_cfg()
+    rng = np.random.default_rng(0)
+    clean = rng.integers(0, 48, size=(3, 16))
+    noisy, masked = tr.mask_blocks(clean, 4, cfg.mask_token_id, rng, t_min=0.05)
+    assert np.array_equal(noisy[~masked], clean[~masked])
+    assert np.all(noisy[masked] == cfg.mask_token_id)
+    per_block = masked.reshape(3, 4, 4).sum(-1)
+    assert per_block.min() >= 1
+    # the loss ignores the logits of unmasked positions
+    model = random_model(cfg)
+    logits, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4)
+    loss = tr.masked_loss(logits, torch.as_tensor(clean), torch.as_tensor(masked))
+    poked = logits.detach().clone()
+    poked[torch.as_tensor(~masked)] += torch.randn(int((~masked).sum()), cfg.vocab_size, dtype=poked.dtype) * 10
+    assert torch.allclose(loss, tr.masked_loss(poked, torch.as_tensor(clean), torch.as_tensor(masked)))
+    logits2 = logits.detach().clone().requires_grad_(True)
+    tr.masked_loss(logits2, torch.as_tensor(clean), torch.as_tensor(masked)).backward()
+    assert torch.all(logits2.grad[torch.as_tensor(~masked)] == 0)
+
+
+def test_resume_matches_uninterrupted(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 48, size=4000).astype(np.int16)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "train.npy", tokens)
+    np.save(data / "heldout.npy", tokens[:400])
+    common = ["--data", str(data), "--preset", "test", "--batch", "2", "--seq-len", "16",
+              "--block-sizes", "4:0.5,8:0.5", "--eval-every", "0", "--warmup", "2", "--seed", "3"]
+    full = tr.main(common + ["--out", str(tmp_path / "a"), "--steps", "6"])
+    tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "6", "--stop-after", "3"])
+    rest = tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "6", "--resume"])
+    assert len(full) == 6 and len(rest) == 3
+    np.testing.assert_array_equal(np.array(full[3:]), np.array(rest))
+
+
+def test_select_equals_full_logits():
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    rng = np.random.default_rng(1)
+    clean = rng.integers(0, 48, size=(2, 8))
+    noisy, masked = tr.mask_blocks(clean, 4, cfg.mask_token_id, rng)
+    with torch.no_grad():
+        full, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4)
+        sel, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4, select=torch.as_tensor(masked))
+    assert torch.allclose(full[torch.as_tensor(masked)], sel)

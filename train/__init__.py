@@ -1,0 +1,1 @@
+"""Training code for the small default Clover (needs the `train` extra: torch, matplotlib)."""
