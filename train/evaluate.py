@@ -1,0 +1,287 @@
+"""Evaluate the exported default model on the native runtime (one run, one machine).
+
+* speed: tokens per forward (decode passes) and tokens/s for thresholds x block sizes
+  against B = 1 on the same f16 GGUF, prompts = the first --prompt-len tokens of each
+  held-out file, --new-tokens new tokens, stop_at_eos off, greedy;
+* quality proxy: share of generated positions where threshold decoding gives the same
+  token as B = 1 greedy (position by position), and the mean length of the common prefix;
+* held-out masked-token loss of the GGUFs (Clover.block_logits: block pass of the noisy
+  block, then commit of the clean block) vs the torch checkpoint, same windows and masks
+  as train.train.heldout_loss;
+* quantization: mean KL(f32 || quant) of the block-pass distributions at the masked
+  positions of held-out blocks, and file sizes;
+* chart train/eval.png, tables in train/RESULTS.md, raw numbers in train/eval_results.json.
+
+    python -m train.evaluate --model models/clover-default --run train/runs/default --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from clover_cpp import Clover
+from clover_cpp.quant import quantize
+from clover_convert import convert
+
+THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95)
+BLOCK_SIZES = (4, 8, 16, 32)
+QUANTS = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M")
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def build_ggufs(model: Path, work: Path) -> dict[str, Path]:
+    work.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for t in ("f32", "f16"):
+        p = work / f"clover-default-{t}.gguf"
+        convert(str(model), str(p), outtype=t, force=True, progress=False)
+        out[t] = p
+    for q in QUANTS:
+        p = work / f"clover-default-{q}.gguf"
+        quantize(out["f32"], p, q, force=True)
+        out[q] = p
+    return out
+
+
+def prompts(data: Path, n: int, plen: int) -> list[list[int]]:
+    held = np.load(data / "heldout.npy").astype(np.int64)
+    starts = np.load(data / "heldout_starts.npy")
+    ends = list(starts[1:]) + [len(held)]
+    out = [held[s:s + plen].tolist() for s, e in zip(starts, ends) if e - s >= plen]
+    return out[:n]
+
+
+def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int) -> dict:
+    res: dict = {"runs": []}
+    with Clover(gguf, n_ctx=1024, n_threads=threads) as m:
+        m.generate(prompt_list[0], max_tokens=16, block_size=1, stop_at_eos=False)   # warm up
+        m.generate(prompt_list[0], max_tokens=16, block_size=32, stop_at_eos=False)
+        base = []
+        for p in prompt_list:
+            r = m.generate(p, max_tokens=new, block_size=1, threshold=1.0, stop_at_eos=False)
+            base.append(r)
+        res["B1"] = agg(base, base)
+        res["B1_tokens"] = [r.tokens for r in base]
+        for B in BLOCK_SIZES:
+            for th in THRESHOLDS:
+                rs = [m.generate(p, max_tokens=new, block_size=B, threshold=th, stop_at_eos=False)
+                      for p in prompt_list]
+                a = agg(rs, base)
+                a.update(B=B, threshold=th)
+                res["runs"].append(a)
+                log(f"B={B:2d} th={th:.2f}: {a['tpf']:.2f} tok/fwd, {a['tps']:.0f} tok/s, "
+                    f"agree {a['agree']:.1%}, prefix {a['prefix']:.1f}")
+        res["samples"] = {"prompt": m.detokenize(prompt_list[0]),
+                          "B1": base[0].text,
+                          "B32_t0.9": m.generate(prompt_list[0], max_tokens=new, block_size=32,
+                                                 threshold=0.9, stop_at_eos=False).text}
+    return res
+
+
+def agg(rs, base) -> dict:
+    n_tok = sum(len(r.tokens) for r in rs)
+    passes = sum(r.stats.n_decode_passes for r in rs)
+    t_ms = sum(r.stats.t_decode_ms for r in rs)
+    same = tot = 0
+    prefix = []
+    for r, b in zip(rs, base):
+        k = min(len(r.tokens), len(b.tokens))
+        eq = np.asarray(r.tokens[:k]) == np.asarray(b.tokens[:k])
+        same += int(eq.sum())
+        tot += k
+        prefix.append(int(np.argmin(eq)) if not eq.all() else k)
+    return {"tpf": n_tok / passes, "tps": n_tok / (t_ms / 1000.0), "agree": same / max(tot, 1),
+            "prefix": float(np.mean(prefix)), "tokens": n_tok, "passes": passes, "decode_ms": t_ms}
+
+
+def heldout_windows(data: Path, T: int, n: int):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from train.train import EVAL_SEED, heldout_windows as hw, mask_blocks
+    w = hw(data, T, n)
+    rng = np.random.default_rng(EVAL_SEED)
+    noisy, masked = [], []
+    for s in range(0, len(w), 8):     # same draws, in the same order, as train.train.heldout_loss
+        nz, mk = mask_blocks(w[s:s + 8], 32, MASK_ID, rng)
+        noisy.append(nz)
+        masked.append(mk)
+    return w, np.concatenate(noisy), np.concatenate(masked)
+
+
+MASK_ID = 4095
+
+
+def gguf_block_logprobs(gguf: Path, clean, noisy, masked, B: int, threads: int) -> list[np.ndarray]:
+    """Per window: log-softmax of the block-pass logits at the masked positions [n_masked, V]."""
+    out = []
+    with Clover(gguf, n_ctx=1024, n_threads=threads, block_size=B) as m:
+        for c, nz, mk in zip(clean, noisy, masked):
+            m.reset()
+            rows = []
+            for s in range(0, len(c), B):
+                lg = m.block_logits(nz[s:s + B].tolist()).astype(np.float64)
+                rows.append(lg[mk[s:s + B]])
+                m.commit(c[s:s + B].tolist())
+            lg = np.concatenate(rows)
+            lg = lg - lg.max(-1, keepdims=True)
+            out.append(lg - np.log(np.exp(lg).sum(-1, keepdims=True)))
+    return out
+
+
+def masked_ce(logp: list[np.ndarray], clean, masked) -> float:
+    tot = cnt = 0.0
+    for lp, c, mk in zip(logp, clean, masked):
+        tgt = c[mk]
+        tot -= float(lp[np.arange(len(tgt)), tgt].sum())
+        cnt += len(tgt)
+    return tot / cnt
+
+
+def torch_loss(run: Path, data: Path, n: int, threads: int) -> float:
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from train.export import load_run
+    from train.train import heldout_loss, heldout_windows as hw
+    torch.set_num_threads(threads)
+    model, st = load_run(run)
+    return heldout_loss(model, hw(data, st["args"]["seq_len"], n), model.cfg.block_size, model.cfg.mask_token_id)
+
+
+def chart(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axs = plt.subplots(1, 3, figsize=(13, 3.8), dpi=100)
+    for B in BLOCK_SIZES:
+        rr = [r for r in res["runs"] if r["B"] == B]
+        th = [r["threshold"] for r in rr]
+        axs[0].plot(th, [r["tpf"] for r in rr], "o-", label=f"B={B}")
+        axs[1].plot(th, [r["tps"] for r in rr], "o-", label=f"B={B}")
+        axs[2].plot(th, [100 * r["agree"] for r in rr], "o-", label=f"B={B}")
+    axs[0].axhline(1.0, color="k", ls="--", lw=1, label="B=1")
+    axs[1].axhline(res["B1"]["tps"], color="k", ls="--", lw=1, label="B=1")
+    axs[0].set_ylabel("tokens per forward")
+    axs[1].set_ylabel("tokens / s (decode, 2 threads)")
+    axs[2].set_ylabel("% tokens equal to B=1 greedy")
+    for ax in axs:
+        ax.set_xlabel("confidence threshold")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("clover-default (f16 GGUF), held-out stdlib prompts")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_md(res: dict, path: Path, cmd: str) -> None:
+    sp = res["speed"]
+    b1 = sp["B1"]
+    L = [f"# clover-default: evaluation\n",
+         f"Measured in one run of `{cmd}` on {res['machine']} ({res['threads']} threads), "
+         f"{res['date']}. Model: `models/clover-default` converted to an f16 GGUF. Prompts: the first "
+         f"{res['prompt_len']} tokens of each of the {res['n_prompts']} held-out stdlib files, "
+         f"{res['new_tokens']} new tokens each, greedy, stop_at_eos off.\n",
+         f"Baseline B = 1 (autoregressive, same weights): {b1['tpf']:.2f} tokens per forward, "
+         f"{b1['tps']:.0f} tokens/s.\n",
+         "## Tokens per forward (decode passes)\n",
+         "| threshold | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " |",
+         "|---|" + "---|" * len(BLOCK_SIZES)]
+    for key, title, fmt in (("tpf", None, "{:.2f}"), ("tps", "Tokens per second (decode; B=1: %.0f)" % b1["tps"], "{:.0f}"),
+                            ("speedup", "Speed-up in tokens/s over B = 1", "{:.2f}x"),
+                            ("agree", "Agreement with B = 1 greedy (share of positions)", "{:.1%}"),
+                            ("prefix", "Mean common prefix with B = 1 greedy (tokens)", "{:.1f}")):
+        if title:
+            L += ["", f"## {title}\n", "| threshold | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " |",
+                  "|---|" + "---|" * len(BLOCK_SIZES)]
+        for th in THRESHOLDS:
+            row = []
+            for B in BLOCK_SIZES:
+                r = next(x for x in sp["runs"] if x["B"] == B and x["threshold"] == th)
+                v = r["tps"] / b1["tps"] if key == "speedup" else r[key]
+                row.append(fmt.format(v))
+            L.append(f"| {th} | " + " | ".join(row) + " |")
+    L += ["", "![eval](eval.png)", "", "## Held-out masked-token loss\n",
+          f"Same {res['loss_windows']} held-out windows of 256 tokens, B = 32, fixed masks "
+          "(t ~ U(0.05, 1] per block), mean cross-entropy over the masked positions (nats).\n",
+          "| model | loss |", "|---|---|"]
+    for k, v in res["loss"].items():
+        L.append(f"| {k} | {v:.4f} |")
+    L += ["", "## Quantization\n",
+          f"Mean KL(f32 || quant) of the block-pass token distributions at the masked positions "
+          f"of {res['kl_windows']} held-out windows (B = 32, memory built from the clean blocks by "
+          "each model itself), file sizes.\n",
+          "| GGUF | size (MB) | mean KL | held-out loss |", "|---|---|---|---|"]
+    for k, v in res["quant"].items():
+        kl = "-" if v["kl"] is None else f"{v['kl']:.5f}"
+        L.append(f"| {k} | {v['mb']:.2f} | {kl} | {v['loss']:.4f} |")
+    s = sp["samples"]
+    L += ["", "## Sample (first held-out prompt)\n", "Prompt:\n", "```python", s["prompt"], "```",
+          "\nB = 1 greedy:\n", "```python", s["B1"], "```", "\nB = 32, threshold 0.9:\n",
+          "```python", s["B32_t0.9"], "```", ""]
+    path.write_text("\n".join(L) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="models/clover-default")
+    ap.add_argument("--run", default="train/runs/default", help="torch run folder (ckpt.pt) for the loss comparison")
+    ap.add_argument("--data", default="train/runs/data")
+    ap.add_argument("--work", default="train/runs/eval")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--loss-windows", type=int, default=32)
+    ap.add_argument("--kl-windows", type=int, default=16)
+    ap.add_argument("--out", default="train")
+    a = ap.parse_args(argv)
+    cmd = "python -m train.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])
+    model, data, work, out = Path(a.model), Path(a.data), Path(a.work), Path(a.out)
+    global MASK_ID
+    MASK_ID = json.loads((model / "config.json").read_text())["mask_token_id"]
+    t0 = time.time()
+    g = build_ggufs(model, work)
+    log(f"GGUFs built in {time.time() - t0:.0f}s")
+    ps = prompts(data, a.n_prompts, a.prompt_len)
+    res: dict = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip() + ", shared 2-core CPU box",
+                 "threads": a.threads, "date": time.strftime("%Y-%m-%d"), "prompt_len": a.prompt_len,
+                 "n_prompts": len(ps), "new_tokens": a.new_tokens, "loss_windows": a.loss_windows,
+                 "kl_windows": a.kl_windows}
+    res["speed"] = speed(g["f16"], ps, a.new_tokens, a.threads)
+    log(f"speed done at {time.time() - t0:.0f}s")
+    clean, noisy, masked = heldout_windows(data, 256, a.loss_windows)
+    res["loss"] = {}
+    if Path(a.run, "ckpt.pt").is_file():
+        res["loss"]["torch checkpoint (f32)"] = torch_loss(Path(a.run), data, a.loss_windows, a.threads)
+    lp = {}
+    for k in ("f32", "f16"):
+        lp[k] = gguf_block_logprobs(g[k], clean, noisy, masked, 32, a.threads)
+        res["loss"][f"GGUF {k}"] = masked_ce(lp[k], clean, masked)
+    kc, kn, km = clean[:a.kl_windows], noisy[:a.kl_windows], masked[:a.kl_windows]
+    ref = lp["f32"][:a.kl_windows]
+    res["quant"] = {}
+    for k in ("f32", "f16") + QUANTS:
+        q = lp[k][:a.kl_windows] if k in lp else gguf_block_logprobs(g[k], kc, kn, km, 32, a.threads)
+        kl = None if k == "f32" else float(np.mean(np.concatenate(
+            [(np.exp(p) * (p - qq)).sum(-1) for p, qq in zip(ref, q)])))
+        res["quant"][k] = {"mb": g[k].stat().st_size / 1e6, "kl": kl, "loss": masked_ce(q, kc, km)}
+        log(f"{k}: {res['quant'][k]}")
+    res["seconds"] = time.time() - t0
+    (out / "eval_results.json").write_text(json.dumps(res, indent=1) + "\n")
+    chart(res["speed"], out / "eval.png")
+    write_md(res, out / "RESULTS.md", cmd)
+    log(f"done in {res['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Export a training checkpoint as a Hugging Face checkpoint folder (models/clover-default/).
+
+Writes model.safetensors (matrices in BF16; the small per-channel tensors — norms, conv
+taps, A_log, dt_bias, block_calib — in F32), config.json, generation_config.json,
+tokenizer.json + tokenizer_config.json (the BPE of train/data.py, ChatML template),
+loss.png (training curve) and README.md (model card).
+
+    python -m train.export --run train/runs/default --data train/runs/data --out models/clover-default
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clover_convert.safetensors_io import write_safetensors
+from clover_cpp.reference import CloverConfig
+from train.model import CloverTorch
+
+HF_EXTRA = {
+    "model_type": "clover",
+    "architectures": ["CloverForBlockDiffusion"],
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "bos_token_id": None,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+def load_run(run: Path) -> tuple[CloverTorch, dict]:
+    st = torch.load(run / "ckpt.pt", weights_only=False, map_location="cpu")
+    cfg = CloverConfig.from_dict(st["config"])
+    model = CloverTorch(cfg)
+    model.load_state_dict(st["model"])
+    model.eval()
+    return model, st
+
+
+def is_f32(name: str, arr: np.ndarray) -> bool:
+    return arr.ndim < 2 or "conv1d" in name or "block_calib" in name
+
+
+def hf_config(cfg: CloverConfig) -> dict:
+    keys = ["vocab_size", "hidden_size", "num_hidden_layers", "full_attention_interval", "layer_types",
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "linear_conv_lookahead",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "partial_rotary_factor",
+            "rope_theta", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "norm_topk_prob", "rms_norm_eps", "block_size",
+            "mask_token_id", "eos_token_id", "tie_word_embeddings"]
+    d = {k: getattr(cfg, k) for k in keys}
+    d["layer_types"] = list(d["layer_types"])
+    d["pad_token_id"] = cfg.eos_token_id
+    d.update(HF_EXTRA)
+    return dict(sorted(d.items()))
+
+
+def read_log(run: Path) -> list[dict]:
+    with open(run / "log.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot_loss(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tok = np.array([float(r["tokens_seen"]) for r in rows]) / 1e6
+    loss = np.array([float(r["loss"]) for r in rows])
+    k = 25
+    smooth = np.convolve(loss, np.ones(k) / k, mode="valid") if len(loss) > k else loss
+    ev = [(float(r["tokens_seen"]) / 1e6, float(r["heldout_loss"])) for r in rows if r["heldout_loss"]]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+    ax.plot(tok, loss, color="#bbbbbb", lw=0.6, label="train (per step)")
+    ax.plot(tok[len(tok) - len(smooth):], smooth, color="C0", lw=1.5, label=f"train ({k}-step mean)")
+    if ev:
+        ax.plot(*zip(*ev), "o-", color="C3", ms=3, lw=1.2, label="held-out (B=32, fixed masks)")
+    ax.set_xlabel("training tokens seen (millions, clean windows)")
+    ax.set_ylabel("masked-token cross-entropy (nats)")
+    ax.set_title("clover-default: block-diffusion training on Python stdlib sources")
+    ax.set_ylim(bottom=max(0.0, min(loss.min(), min((e[1] for e in ev), default=9)) - 0.3),
+                top=min(9.0, float(np.percentile(loss, 99)) + 0.3))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
+    model, st = load_run(run)
+    cfg = model.cfg
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.hf_state_dict().items():
+        arr = t.float().numpy()
+        tensors[name] = (arr, "F32" if is_f32(name, arr) else "BF16")
+    write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+    hfc = hf_config(cfg)
+    (out / "config.json").write_text(json.dumps(hfc, indent=2) + "\n")
+    gen = {"_from_model_config": False, "bos_token_id": None, "eos_token_id": cfg.eos_token_id,
+           "pad_token_id": cfg.eos_token_id, "mask_token_id": cfg.mask_token_id,
+           "block_size": cfg.block_size, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(data / f, out / f)
+    rows = read_log(run)
+    plot_loss(rows, out / "loss.png")
+    meta = json.loads((data / "meta.json").read_text())
+    args = st["args"]
+    ev = [r for r in rows if r["heldout_loss"] and int(r["step"]) <= st["step"]]
+    info = {"step": st["step"], "steps_planned": args["steps"], "elapsed_s": st.get("elapsed", 0.0),
+            "tokens_seen": st["step"] * args["batch"] * args["seq_len"],
+            "heldout_loss": float(ev[-1]["heldout_loss"]) if ev else None,
+            "params": sum(int(np.prod(a.shape)) for a, _ in tensors.values())}
+    (out / "README.md").write_text(model_card(hfc, args, meta, info, card_extra))
+    return info
+
+
+def model_card(hfc: dict, args: dict, meta: dict, info: dict, extra: str) -> str:
+    E, k = hfc["num_experts"], hfc["num_experts_per_tok"]
+    H, I, Is = hfc["hidden_size"], hfc["moe_intermediate_size"], hfc["shared_expert_intermediate_size"]
+    n_active = info["params"] - hfc["num_hidden_layers"] * (E - k) * 3 * H * I - hfc["vocab_size"] * H
+    cmd_data = f"python -m train.data --out {args['data']}"
+    cmd_train = ("nice -n 10 python -m train.train " + " ".join(
+        f"--{k.replace('_', '-')} {args[k]}" for k in
+        ("data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes")))
+    cmd_export = f"python -m train.export --run {args['out']} --data {args['data']} --out models/clover-default"
+    hl = f"{info['heldout_loss']:.3f}" if info["heldout_loss"] is not None else "n/a"
+    partial = ("" if info["step"] >= info["steps_planned"] else
+               f" (exported from an intermediate checkpoint: {info['step']} of {info['steps_planned']} planned steps)")
+    return f"""# clover-default
+
+A small **Clover** block-diffusion MoE language model trained from scratch on CPU, shipped
+with clover-cpp as the default model of `clover demo`. It is a toy: it has learned the
+surface of Python code (indentation, `def`/`self.`/`return` patterns, common stdlib
+identifiers), not to program. Its job is to give confident, peaked distributions so that
+threshold decoding unmasks several tokens per forward pass, which random weights never do.
+
+## Data
+
+* The Python {meta['python']} standard library's own `*.py` sources
+  (`sysconfig.get_paths()["stdlib"]`), excluding the directories
+  {', '.join('`' + d + '`' for d in meta['exclude_dirs'])} (tests, IDLE, demos, and the
+  data-like `pydoc_data` and `encodings` tables).
+* Held out: {meta['heldout']['files']} files (a deterministic 2%: `sha1(relative path) % 100 < 2`):
+  {', '.join('`' + f + '`' for f in meta['heldout_files'])}.
+* Training set: {meta['train']['files']} files, {meta['train']['bytes'] / 1e6:.1f} MB,
+  {meta['train']['tokens']:,} tokens; held-out {meta['heldout']['tokens']:,} tokens. Files are
+  joined with `<|endoftext|>`.
+
+## Tokenizer
+
+Byte-level BPE (Qwen2-style pre-tokenizer) trained with `clover_cpp.bpe.train_bpe` on all
+training files: {meta['vocab_size']} tokens = 256 bytes + merges + the specials
+`<|endoftext|>` ({hfc['eos_token_id']}, EOS/pad), `<|im_start|>`, `<|im_end|>`, `<|mask|>`
+({hfc['mask_token_id']}). ChatML chat template (the model was never trained on chat).
+
+## Architecture (config.json)
+
+| | |
+|---|---|
+| parameters | {info['params'] / 1e6:.2f} M total, ~{n_active / 1e6:.2f} M active per token (excluding the embedding) |
+| layers | {hfc['num_hidden_layers']}: {', '.join('GDN' if t == 'linear_attention' else 'full attention' for t in hfc['layer_types'])} |
+| hidden | {H} |
+| GDN | Hk={hfc['linear_num_key_heads']}, Hv={hfc['linear_num_value_heads']}, dk=dv={hfc['linear_key_head_dim']}, conv K={hfc['linear_conv_kernel_dim']} + lookahead R={hfc['linear_conv_lookahead']}, block calibration, memory/block gate |
+| full attention | {hfc['num_attention_heads']} heads, {hfc['num_key_value_heads']} KV heads, head_dim {hfc['head_dim']}, partial RoPE {hfc['partial_rotary_factor']} (theta {hfc['rope_theta']:g}) |
+| MoE | {E} experts, top-{k}, expert width {I}, shared expert {Is} |
+| vocab | {hfc['vocab_size']} |
+| block size B0 | {hfc['block_size']} |
+
+Weights: matrices BF16, norms / conv taps / A_log / dt_bias / block_calib F32.
+
+## Training
+
+* Objective (BD3-LM / SDAR style): windows of {args['seq_len']} tokens cut into blocks of B
+  (one B per step, drawn from `{args['block_sizes']}` so that the block calibration
+  `tau = exp(theta + phi ln(B/B0))` sees several B); per sequence and block t ~ U(0.05, 1] and
+  max(1, round(tB)) random positions become `<|mask|>`; block b is denoised against the
+  memory (GDN state, conv tail, KV) of the clean blocks before it; cross-entropy on the
+  masked positions only, token mean (no 1/t weight), + 0.01 MoE load-balancing loss.
+* AdamW (0.9, 0.95), lr {args['lr']} with {args['warmup']} warmup steps and cosine decay to
+  10%, weight decay {args['weight_decay']}, grad clip {args['clip']}, batch {args['batch']} x {args['seq_len']} tokens,
+  fp32, seed {args['seed']}, 1 CPU thread (torch {torch.__version__}).
+* {info['step']} steps{partial}, {info['tokens_seen']:,} training tokens
+  ({info['tokens_seen'] / max(1, meta['train']['tokens']):.2f} epochs), {info['elapsed_s'] / 60:.0f} minutes.
+* Held-out masked-token loss (B = 32, fixed masks, t ~ U(0.05, 1]): **{hl} nats**.
+
+![loss](loss.png)
+{extra}
+## Reproduce
+
+From the repository root, with `pip install -e .[train]` (torch CPU build), on the same
+Python {meta['python']} standard library:
+
+```
+{cmd_data}
+{cmd_train}
+{cmd_export}
+```
+
+## Limits
+
+Trained on {args['seq_len']}-token windows only; longer contexts are untested. Tiny model,
+tiny data: expect plausible-looking but wrong code. Not for any real use.
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", default="train/runs/default")
+    ap.add_argument("--data", default="train/runs/data")
+    ap.add_argument("--out", default="models/clover-default")
+    ap.add_argument("--card-extra", default="", help="a markdown file appended to the model card")
+    a = ap.parse_args(argv)
+    extra = Path(a.card_extra).read_text() if a.card_extra else ""
+    info = export(Path(a.run), Path(a.data), Path(a.out), extra)
+    print(json.dumps(info, indent=1))
+
+
+if __name__ == "__main__":
+    main()
