@@ -72,6 +72,41 @@ def loadavg() -> str:
         return "?"
 
 
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v), idle
+
+
+def busy_cores(interval: float = 1.0) -> float:
+    """CPU cores busy (all processes) over `interval` seconds; call while nothing of ours runs."""
+    try:
+        t0, i0 = _cpu_times()
+        time.sleep(interval)
+        t1, i1 = _cpu_times()
+    except OSError:
+        return 0.0
+    return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(t1 - t0, 1))
+
+
+WAITED = {"s": 0.0, "busy_seen": []}
+
+
+def wait_idle(max_wait: float, threshold: float = 0.25) -> None:
+    """Wait (at most max_wait s) until other processes use < threshold cores."""
+    if max_wait <= 0:
+        return
+    t0 = time.perf_counter()
+    b = busy_cores()
+    while b >= threshold and time.perf_counter() - t0 < max_wait:
+        b = busy_cores(2.0)
+    WAITED["s"] += time.perf_counter() - t0
+    WAITED["busy_seen"].append(round(b, 2))
+    if b >= threshold:
+        log(f"machine still busy ({b:.2f} cores used by others) after {max_wait:.0f} s; measuring anyway")
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -132,7 +167,7 @@ def diffusion_cli(model: Path, threads: int, n_prompt: int, n_new: int, tokens_p
     # per-step times from the log timestamps (m.ss.ms.us) of the progress line printed at
     # the start of every step: robust to a burst of load during one step
     marks = {}
-    for mm, ss, ms, us, i in re.findall(r"(\d+)\.(\d+)\.(\d+)\.(\d+) I diffusion step: (\d+)/", text):
+    for mm, ss, ms, us, i in re.findall(r"(\d+)\.(\d+)\.(\d+)\.(\d+) I\s+diffusion step: (\d+)/", text):
         marks[int(i)] = int(mm) * 60 + int(ss) + int(ms) / 1e3 + int(us) / 1e6
     steps_s = [marks[i + 1] - marks[i] for i in range(steps - 1) if i in marks and i + 1 in marks]
     shown = " ".join(c if c != prompt else f"\"{' the' * 2}...\" ({n_prompt} tokens)" for c in cmd[1:])
@@ -155,6 +190,7 @@ def run_type(t: str, paths: dict, a, rep: list[str], res: dict) -> None:
         la0 = loadavg()
         cost = {}
         for n in ns:
+            wait_idle(a.wait_idle)
             ours = nb.cost_curve(model, (n,), reps=max(reps, 1))[n]
             up = llama_bench(paths["qwen35moe"], T, max(reps, 1), p=n)
             cost[n] = {"clover": ours, "upstream": up, "ratio": ours["min_s"] / up["min_s"]}
@@ -176,6 +212,7 @@ def run_type(t: str, paths: dict, a, rep: list[str], res: dict) -> None:
 
         # ---------------------------------------------------------------- 2
         log(f"{t}: 2. tokens/s vs block size")
+        wait_idle(a.wait_idle)
         la0 = loadavg()
         cases = nb.schemes((1, 8, 32)) if q else nb.schemes()
         new = 32 if q else 128
@@ -214,6 +251,7 @@ def run_type(t: str, paths: dict, a, rep: list[str], res: dict) -> None:
 
         # ---------------------------------------------------------------- 3
         log(f"{t}: 3. depth")
+        wait_idle(a.wait_idle)
         la0 = loadavg()
         depths = (128, 256) if q else (128, 1024, 4096)
         dep = nb.depth_latency(model, depths, B=32, reps=max(reps, 1))
@@ -231,6 +269,7 @@ def run_type(t: str, paths: dict, a, rep: list[str], res: dict) -> None:
 
         # ---------------------------------------------------------------- 4
         log(f"{t}: 4. end to end vs llama-diffusion-cli")
+        wait_idle(a.wait_idle)
         la0 = loadavg()
         n_prompt, n_new, k = (64, 64, 4) if q else (256, 256, 4)
         up_steps = a.upstream_steps or (2 if q else None)
@@ -285,8 +324,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=Path, default=make_baselines.DEFAULT_CACHE)
     ap.add_argument("--upstream-steps", type=int, default=None,
                     help="run only this many llama-diffusion-cli steps and extrapolate to 64")
+    ap.add_argument("--wait-idle", type=float, default=None,
+                    help="before each measurement wait up to this many seconds for other processes to "
+                         "use < 0.25 cores (default 90, --quick 0)")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
     a = ap.parse_args(argv)
+    if a.wait_idle is None:
+        a.wait_idle = 0.0 if a.quick else 90.0
     types = [x for x in (a.types or ("f16" if a.quick else "f16,q8_0")).split(",") if x]
 
     t_start = time.perf_counter()
@@ -321,7 +365,11 @@ def main(argv=None) -> int:
                        for B, x in r["e2e"]["clover"].items())
         summary.append(f"{t:5s} cost ratio worst {r['cost_worst_ratio']:.2f} (<= 1.25) | depth {max(r['depth'])}/128 "
                        f"{r['depth_ratio']:.2f} (<= 1.3) | vs diffusion-cli (measured / best step) {sp} (>= 10)")
-    summary.append(f"total wall time {time.perf_counter() - t_start:.0f} s; load average at end {loadavg()}")
+    summary.append(f"total wall time {time.perf_counter() - t_start:.0f} s (of which {WAITED['s']:.0f} s waiting for an "
+                   f"idle machine); load average at end {loadavg()}")
+    if WAITED["busy_seen"]:
+        summary.append("cores busy with other processes just before each measurement: "
+                       + " ".join(f"{x:.2f}" for x in WAITED["busy_seen"]))
     print("\n".join(head + report + summary))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1, default=str))
