@@ -5,6 +5,7 @@
 #   ./dev.sh test    set up everything, then run the whole test suite
 #   ./dev.sh setup   only the set-up (venv, pinned llama.cpp + our patches, native build)
 #   ./dev.sh bench   set up, build the benchmark tools, run the benchmarks
+#   ./dev.sh asan    build libllama + libclover with AddressSanitizer, run the decoding tests on it
 #
 # Needs only python3 (>= 3.11), gcc/g++, cmake and the package registries. Re-running
 # reuses the venv, the patched tree and the build. Environment knobs:
@@ -44,25 +45,45 @@ setup_llama() {
     fi
 }
 
-build_native() {
+# configure DIR [cmake args...]: once per build folder; Ninja and ccache when present
+configure() {
+    local dir=$1; shift
+    [ -f "$dir/CMakeCache.txt" ] && return 0
     local gen=() launcher=()
     command -v ninja >/dev/null && gen=(-G Ninja)
     command -v ccache >/dev/null && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-    if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-        log "configuring the native build"
-        # shellcheck disable=SC2086
-        cmake -S . -B "$BUILD" "${gen[@]}" "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release ${CLOVER_CMAKE_ARGS:-} >/dev/null
-    fi
+    log "configuring $dir"
+    # shellcheck disable=SC2086
+    cmake -S . -B "$dir" "${gen[@]}" "${launcher[@]}" "$@" ${CLOVER_CMAKE_ARGS:-} >/dev/null
+}
+
+build_native() {
+    configure "$BUILD" -DCMAKE_BUILD_TYPE=Release
     log "building libllama (clover), libclover and clover-cli"
     cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops "$@"
 }
 
 setup() { setup_python; setup_llama; build_native "$@"; }
 
+# The native decoding tests once more, on an AddressSanitizer build of libllama + libclover.
+# Python itself is not instrumented, so the ASan runtime (and libstdc++, for its __cxa_throw
+# interceptor) is preloaded.
+asan() {
+    local asan_build=$ROOT/build-asan flags="-fsanitize=address -fno-omit-frame-pointer"
+    configure "$asan_build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
+    log "building libllama + libclover with AddressSanitizer"
+    cmake --build "$asan_build" -j "$JOBS" --target llama clover
+    log "decoding tests under AddressSanitizer"
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 CLOVER_LIB_PATH="$asan_build/bin/libclover.so" \
+        "$PY" -m pytest -q tests/test_native_api.py -k "block_pass or generate or errors or bad_clover"
+}
+
 case "${1:-}" in
     setup) setup ;;
     demo)  setup; "$VENV/bin/clover" demo ;;
     test)  setup; shift; "$PY" -m pytest -q "$@" ;;
+    asan)  setup; asan ;;
     bench) setup llama-bench llama-diffusion-cli llama-quantize; shift; "$PY" benchmarks/run_all.py "$@" ;;
-    *)     sed -n '2,14p' "$0"; exit 2 ;;
+    *)     sed -n '2,15p' "$0"; exit 2 ;;
 esac
