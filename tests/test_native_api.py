@@ -259,7 +259,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
 
 
-@pytest.mark.parametrize("B", [1, 4, 8, 16])
+@pytest.mark.parametrize("B", [1, 4, 8, 16, 32])
 def test_block_pass_parity_f32(model, ref, vocab_hi, B):
     lengths = sorted({1, max(B - 1, 1), 2 * B, 303})
     mask = model.mask
