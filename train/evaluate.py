@@ -216,10 +216,17 @@ def write_md(res: dict, path: Path, cmd: str) -> None:
           "| model | loss |", "|---|---|"]
     for k, v in res["loss"].items():
         L.append(f"| {k} | {v:.4f} |")
+    L += ["", "## Confidence at the masked positions\n",
+          "Share of masked held-out positions (same windows and masks as the loss) whose top "
+          f"candidate's probability reaches the threshold (f16 GGUF, B = 32; mean top probability "
+          f"{res['confidence_mean_max_prob']:.3f}). Threshold decoding unmasks more than one token "
+          "per pass only where several positions of a block pass this bar.\n",
+          "| threshold | " + " | ".join(res["confidence"]) + " |", "|---|" + "---|" * len(res["confidence"]),
+          "| share >= threshold | " + " | ".join(f"{v:.1%}" for v in res["confidence"].values()) + " |"]
     L += ["", "## Quantization\n",
           f"Mean KL(f32 || quant) of the block-pass token distributions at the masked positions "
           f"of {res['kl_windows']} held-out windows (B = 32, memory built from the clean blocks by "
-          "each model itself), file sizes.\n",
+          "each model itself), file sizes, and the held-out loss on those windows.\n",
           "| GGUF | size (MB) | mean KL | held-out loss |", "|---|---|---|---|"]
     for k, v in res["quant"].items():
         kl = "-" if v["kl"] is None else f"{v['kl']:.5f}"
@@ -267,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     for k in ("f32", "f16"):
         lp[k] = gguf_block_logprobs(g[k], clean, noisy, masked, 32, a.threads)
         res["loss"][f"GGUF {k}"] = masked_ce(lp[k], clean, masked)
+    mx = np.concatenate([np.exp(lp_.max(-1)) for lp_ in lp["f16"]])
+    res["confidence"] = {str(th): float(np.mean(mx >= th)) for th in THRESHOLDS}
+    res["confidence_mean_max_prob"] = float(mx.mean())
     kc, kn, km = clean[:a.kl_windows], noisy[:a.kl_windows], masked[:a.kl_windows]
     ref = lp["f32"][:a.kl_windows]
     res["quant"] = {}
