@@ -143,8 +143,9 @@ def model_card(hfc: dict, args: dict, meta: dict, info: dict, extra: str) -> str
 A small **Clover** block-diffusion MoE language model trained from scratch on CPU, shipped
 with clover-cpp as the default model of `clover demo`. It is a toy: it has learned the
 surface of Python code (indentation, `def`/`self.`/`return` patterns, common stdlib
-identifiers), not to program. Its job is to give confident, peaked distributions so that
-threshold decoding unmasks several tokens per forward pass, which random weights never do.
+identifiers), not to program. It was trained to give the decoder real (non-flat)
+distributions, which random weights never do; at this training length they are still
+too flat for threshold decoding to unmask more than one token per pass (see Evaluation).
 
 ## Data
 
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", default="train/runs/default")
     ap.add_argument("--data", default="train/runs/data")
     ap.add_argument("--out", default="models/clover-default")
-    ap.add_argument("--card-extra", default="", help="a markdown file appended to the model card")
+    ap.add_argument("--card-extra", default=str(Path(__file__).with_name("card_extra.md")),
+                    help="a markdown file appended to the model card ('' = none)")
     a = ap.parse_args(argv)
     extra = Path(a.card_extra).read_text() if a.card_extra else ""
     info = export(Path(a.run), Path(a.data), Path(a.out), extra)
