@@ -11,6 +11,7 @@
 # reuses the venv, the patched tree and the build. Environment knobs:
 #   CLOVER_CMAKE_ARGS  extra CMake arguments, e.g. "-DGGML_CUDA=ON"
 #   CLOVER_JOBS        parallel build jobs (default: number of cores)
+#   CLOVER_WITH_TRAIN  1 = also install the training extra (torch) so tests/test_train.py runs
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -32,6 +33,12 @@ setup_python() {
         log "installing clover-cpp and its Python dependencies"
         "$PY" -m pip install -q --upgrade pip
         "$PY" -m pip install -q -e ".[test]"
+    fi
+    # the training code's tests need torch (CI sets CLOVER_WITH_TRAIN=1); the product never does.
+    # torch 2.13.0 is the CPU build this machine kind keeps on local disk.
+    if [ "${CLOVER_WITH_TRAIN:-0}" = 1 ] && ! "$PY" -c "import torch, matplotlib" 2>/dev/null; then
+        log "installing the training extra (torch, CPU build)"
+        "$PY" -m pip install -q "torch==2.13.0" && "$PY" -m pip install -q -e ".[train]"
     fi
 }
 
