@@ -45,7 +45,8 @@ setup_python() {
 setup_llama() {
     log "pinned llama.cpp + native/ patch series"
     "$PY" native/setup_llama.py
-    if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+    # (importing llama_cpp would try to load a native lib: only look for the package)
+    if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llama_cpp') is None)"; then
         # the Python low-level layer only: it loads OUR libllama (LLAMA_CPP_LIB_PATH)
         log "installing llama-cpp-python (no native build; it uses ours)"
         CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip install -q "$SDIST"

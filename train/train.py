@@ -215,16 +215,16 @@ def main(argv: list[str] | None = None) -> list[float]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         step += 1
-        losses.append(float(loss.detach()))
+        losses.append(loss.item())
         hl = ""
         if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
             hl = f"{heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id):.4f}"
         el = time.time() - t_start
-        log.writerow([step, f"{el:.1f}", step * a.batch * T, B, f"{lr:.3e}", f"{float(loss):.4f}",
-                      f"{float(aux):.4f}", hl])
+        log.writerow([step, f"{el:.1f}", step * a.batch * T, B, f"{lr:.3e}", f"{loss.item():.4f}",
+                      f"{aux.item():.4f}", hl])
         logf.flush()
         if step % 10 == 0 or hl:
-            print(f"step {step} B={B} loss {float(loss):.4f} aux {float(aux):.3f} lr {lr:.2e} "
+            print(f"step {step} B={B} loss {loss.item():.4f} aux {aux.item():.3f} lr {lr:.2e} "
                   f"{el:.0f}s" + (f" heldout {hl}" if hl else ""), flush=True)
         if time.time() - t_last_ck >= a.ckpt_every or step == last:
             save_ckpt(ck, model, opt, step, rng, a, el)
