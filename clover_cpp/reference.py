@@ -267,14 +267,14 @@ class Memory:
 
 # ----------------------------------------------------------------------------- model
 
-def _expected_shapes(cfg: CloverConfig, tied: bool) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(cfg: CloverConfig, tied: bool, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of a Clover checkpoint and its shape, in checkpoint order."""
     H, V = cfg.hidden_size, cfg.vocab_size
-    Hk, Hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                      cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     nh, nkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     C = cfg.conv_dim
-    s = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
     for i, lt in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
         s[p + "input_layernorm.weight"] = (H,)
@@ -284,11 +284,11 @@ def _expected_shapes(cfg: CloverConfig, tied: bool) -> dict[str, tuple[int, ...]
             s.update({a + "in_proj_qkv.weight": (C, H), a + "in_proj_z.weight": (Hv * dv, H),
                       a + "in_proj_b.weight": (Hv, H), a + "in_proj_a.weight": (Hv, H),
                       a + "in_proj_m.weight": (Hv, H),
-                      a + "conv1d.weight": (C, 1, cfg.linear_conv_kernel_dim),
-                      a + "dt_bias": (Hv,), a + "A_log": (Hv,), a + "block_calib": (2, Hv),
-                      a + "norm.weight": (dv,), a + "out_proj.weight": (H, Hv * dv)})
+                      a + "conv1d.weight": (C, 1, cfg.linear_conv_kernel_dim)})
             if cfg.linear_conv_lookahead:
                 s[a + "conv1d_lookahead.weight"] = (C, 1, cfg.linear_conv_lookahead)
+            s.update({a + "dt_bias": (Hv,), a + "A_log": (Hv,), a + "block_calib": (2, Hv),
+                      a + "norm.weight": (dv,), a + "out_proj.weight": (H, Hv * dv)})
         else:
             a = p + "self_attn."
             s.update({a + "q_proj.weight": (nh * dh * 2, H), a + "k_proj.weight": (nkv * dh, H),
@@ -296,14 +296,19 @@ def _expected_shapes(cfg: CloverConfig, tied: bool) -> dict[str, tuple[int, ...]
                       a + "q_norm.weight": (dh,), a + "k_norm.weight": (dh,)})
         m = p + "mlp."
         s[m + "gate.weight"] = (E, H)
-        for e in range(E):
-            s[m + f"experts.{e}.gate_proj.weight"] = (I, H)
-            s[m + f"experts.{e}.up_proj.weight"] = (I, H)
-            s[m + f"experts.{e}.down_proj.weight"] = (H, I)
+        if fused_experts:
+            s[m + "experts.gate_up_proj"] = (E, 2 * I, H)
+            s[m + "experts.down_proj"] = (E, H, I)
+        else:
+            for e in range(E):
+                s[m + f"experts.{e}.gate_proj.weight"] = (I, H)
+                s[m + f"experts.{e}.up_proj.weight"] = (I, H)
+                s[m + f"experts.{e}.down_proj.weight"] = (H, I)
         s.update({m + "shared_expert.gate_proj.weight": (Is, H),
                   m + "shared_expert.up_proj.weight": (Is, H),
                   m + "shared_expert.down_proj.weight": (H, Is),
                   m + "shared_expert_gate.weight": (1, H)})
+    s["model.norm.weight"] = (H,)
     if not tied:
         s["lm_head.weight"] = (V, H)
     return s
@@ -336,7 +341,7 @@ class CloverReference:
         _unfuse_experts(cfg, w)
         # tied when the config says so or when lm_head is absent (then embed_tokens is used)
         self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
-        want = _expected_shapes(cfg, self.tied)
+        want = hf_tensor_shapes(cfg, self.tied)
         missing = [k for k in want if k not in w]
         if missing:
             raise ValueError(f"missing {len(missing)} tensors, e.g. {missing[:3]}")

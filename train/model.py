@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clover_cpp.reference import FULL, LINEAR, CloverConfig
+from clover_cpp.reference import LINEAR, CloverConfig, hf_tensor_shapes
 
 QK_NORM_EPS = 1e-6
 
@@ -73,43 +73,7 @@ class CloverTorch(nn.Module):
 
     # ------------------------------------------------------------------ parameters
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        c = self.cfg
-        H, V = c.hidden_size, c.vocab_size
-        Hk, Hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
-                          c.linear_key_head_dim, c.linear_value_head_dim)
-        nh, nkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        E, I, Is, C = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.conv_dim
-        s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
-        for i, lt in enumerate(c.layer_types):
-            p = f"model.layers.{i}."
-            s[p + "input_layernorm.weight"] = (H,)
-            s[p + "post_attention_layernorm.weight"] = (H,)
-            if lt == LINEAR:
-                a = p + "linear_attn."
-                s.update({a + "in_proj_qkv.weight": (C, H), a + "in_proj_z.weight": (Hv * dv, H),
-                          a + "in_proj_b.weight": (Hv, H), a + "in_proj_a.weight": (Hv, H),
-                          a + "in_proj_m.weight": (Hv, H),
-                          a + "conv1d.weight": (C, 1, c.linear_conv_kernel_dim)})
-                if c.linear_conv_lookahead:
-                    s[a + "conv1d_lookahead.weight"] = (C, 1, c.linear_conv_lookahead)
-                s.update({a + "dt_bias": (Hv,), a + "A_log": (Hv,), a + "block_calib": (2, Hv),
-                          a + "norm.weight": (dv,), a + "out_proj.weight": (H, Hv * dv)})
-            else:
-                a = p + "self_attn."
-                s.update({a + "q_proj.weight": (nh * dh * 2, H), a + "k_proj.weight": (nkv * dh, H),
-                          a + "v_proj.weight": (nkv * dh, H), a + "o_proj.weight": (H, nh * dh),
-                          a + "q_norm.weight": (dh,), a + "k_norm.weight": (dh,)})
-            m = p + "mlp."
-            s.update({m + "gate.weight": (E, H), m + "experts.gate_up_proj": (E, 2 * I, H),
-                      m + "experts.down_proj": (E, H, I),
-                      m + "shared_expert.gate_proj.weight": (Is, H),
-                      m + "shared_expert.up_proj.weight": (Is, H),
-                      m + "shared_expert.down_proj.weight": (H, Is),
-                      m + "shared_expert_gate.weight": (1, H)})
-        s["model.norm.weight"] = (H,)
-        if not self.tied:
-            s["lm_head.weight"] = (V, H)
-        return s
+        return hf_tensor_shapes(self.cfg, self.tied, fused_experts=True)
 
     def _init(self, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
         c = self.cfg
