@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clover_convert.converter import fmt_bytes as human_bytes
+
 __all__ = ["GGUFInfoError", "GGUFInfo", "read_info", "check_clover_gguf"]
 
 ARCH = "clover"
@@ -111,14 +113,6 @@ def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUF
 
 def check_clover_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     return read_info(path, require_clover=True)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def human_count(n: float) -> str:

@@ -107,7 +107,7 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n} B"
+    raise AssertionError("unreachable: the loop returns at TiB")
 
 
 def tensor_nbytes(shape: tuple[int, ...], qt: QT) -> int:
