@@ -173,13 +173,18 @@ Accents: café, naïve, résumé, über, señor, façade, jalapeño, coöperate.
 # ---------------------------------------------------------------------------
 # presets
 
-_COMMON: dict[str, Any] = {
+# what every Clover config.json says about itself (shared with train/export.py)
+HF_IDENTITY: dict[str, Any] = {
     "model_type": "clover",
     "architectures": ["CloverForBlockDiffusion"],
     "hidden_act": "silu",
     "attention_bias": False,
     "attention_dropout": 0.0,
     "initializer_range": 0.02,
+}
+
+_COMMON: dict[str, Any] = {
+    **HF_IDENTITY,
     "norm_topk_prob": True,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1e7,

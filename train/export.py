@@ -20,16 +20,12 @@ import numpy as np
 import torch
 
 from clover_convert.safetensors_io import write_safetensors
+from clover_cpp.checkpoints import HF_IDENTITY
 from clover_cpp.reference import CloverConfig
 from train.model import CloverTorch
 
 HF_EXTRA = {
-    "model_type": "clover",
-    "architectures": ["CloverForBlockDiffusion"],
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "initializer_range": 0.02,
+    **HF_IDENTITY,
     "bos_token_id": None,
     "max_position_embeddings": 4096,
     "torch_dtype": "bfloat16",
