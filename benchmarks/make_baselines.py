@@ -145,7 +145,7 @@ def qwen35moe_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
     writer.close()
     del reader
     tmp.rename(out)
-    _log(f"  {len(kept)} tensors ({len(kept) - 0} kept of the clover GGUF's), {time.perf_counter() - t0:.1f} s")
+    _log(f"  {len(kept)} tensors kept of the clover GGUF's, {time.perf_counter() - t0:.1f} s")
     return out
 
 
