@@ -38,6 +38,8 @@ CLOVER_ERR_CONTEXT_FULL = -5
 CLOVER_ERR_BUFFER_TOO_SMALL = -6
 CLOVER_ERR_INTERNAL = -7
 
+CLOVER_BLOCK_SIZE_AUTO = -1
+
 CLOVER_FINISH_NONE = 0
 CLOVER_FINISH_EOS = 1
 CLOVER_FINISH_MAX_TOKENS = 2
@@ -103,6 +105,8 @@ class clover_stats(Structure):
         ("t_prefill_ms", c_double),
         ("t_decode_ms", c_double),
         ("tokens_per_second", c_double),
+        ("block_size", c_int32),
+        ("n_block_switches", c_int32),
     ]
 
 
@@ -190,6 +194,8 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
     fn("clover_n_ctx", c_int32, clover_context_p)
     fn("clover_set_block_size", c_int, clover_context_p, c_int32, c_char_p, c_size_t)
     fn("clover_set_n_threads", c_int, clover_context_p, c_int32)
+    fn("clover_calibrate", c_int, clover_context_p, c_int32_p, c_double_p, c_int32, c_int32_p, c_char_p, c_size_t)
+    fn("clover_set_cost_curve", c_int, clover_context_p, c_int32_p, c_double_p, c_int32, c_char_p, c_size_t)
 
     fn("clover_block_pass", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
     fn("clover_commit", c_int, clover_context_p, c_int32_p, c_int32, c_char_p, c_size_t)

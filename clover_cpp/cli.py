@@ -127,12 +127,32 @@ def _runtime_options(f: Any) -> Any:
     return f
 
 
+class BlockSizeType(click.ParamType):
+    """A block size: an integer >= 1, or "auto" (chosen per block, see clover.h)."""
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            v = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
+        if v < 1:
+            self.fail(f"{v} is not >= 1", param, ctx)
+        return v
+
+
+BLOCK_SIZE = BlockSizeType()
+
+
 def _sampling_options(f: Any, n_default: int = 128) -> Any:
     opts = [
         click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=n_default,
                      show_default=True, help="Tokens to generate at most."),
-        click.option("-b", "--block-size", "block_size", type=click.IntRange(min=1), default=None,
-                     help="Block size B (default: the model's training block size; 1 = autoregressive)."),
+        click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default=None,
+                     help="Block size B (default: the model's training block size; 1 = autoregressive; "
+                          "auto = chosen per block from the measured pass cost and tokens per pass)."),
         click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
                      help="Unmask every position whose confidence is at least this."),
         click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
@@ -151,7 +171,7 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
     return f
 
 
-def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: int | None,
+def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
                 verbose: bool) -> Any:
     from .gguf_info import check_clover_gguf
     from .model import Clover, CloverError, set_verbosity
@@ -160,19 +180,21 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
     if verbose:
         set_verbosity(2)
     try:
-        return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers, block_size=block_size)
+        return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
+                      block_size=None if block_size == "auto" else block_size)
     except CloverError as e:
         raise UserError(e.message) from None
 
 
-def _gen_kwargs(n_predict: int, block_size: int | None, threshold: float, max_steps: int, temperature: float,
+def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
                 top_k: int, top_p: float, seed: int, ignore_eos: bool) -> dict[str, Any]:
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos)
 
 
 def _stats_line(stats: Any) -> str:
-    return (f"[clover] B={stats.block_size} prompt={stats.n_prompt} tok, generated={stats.n_generated} tok, "
+    sw = f" ({stats.n_block_switches} switches)" if stats.n_block_switches else ""
+    return (f"[clover] B={stats.block_size}{sw} prompt={stats.n_prompt} tok, generated={stats.n_generated} tok, "
             f"blocks={stats.n_blocks}, decode passes={stats.n_decode_passes} "
             f"({stats.tokens_per_forward:.2f} tok/forward), forward passes={stats.n_forward}, "
             f"prefill={stats.t_prefill_ms:.1f} ms, decode={stats.t_decode_ms:.1f} ms "
@@ -391,7 +413,7 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
               help="Live view of the block being denoised (default: when stdout is a terminal).")
 @click.option("--echo/--no-echo", default=False, help="Print the prompt before the output.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
-def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: int | None,
+def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int,
         ignore_eos: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool,
         visual: bool | None, echo: bool, stats: bool) -> None:
@@ -418,7 +440,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
 @click.option("--visual/--no-visual", default=None,
               help="Live view of the block being denoised (default: when stdout is a terminal).")
 @click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
-def chat(model: str, system: str | None, n_predict: int, block_size: int | None, threshold: float,
+def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
          threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool, visual: bool | None,
          stats: bool) -> None:
@@ -500,12 +522,12 @@ def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
 
 # ----------------------------------------------------------------------------- bench
 
-def _parse_block_sizes(s: str) -> list[int]:
+def _parse_block_sizes(s: str) -> list[Any]:
     try:
-        out = [int(x) for x in s.replace(" ", "").split(",") if x]
+        out: list[Any] = [x if x == "auto" else int(x) for x in s.replace(" ", "").split(",") if x]
     except ValueError:
-        raise UserError(f"--block-sizes: expected a comma-separated list of integers, got {s!r}") from None
-    if not out or any(b < 1 for b in out):
+        raise UserError(f"--block-sizes: expected a comma-separated list of integers or 'auto', got {s!r}") from None
+    if not out or any(b != "auto" and b < 1 for b in out):
         raise UserError(f"--block-sizes: block sizes must be >= 1, got {s!r}")
     return out
 
@@ -514,7 +536,7 @@ def _parse_block_sizes(s: str) -> list[int]:
 @_model_option
 @click.option("-p", "--prompt", default="The quick brown fox jumps over the lazy dog.", show_default=True,
               help="Prompt text.")
-@click.option("--block-sizes", default="1,4,8,16,32", show_default=True, help="Block sizes to compare.")
+@click.option("--block-sizes", default="1,4,8,16,32,auto", show_default=True, help="Block sizes to compare.")
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens to generate per run.")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
@@ -544,7 +566,7 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
             assert best is not None
             rows.append((B, best.stats))
     base = next(s for B, s in rows if B == 1)
-    hdr = f"{'B':>4} {'tokens':>7} {'passes':>7} {'tok/fwd':>8} {'tok/s':>10} {'decode ms':>10} " \
+    hdr = f"{'B':>6} {'tokens':>7} {'passes':>7} {'tok/fwd':>8} {'tok/s':>10} {'decode ms':>10} " \
           f"{'x tok/fwd':>10} {'x tok/s':>8}"
     click.echo(f"model {model}, prompt {base.n_prompt} tok, -n {n_predict}, threshold {threshold}"
                + (f", max steps {max_steps}" if max_steps else ""))
@@ -553,7 +575,7 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     for B, s in rows:
         r_tpf = s.tokens_per_forward / base.tokens_per_forward if base.tokens_per_forward else 0.0
         r_tps = s.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
-        click.echo(f"{B:>4} {s.n_generated:>7} {s.n_decode_passes:>7} {s.tokens_per_forward:>8.2f} "
+        click.echo(f"{B:>6} {s.n_generated:>7} {s.n_decode_passes:>7} {s.tokens_per_forward:>8.2f} "
                    f"{s.tokens_per_second:>10.1f} {s.t_decode_ms:>10.1f} {r_tpf:>9.2f}x {r_tps:>7.2f}x")
 
 
@@ -625,8 +647,8 @@ def demo_model(cache_dir: Path, log: Any = None) -> tuple[Path, str]:
 @click.option("-p", "--prompt", default=DEFAULT_DEMO_PROMPT, show_default=True, help="Prompt text.")
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=64, show_default=True,
               help="Tokens to generate.")
-@click.option("-b", "--block-size", "block_size", type=click.IntRange(min=1), default=None,
-              help="Block size (default: the model's training block size).")
+@click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default=None,
+              help="Block size (default: the model's training block size; auto = chosen per block).")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
               help="Confidence threshold.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
@@ -635,7 +657,7 @@ def demo_model(cache_dir: Path, log: Any = None) -> tuple[Path, str]:
 @click.option("--visual/--no-visual", default=None, help="Live view (default: when stdout is a terminal).")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="Also run B = 1 (autoregressive) and show the speed-up.")
-def demo(prompt: str, n_predict: int, block_size: int | None, threshold: float, threads: int | None,
+def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads: int | None,
          cache_dir: str | None, visual: bool | None, compare: bool) -> None:
     """Block-diffusion generation with the bundled default model (built on first use)."""
     path, desc = demo_model(Path(cache_dir) if cache_dir else default_cache_dir())

@@ -105,7 +105,8 @@ class GenerationStats:
     t_prefill_ms: float = 0.0
     t_decode_ms: float = 0.0
     tokens_per_second: float = 0.0
-    block_size: int = 0
+    block_size: int = 0         # B of the last block
+    n_block_switches: int = 0   # B changes (block_size="auto")
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -113,11 +114,13 @@ class GenerationStats:
                    n_decode_passes=s.n_decode_passes, n_steps=s.n_steps, n_commits=s.n_commits,
                    n_blocks=s.n_blocks, finish_reason=N.FINISH_REASONS.get(s.finish_reason, ""),
                    tokens_per_forward=s.tokens_per_forward, t_prefill_ms=s.t_prefill_ms,
-                   t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size)
+                   t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size,
+                   n_block_switches=s.n_block_switches)
 
     def format(self) -> str:
         """One line for humans."""
-        return (f"block size {self.block_size}: prompt {self.n_prompt} tok, generated {self.n_generated} tok "
+        sw = f" ({self.n_block_switches} switches)" if self.n_block_switches else ""
+        return (f"block size {self.block_size}{sw}: prompt {self.n_prompt} tok, generated {self.n_generated} tok "
                 f"in {self.n_blocks} blocks, {self.n_decode_passes} decode passes "
                 f"({self.tokens_per_forward:.2f} tok/forward), {self.n_forward} forward passes in all; "
                 f"prefill {self.t_prefill_ms:.1f} ms, decode {self.t_decode_ms:.1f} ms "
@@ -412,6 +415,25 @@ class Clover:
             err, n = N.err_buffer()
             _check(_lib().clover_set_block_size(self._c(), value, err, n), err)
 
+    def calibrate(self) -> dict[int, float]:
+        """Measure the cost curve used by block_size="auto": {B: ms per block pass} for
+        B = 1, 2, 4, ... (clears the memory)."""
+        with self._lock:
+            L, err, n = _lib(), *N.err_buffer()
+            sizes, ms, cnt = (ctypes.c_int32 * 32)(), (ctypes.c_double * 32)(), ctypes.c_int32(0)
+            _check(L.clover_calibrate(self._c(), sizes, ms, 32, ctypes.byref(cnt), err, n), err)
+            return {int(sizes[i]): float(ms[i]) for i in range(min(cnt.value, 32))}
+
+    def set_cost_curve(self, curve: Mapping[int, float]) -> None:
+        """Set the cost curve for block_size="auto" ({1: ms, 2: ms, 4: ms, ...}) instead of
+        measuring it, e.g. from an earlier :meth:`calibrate`. Resets the running tokens per pass."""
+        items = sorted((int(b), float(v)) for b, v in curve.items())
+        with self._lock:
+            err, n = N.err_buffer()
+            sizes = N.as_int32_array([b for b, _ in items])
+            ms = (ctypes.c_double * max(1, len(items)))(*[v for _, v in items])
+            _check(_lib().clover_set_cost_curve(self._c(), sizes, ms, len(items), err, n), err)
+
     def set_n_threads(self, n_threads: int) -> None:
         with self._lock:
             _check(_lib().clover_set_n_threads(self._c(), _int("n_threads", n_threads)), None)
@@ -580,6 +602,8 @@ class Clover:
         prompt: text (tokenized with add_special and parse_special) or token ids.
         block_size: B for this call; None = the context's current block size (the model's
         training block size unless set otherwise). A different B recreates the context.
+        "auto" = chosen per block from the context's cost curve (measured on the first auto
+        call, see :meth:`calibrate`) and the running tokens per pass (rules in clover.h).
         threshold: unmask every masked position whose confidence >= threshold (in [0, 1]).
         max_steps: per-block step cap (0 = none). temperature 0 = greedy.
         on_step(canvas_tokens, n_masked, block_start): called after every denoising step with
@@ -613,7 +637,9 @@ class Clover:
                                   max_steps=_int("max_steps", max_steps, 0),
                                   top_k=_int("top_k", top_k, 0),
                                   seed=_int("seed", seed, 0, 2**64 - 1))
-        if block_size is not None:
+        if isinstance(block_size, str) and block_size == "auto":
+            kw["block_size"] = N.CLOVER_BLOCK_SIZE_AUTO
+        elif block_size is not None:
             kw["block_size"] = _int("block_size", block_size, 1)
         th = _float("threshold", threshold)
         if not 0.0 <= th <= 1.0:
@@ -700,7 +726,7 @@ class Clover:
             arr = N.as_int32_array(toks)
             rc = L.clover_generate(c, arr, len(toks), ctypes.byref(gp), out, cap, ctypes.byref(n_out),
                                    ctypes.byref(st), err, n)
-            B = int(L.clover_block_size(c))
+            B = int(st.block_size) or int(L.clover_block_size(c))
         if state["exc"] is not None:
             raise state["exc"]
         if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):

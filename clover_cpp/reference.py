@@ -566,8 +566,12 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
              block_size: int, threshold: float = 0.9, max_steps: int = 0,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_at_eos: bool = True,
-             step_callback: Callable[[int, list[int], int], Any] | None = None) -> GenerateResult:
-    cfg, B = model.cfg, block_size
+             step_callback: Callable[[int, list[int], int], Any] | None = None,
+             block_schedule: Sequence[int] | None = None) -> GenerateResult:
+    """block_schedule: the B of each decode block in turn (the first one also commits the
+    prompt; the last one repeats), as chosen by block_size="auto"; overrides block_size."""
+    schedule = list(block_schedule) if block_schedule else [block_size]
+    cfg, B = model.cfg, schedule[0]
     if cfg.mask_token_id is None:
         raise ValueError("config has no mask_token_id")
     if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or max_steps < 0:
@@ -617,6 +621,7 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
             model.commit(mem, canvas, B)
             n_commits += 1
             rest = []
+            B = schedule[min(n_commits - len(prompt_tokens) // schedule[0], len(schedule) - 1)]
     for idx, t in enumerate(out):
         if t in eos:
             out = out[:idx]

@@ -38,7 +38,8 @@ void usage(const char * argv0) {
             "  -t, --threads N        CPU threads (default 4)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
             "  -ngl, --n-gpu-layers N layers to offload to the GPU (default 0)\n"
-            "  --block-size N         block size B (default: the model's training block size)\n"
+            "  --block-size N|auto    block size B (default: the model's training block size); auto\n"
+            "                         picks B per block from the measured pass cost and tokens/pass\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
             "  --max-steps N          denoising steps cap per block (default 0 = none)\n"
             "  --temp X               temperature (default 0 = greedy)\n"
@@ -173,6 +174,7 @@ int main(int argc, char ** argv) {
     clover_model_params    mp = clover_model_default_params();
     clover_context_params  cp = clover_context_default_params();
     clover_generate_params gp = clover_generate_default_params();
+    bool                   auto_block = false;
     cli_state              st;
 
     for (int i = 1; i < argc; ++i) {
@@ -202,7 +204,9 @@ int main(int argc, char ** argv) {
         } else if (a == "-ngl" || a == "--n-gpu-layers") {
             mp.n_gpu_layers = (int32_t) parse_int(a, val(), -1, 100000);
         } else if (a == "--block-size") {
-            cp.block_size = (int32_t) parse_int(a, val(), 1, 1 << 20);
+            const std::string v = val();
+            auto_block        = v == "auto";
+            cp.block_size     = auto_block ? 0 : (int32_t) parse_int(a, v.c_str(), 1, 1 << 20);
         } else if (a == "--threshold") {
             gp.threshold = parse_double(a, val());
             if (gp.threshold < 0.0 || gp.threshold > 1.0) {
@@ -301,7 +305,7 @@ int main(int argc, char ** argv) {
     st.n_prompt = n_tok;
     st.tty      = isatty(fileno(stdout)) != 0;
 
-    gp.block_size     = cp.block_size;
+    gp.block_size     = auto_block ? CLOVER_BLOCK_SIZE_AUTO : cp.block_size;
     gp.step_callback  = on_step;
     gp.block_callback = on_block;
     gp.user_data      = &st;
@@ -320,9 +324,10 @@ int main(int argc, char ** argv) {
     }
     fprintf(stderr,
             "clover: prompt %d tok, generated %d tok, forwards %d, steps %d, tokens/forward %.2f, "
-            "decode %.2f tok/s, prefill %.1f ms, block size %d\n",
+            "decode %.2f tok/s, prefill %.1f ms, block size %d%s (%d switches)\n",
             n_tok, stats.n_generated, stats.n_forward, stats.n_steps, stats.tokens_per_forward,
-            stats.tokens_per_second, stats.t_prefill_ms, gp.block_size);
+            stats.tokens_per_second, stats.t_prefill_ms, stats.block_size, auto_block ? " (auto)" : "",
+            stats.n_block_switches);
     clover_context_free(ctx);
     clover_model_free(st.model);
     return 0;

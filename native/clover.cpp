@@ -158,6 +158,13 @@ struct clover_context {
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
+    // block_size = auto: the cost of a block pass per candidate B (ms; measured by
+    // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
+    // (EMA over finished decode blocks; < 0 = not seen yet), per candidate and overall
+    std::vector<int32_t> auto_sizes;
+    std::vector<double>  auto_ms;
+    std::vector<double>  auto_tpf;
+    double               auto_tpf_any = -1.0;
 };
 
 // ------------------------------------------------------------------ pure decoding pieces
@@ -539,6 +546,141 @@ int set_block_size_impl(clover_context * c, int32_t B, std::string & msg) {
     return make_lctx(c, B, msg);
 }
 
+// Change B keeping the committed memory: seq 0's state (GDN states, conv tails, KV) is
+// saved, the llama.cpp context is rebuilt for the new n_ubatch, and the state restored.
+int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
+    if (B == c->B) {
+        return CLOVER_OK;
+    }
+    const int32_t        nc = c->n_committed;
+    std::vector<uint8_t> state;
+    if (nc > 0) {
+        state.resize(llama_state_seq_get_size(c->lctx, 0));
+        if (llama_state_seq_get_data(c->lctx, state.data(), state.size(), 0) != state.size()) {
+            msg = "block-size switch: could not save the memory";
+            return CLOVER_ERR_INTERNAL;
+        }
+    }
+    int rc = make_lctx(c, B, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    if (nc > 0 && llama_state_seq_set_data(c->lctx, state.data(), state.size(), 0) != state.size()) {
+        msg = "block-size switch: could not restore the memory";
+        return CLOVER_ERR_INTERNAL;
+    }
+    c->n_committed = nc;
+    return CLOVER_OK;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0);
+
+// candidates for block_size = auto: 1, 2, 4, ... up to max(32, training B), within n_ctx
+std::vector<int32_t> auto_candidates(const clover_context * c) {
+    std::vector<int32_t> out;
+    const int32_t        top = std::min(std::max(32, c->model->train_block), c->n_ctx);
+    for (int32_t B = 1; B <= top; B *= 2) {
+        out.push_back(B);
+    }
+    return out;
+}
+
+// Measures the cost curve: the fastest of 3 block passes (after a warm-up) of an all-mask
+// block at each candidate B on an empty memory. Leaves the context at the last B, empty.
+int calibrate_impl(clover_context * c, std::string & msg) {
+    const std::vector<int32_t> sizes = auto_candidates(c);
+    std::vector<double>        ms;
+    std::vector<const float *> rows;
+    for (int32_t B : sizes) {
+        int rc = set_block_size_impl(c, B, msg);
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        llama_memory_clear(llama_get_memory(c->lctx), true);
+        c->n_committed = 0;
+        const std::vector<int32_t> canvas(B, c->model->mask);
+        double                     best = 1e300;
+        for (int rep = 0; rep < 4; ++rep) {
+            const auto t0 = std::chrono::steady_clock::now();
+            rc            = block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
+            if (rc != CLOVER_OK) {
+                return rc;
+            }
+            if (rep > 0) {
+                best = std::min(best, ms_since(t0));
+            }
+        }
+        ms.push_back(best);
+    }
+    c->auto_sizes = sizes;
+    c->auto_ms    = ms;
+    c->auto_tpf.assign(sizes.size(), -1.0);
+    return CLOVER_OK;
+}
+
+// Expected tokens per block pass at B: its own running figure, else the running figure of
+// any B (capped at B), else 1.
+double auto_tpf_estimate(const clover_context * c, size_t i) {
+    const int32_t B = c->auto_sizes[i];
+    if (B == 1) {
+        return 1.0;
+    }
+    if (c->auto_tpf[i] > 0) {
+        return c->auto_tpf[i];
+    }
+    return c->auto_tpf_any > 0 ? std::min<double>(B, c->auto_tpf_any) : 1.0;
+}
+
+// Expected milliseconds per generated token at candidate i: B / tpf passes and one commit
+// (about one pass) per B tokens.
+double auto_ms_per_token(const clover_context * c, size_t i) {
+    const int32_t B = c->auto_sizes[i];
+    return c->auto_ms[i] * (1.0 / auto_tpf_estimate(c, i) + 1.0 / B);
+}
+
+// The candidate with the lowest expected ms per token among those that start a block at
+// n_committed (block aligned) and fit `n_left` more tokens into n_ctx.
+int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left) {
+    int32_t best = 0;
+    double  best_ms = 1e300;
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        const int32_t B = c->auto_sizes[i];
+        if (n_committed % B != 0 || (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B > c->n_ctx) {
+            continue;
+        }
+        const double ms = auto_ms_per_token(c, i);
+        if (ms < best_ms) {
+            best_ms = ms;
+            best    = B;
+        }
+    }
+    return best;
+}
+
+// Running tokens per pass after a finished decode block of size B.
+void auto_observe(clover_context * c, int32_t B, int32_t n_tokens, int32_t n_passes) {
+    if (B < 2 || n_passes < 1 || n_tokens < 1) {
+        return;
+    }
+    const double tpf = (double) n_tokens / n_passes;
+    const double a   = 0.3;
+    c->auto_tpf_any  = c->auto_tpf_any > 0 ? (1 - a) * c->auto_tpf_any + a * tpf : tpf;
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        if (c->auto_sizes[i] == B) {
+            c->auto_tpf[i] = c->auto_tpf[i] > 0 ? (1 - a) * c->auto_tpf[i] + a * tpf : tpf;
+        }
+    }
+}
+
+double auto_ms_of(const clover_context * c, int32_t B) {
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        if (c->auto_sizes[i] == B) {
+            return auto_ms_per_token(c, i);
+        }
+    }
+    return 1e300;
+}
+
 double ms_since(std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -868,6 +1010,56 @@ int clover_set_n_threads(clover_context * ctx, int32_t n_threads) {
     return CLOVER_OK;
 }
 
+int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, int32_t cap, int32_t * n_out,
+                     char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !ctx->lctx || cap < 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_calibrate");
+        }
+        std::string msg;
+        const int   rc = calibrate_impl(ctx, msg);
+        if (rc != CLOVER_OK) {
+            return set_err(err, err_len, rc, "block-size calibration: " + msg);
+        }
+        const int32_t n = (int32_t) ctx->auto_sizes.size();
+        for (int32_t i = 0; i < std::min(n, cap); ++i) {
+            if (sizes_out) {
+                sizes_out[i] = ctx->auto_sizes[i];
+            }
+            if (ms_out) {
+                ms_out[i] = ctx->auto_ms[i];
+            }
+        }
+        if (n_out) {
+            *n_out = n;
+        }
+        return CLOVER_OK;
+    });
+}
+
+int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, int32_t n, char * err,
+                          size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !sizes || !ms || n < 1) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_set_cost_curve");
+        }
+        for (int32_t i = 0; i < n; ++i) {
+            if (sizes[i] != (i == 0 ? 1 : 2 * sizes[i - 1]) || sizes[i] > ctx->n_ctx || !(ms[i] > 0.0) ||
+                std::isinf(ms[i])) {
+                return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                               "cost curve: sizes must be 1, 2, 4, ... (<= n_ctx) and costs finite and > 0");
+            }
+        }
+        ctx->auto_sizes.assign(sizes, sizes + n);
+        ctx->auto_ms.assign(ms, ms + n);
+        ctx->auto_tpf.assign(n, -1.0);
+        ctx->auto_tpf_any = -1.0;
+        return CLOVER_OK;
+    });
+}
+
 int clover_reset(clover_context * ctx) {
     if (!ctx || !ctx->lctx) {
         return CLOVER_ERR_INVALID_ARG;
@@ -997,7 +1189,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         const clover_generate_params gp = params ? *params : clover_generate_default_params();
         const clover_model *         m  = ctx->model;
         // ---- validation (nothing is touched before it passes)
-        const int32_t B = gp.block_size == 0 ? ctx->B : gp.block_size;
+        const bool auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO;
+        int32_t    B      = gp.block_size == 0 ? ctx->B : auto_B ? 1 : gp.block_size;
         if (B < 1 || B > ctx->n_ctx) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
                            "block size must be in [1, n_ctx=" + std::to_string(ctx->n_ctx) + "], got " +
@@ -1049,7 +1242,17 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             }
         }
         // ---- setup
-        int rc = set_block_size_impl(ctx, B, msg);
+        int rc = CLOVER_OK;
+        if (auto_B) {
+            if (ctx->auto_sizes.empty()) {
+                rc = calibrate_impl(ctx, msg);
+                if (rc != CLOVER_OK) {
+                    return set_err(err, err_len, rc, "block-size calibration: " + msg);
+                }
+            }
+            B = auto_pick(ctx, 0, n_prompt + gp.max_tokens);
+        }
+        rc = set_block_size_impl(ctx, B, msg);
         if (rc != CLOVER_OK) {
             return set_err(err, err_len, rc, msg);
         }
@@ -1061,7 +1264,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         std::mt19937_64 rng(gp.seed);
         clover_detail::pick_work work;
 
-        int32_t n_commits = 0, n_steps = 0, n_blocks = 0, finish = CLOVER_FINISH_MAX_TOKENS;
+        int32_t n_commits = 0, n_steps = 0, n_blocks = 0, n_switches = 0, finish = CLOVER_FINISH_MAX_TOKENS;
         std::vector<int32_t> gen;      // generated tokens (uncut)
         int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
         double               t_prefill = 0.0;
@@ -1082,6 +1285,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 stats->n_commits          = n_commits;
                 stats->n_forward          = n_steps + n_commits;
                 stats->n_blocks           = n_blocks;
+                stats->block_size         = B;
+                stats->n_block_switches   = n_switches;
                 stats->finish_reason      = finish;
                 stats->tokens_per_forward = n_steps > 0 ? (double) n_gen / n_steps : 0.0;
                 stats->t_prefill_ms       = t_prefill;
@@ -1103,8 +1308,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             return set_err(err, err_len, rc, "prefill: " + msg);
         }
 
-        std::vector<int32_t> canvas(B);
-        std::vector<char>    want(B);          // logits only for the masked positions
+        std::vector<int32_t> canvas;
+        std::vector<char>    want;             // logits only for the masked positions
         std::vector<const float *> rows;
         std::vector<int32_t> masked, cand_tok, order;
         std::vector<double>  cand_conf;
@@ -1113,6 +1318,30 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
 
         while (true) {
             const int32_t start = ctx->n_committed;
+            if (auto_B && n_blocks > 0) {
+                // re-plan at a block boundary; the first time no tokens-per-pass figure
+                // exists, one block of B = 2 measures it
+                const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
+                int32_t       next   = auto_pick(ctx, start, n_left);
+                if (next == 1 && ctx->auto_tpf_any < 0 && start % 2 == 0 && auto_ms_of(ctx, 2) < 1e300 &&
+                    (int64_t) start + (n_left + 1) / 2 * 2 <= ctx->n_ctx) {
+                    next = 2;
+                } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B))) {
+                    next = B; // not worth a switch
+                }
+                if (next > 0 && next != B) {
+                    rc = switch_block_size_keep(ctx, next, msg);
+                    if (rc != CLOVER_OK) {
+                        finish = CLOVER_FINISH_NONE;
+                        finish_stats();
+                        return set_err(err, err_len, rc, msg);
+                    }
+                    B = next;
+                    ++n_switches;
+                }
+            }
+            canvas.resize(B);
+            want.resize(B);
             for (int32_t i = 0; i < B; ++i) {
                 canvas[i] = i < n_rest ? prompt[n_full + i] : mask;
             }
@@ -1163,6 +1392,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             }
             bool has_eos = false;
             if (masked.empty()) {
+                auto_observe(ctx, B, B - n_rest, step);
                 gen.insert(gen.end(), canvas.begin() + n_rest, canvas.end());
                 // visible output: cut at the first EOS and at max_tokens
                 int32_t new_visible = (int32_t) gen.size();

@@ -163,6 +163,18 @@ CLOVER_API int clover_prefill(clover_context * ctx, const int32_t * tokens, int3
 CLOVER_API int     clover_reset(clover_context * ctx);
 CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
 
+/* ---------------------------------------------------------------- block size auto */
+
+/* Measure the cost curve for block_size = auto: the time of one block pass (ms, fastest of
+ * 3 after a warm-up, empty memory) at each candidate B. Clears the memory. Writes up to cap
+ * entries to sizes_out / ms_out (either may be NULL) and *n_out = the number of candidates. */
+CLOVER_API int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, int32_t cap,
+                                int32_t * n_out, char * err, size_t err_len);
+/* Set the cost curve instead of measuring it (e.g. a saved calibration): n pairs, sizes
+ * strictly increasing powers of two starting at 1, ms > 0. Resets the running figures. */
+CLOVER_API int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, int32_t n,
+                                     char * err, size_t err_len);
+
 /* ---------------------------------------------------------------- generation */
 
 /* Called after every denoising step: block_start = absolute position of the block,
@@ -177,8 +189,13 @@ typedef int (*clover_step_callback)(int32_t block_start, const int32_t * canvas,
 typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens, int32_t n_tokens,
                                      void * user_data);
 
+/* clover_generate_params.block_size: choose B per block from the measured cost curve and
+ * the running tokens per pass (see clover_generate). */
+#define CLOVER_BLOCK_SIZE_AUTO (-1)
+
 typedef struct clover_generate_params {
-    int32_t  block_size;   /* B; 0 = keep the context's; another value recreates the context */
+    int32_t  block_size;   /* B; 0 = keep the context's; another value recreates the context;
+                              CLOVER_BLOCK_SIZE_AUTO = chosen per block */
     double   threshold;    /* unmask every position with confidence >= threshold, in [0, 1]; default 0.9 */
     int32_t  max_steps;    /* per-block step cap S (0 = none): step s unmasks >= ceil(masked / (S - s)) */
     double   temperature;  /* 0 = greedy (default); > 0 = sampling */
@@ -207,9 +224,20 @@ typedef struct clover_stats {
     double  t_prefill_ms;
     double  t_decode_ms;
     double  tokens_per_second;  /* n_generated / t_decode */
+    int32_t block_size;         /* B of the last block */
+    int32_t n_block_switches;   /* B changes during the generation (block_size = auto) */
 } clover_stats;
 
-/* Block-diffusion generation from `prompt` (n_prompt >= 0 tokens). The memory is cleared
+/* Block-diffusion generation from `prompt` (n_prompt >= 0 tokens).
+ *
+ * block_size = CLOVER_BLOCK_SIZE_AUTO: B is chosen from the candidates 1, 2, 4, ... up to
+ * max(32, training B) to minimise the expected time per token, cost(B) * (1/tpf(B) + 1/B)
+ * (B/tpf passes and one commit per block), where cost(B) is the context's cost curve (measured
+ * by clover_calibrate on the first auto call, not counted in the stats) and tpf(B) the running
+ * tokens per pass seen at that B (else at any B >= 2, capped at B; else 1). B is re-planned
+ * at each block boundary, only to a B that divides the committed length (blocks stay aligned)
+ * and only for a gain of at least 10%; a switch keeps the memory (seq state saved, context
+ * rebuilt, state restored). The running figures live in the context across calls. The memory is cleared
  * first; afterwards it holds every committed block. Writes at most max_tokens tokens into
  * out (out_cap must be >= max_tokens), *n_out = their count; stats and n_out may be NULL.
  *

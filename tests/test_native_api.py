@@ -676,7 +676,7 @@ def test_errors_generate_arguments(model, vocab_hi):
     prompt = _prompt(71, 5, vocab_hi)
     with Ctx(model, 8, n_ctx=64) as ctx:
         for kw, code, word in [
-            (dict(block_size=-1), N.CLOVER_ERR_INVALID_ARG, "block size"),
+            (dict(block_size=-2), N.CLOVER_ERR_INVALID_ARG, "block size"),
             (dict(block_size=65), N.CLOVER_ERR_INVALID_ARG, "block size"),
             (dict(threshold=-0.1), N.CLOVER_ERR_INVALID_ARG, "threshold"),
             (dict(threshold=1.5), N.CLOVER_ERR_INVALID_ARG, "threshold"),
@@ -835,7 +835,12 @@ def test_cli(artifacts):
                                "--max-steps", "2", "--no-stop-at-eos"], capture_output=True, text=True, errors="replace", timeout=120)
     assert rv.returncode == 0, rv.stderr
     assert "[MASK]" in rv.stderr and "[block @" in rv.stderr
+    ra = subprocess.run(cmd[:-4] + ["--block-size", "auto", "--no-stop-at-eos"], capture_output=True, text=True,
+                        errors="replace", timeout=120)
+    assert ra.returncode == 0, ra.stderr
+    assert "generated 12 tok" in ra.stderr and "(auto)" in ra.stderr
     for bad, word in [(["--threshold", "2"], "threshold"), (["--block-size", "0"], "block-size"),
+                      (["--block-size", "sometimes"], "block-size"),
                       (["--temp", "abc"], "--temp"), (["--bogus"], "unknown option"),
                       (["-c", "8", "--block-size", "16"], "exceeds"), (["-n", "1000", "-c", "64"], "n_ctx")]:
         rb = subprocess.run(cmd + bad, capture_output=True, text=True, errors="replace", timeout=120)

@@ -11,7 +11,8 @@ Switch-style MoE load-balancing loss.
 
 Reproducible from --seed (numpy PCG64 for data/masks/block sizes, torch seed for init);
 resumable (--resume) from <out>/ckpt.pt: model, optimizer, step, rng state. Checkpoints
-every --ckpt-every seconds; log in <out>/log.csv.
+every --ckpt-every seconds; log in <out>/log.csv. --init-from starts a new stage (own seed,
+warmup and cosine schedule) from the weights of an earlier run's ckpt.pt.
 
     nice -n 10 python -m train.train --data train/runs/data --out train/runs/default --steps 2400
 """
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init-from", default="",
+                    help="start from the weights of this ckpt.pt (fresh optimizer and schedule): "
+                         "a second stage after an earlier run")
     return ap
 
 
@@ -172,6 +176,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     rng = np.random.default_rng(a.seed)
     step, elapsed = 0, 0.0
     ck = out / "ckpt.pt"
+    if a.init_from and not (a.resume and ck.is_file()):
+        model.load_state_dict(torch.load(a.init_from, weights_only=False)["model"])
+        print(f"weights from {a.init_from}", flush=True)
     if a.resume and ck.is_file():
         st = torch.load(ck, weights_only=False)
         model.load_state_dict(st["model"])
