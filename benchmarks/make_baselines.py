@@ -105,14 +105,22 @@ def _tokenizer_fields(reader):
 
 # ----------------------------------------------------------------------------- qwen35moe
 def qwen35moe_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
-    import gguf
-
     out = cache / f"qwen35moe-{PRESET}-{outtype}.gguf"
     if not force and out.is_file():
         return out
     src = clover_gguf(cache, outtype)
     t0 = time.perf_counter()
     _log(f"writing {out.name} from {src.name}")
+    n = qwen35moe_from_clover(src, out)
+    _log(f"  {n} tensors kept of the clover GGUF's, {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def qwen35moe_from_clover(src: Path, out: Path) -> int:
+    """Write `out`, the qwen35moe twin of the clover GGUF `src` (see the module doc); returns
+    the number of tensors kept."""
+    import gguf
+
     reader = gguf.GGUFReader(src)
     tmp = _atomic_target(out)
     writer = gguf.GGUFWriter(tmp, "qwen35moe")
@@ -145,8 +153,7 @@ def qwen35moe_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
     writer.close()
     del reader
     tmp.rename(out)
-    _log(f"  {len(kept)} tensors kept of the clover GGUF's, {time.perf_counter() - t0:.1f} s")
-    return out
+    return len(kept)
 
 
 # ----------------------------------------------------------------------------- llada-moe

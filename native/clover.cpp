@@ -585,12 +585,18 @@ std::vector<int32_t> auto_candidates(const clover_context * c) {
     return out;
 }
 
-// Measures the cost curve: the fastest of 3 block passes (after a warm-up) of an all-mask
-// block at each candidate B on an empty memory. Leaves the context at the last B, empty.
+// Measures the cost curve: the fastest of 3 denoising steps (after a warm-up) of an
+// all-mask block at each candidate B on an empty memory: the block pass and the greedy
+// candidate of every position (a softmax over the vocabulary each, which matters for small
+// models). Leaves the context at the last B, empty.
 int calibrate_impl(clover_context * c, std::string & msg) {
     const std::vector<int32_t> sizes = auto_candidates(c);
     std::vector<double>        ms;
     std::vector<const float *> rows;
+    std::mt19937_64            rng(0);
+    clover_detail::pick_work   work;
+    int32_t                    tok  = 0;
+    double                     conf = 0.0;
     for (int32_t B : sizes) {
         int rc = set_block_size_impl(c, B, msg);
         if (rc != CLOVER_OK) {
@@ -605,6 +611,10 @@ int calibrate_impl(clover_context * c, std::string & msg) {
             rc            = block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
             if (rc != CLOVER_OK) {
                 return rc;
+            }
+            for (int32_t i = 0; i < B; ++i) {
+                clover_detail::pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work,
+                                              tok, conf);
             }
             if (rep > 0) {
                 best = std::min(best, ms_since(t0));

@@ -3,6 +3,10 @@
 * speed: tokens per forward (decode passes) and tokens/s for thresholds x block sizes
   against B = 1 on the same f16 GGUF, prompts = the first --prompt-len tokens of each
   held-out file, --new-tokens new tokens, stop_at_eos off, greedy;
+* block_size = "auto" at each threshold (cost curve from Clover.calibrate, running
+  tokens per pass reset per threshold), and the best fixed (B, threshold) by tokens/s;
+* llama.cpp's autoregressive qwen35moe of the same dimensions: decode tokens/s from the
+  pinned llama-bench (-p 0 -n --new-tokens), beside ours at threshold 0.9;
 * quality proxy: share of generated positions where threshold decoding gives the same
   token as B = 1 greedy (position by position), and the mean length of the common prefix;
 * held-out masked-token loss of the GGUFs (Clover.block_logits: block pass of the noisy
@@ -81,11 +85,36 @@ def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int) -> d
                 res["runs"].append(a)
                 log(f"B={B:2d} th={th:.2f}: {a['tpf']:.2f} tok/fwd, {a['tps']:.0f} tok/s, "
                     f"agree {a['agree']:.1%}, prefix {a['prefix']:.1f}")
+        # block_size = "auto": the calibrated cost curve, running figures reset per threshold
+        res["auto_curve"] = m.calibrate()
+        res["auto"] = []
+        for th in THRESHOLDS:
+            m.set_cost_curve(res["auto_curve"])
+            rs = [m.generate(p, max_tokens=new, block_size="auto", threshold=th, stop_at_eos=False)
+                  for p in prompt_list]
+            a = agg(rs, base)
+            a.update(B="auto", threshold=th, last_B=[r.stats.block_size for r in rs],
+                     switches=sum(r.stats.n_block_switches for r in rs))
+            res["auto"].append(a)
+            log(f"auto th={th:.2f}: {a['tpf']:.2f} tok/fwd, {a['tps']:.0f} tok/s, last B {a['last_B']}")
         res["samples"] = {"prompt": m.detokenize(prompt_list[0]),
                           "B1": base[0].text,
                           "B32_t0.9": m.generate(prompt_list[0], max_tokens=new, block_size=32,
                                                  threshold=0.9, stop_at_eos=False).text}
     return res
+
+
+def ar_baseline(f16: Path, work: Path, threads: int, new: int) -> dict:
+    """llama.cpp's own autoregressive qwen35moe with the same dimensions (the clover GGUF's
+    tensors minus the clover-only ones): decode tokens/s from the pinned llama-bench."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from make_baselines import qwen35moe_from_clover
+    from run_all import llama_bench
+
+    out = work / "qwen35moe-default-f16.gguf"
+    qwen35moe_from_clover(f16, out)
+    r = llama_bench(out, threads, 3, p=0, n=new)
+    return {"cmd": "llama-bench " + r["cmd"], "tps": r["avg_ts"]}
 
 
 def agg(rs, base) -> dict:
@@ -168,6 +197,10 @@ def chart(res: dict, path: Path) -> None:
         axs[0].plot(th, [r["tpf"] for r in rr], "o-", label=f"B={B}")
         axs[1].plot(th, [r["tps"] for r in rr], "o-", label=f"B={B}")
         axs[2].plot(th, [100 * r["agree"] for r in rr], "o-", label=f"B={B}")
+    th = [r["threshold"] for r in res["auto"]]
+    axs[0].plot(th, [r["tpf"] for r in res["auto"]], "s--", color="gray", label="auto")
+    axs[1].plot(th, [r["tps"] for r in res["auto"]], "s--", color="gray", label="auto")
+    axs[2].plot(th, [100 * r["agree"] for r in res["auto"]], "s--", color="gray", label="auto")
     axs[0].axhline(1.0, color="k", ls="--", lw=1, label="B=1")
     axs[1].axhline(res["B1"]["tps"], color="k", ls="--", lw=1, label="B=1")
     axs[0].set_ylabel("tokens per forward")
@@ -194,22 +227,41 @@ def write_md(res: dict, path: Path, cmd: str) -> None:
          f"Baseline B = 1 (autoregressive, same weights): {b1['tpf']:.2f} tokens per forward, "
          f"{b1['tps']:.0f} tokens/s.\n",
          "## Tokens per forward (decode passes)\n",
-         "| threshold | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " |",
-         "|---|" + "---|" * len(BLOCK_SIZES)]
+         "| threshold | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " | auto |",
+         "|---|" + "---|" * (len(BLOCK_SIZES) + 1)]
     for key, title, fmt in (("tpf", None, "{:.2f}"), ("tps", "Tokens per second (decode; B=1: %.0f)" % b1["tps"], "{:.0f}"),
                             ("speedup", "Speed-up in tokens/s over B = 1", "{:.2f}x"),
                             ("agree", "Agreement with B = 1 greedy (share of positions)", "{:.1%}"),
                             ("prefix", "Mean common prefix with B = 1 greedy (tokens)", "{:.1f}")):
         if title:
-            L += ["", f"## {title}\n", "| threshold | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " |",
-                  "|---|" + "---|" * len(BLOCK_SIZES)]
+            L += ["", f"## {title}\n", "| threshold | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " | auto |",
+                  "|---|" + "---|" * (len(BLOCK_SIZES) + 1)]
         for th in THRESHOLDS:
             row = []
-            for B in BLOCK_SIZES:
-                r = next(x for x in sp["runs"] if x["B"] == B and x["threshold"] == th)
+            for B in BLOCK_SIZES + ("auto",):
+                r = next(x for x in sp["runs"] + sp["auto"] if x["B"] == B and x["threshold"] == th)
                 v = r["tps"] / b1["tps"] if key == "speedup" else r[key]
                 row.append(fmt.format(v))
             L.append(f"| {th} | " + " | ".join(row) + " |")
+    best = max(sp["runs"], key=lambda r: r["tps"])
+    t09 = {r["B"]: r for r in sp["runs"] + sp["auto"] if r["threshold"] == 0.9}
+    curve = ", ".join(f"{b}: {v:.2f}" for b, v in sp["auto_curve"].items())
+    ar = res["ar_baseline"]
+    L += ["", f"Best fixed setting by tokens/s: B = {best['B']}, threshold {best['threshold']} "
+              f"({best['tps']:.0f} tok/s, {best['tps'] / b1['tps']:.2f}x B = 1, {best['tpf']:.2f} tokens per "
+              f"forward, {best['agree']:.1%} agreement). `auto` at threshold 0.9: {t09['auto']['tps']:.0f} tok/s "
+              f"({t09['auto']['tps'] / b1['tps']:.2f}x B = 1; last block sizes {t09['auto']['last_B']}, "
+              f"{t09['auto']['switches']} switches over the prompts). Its cost curve (ms per block pass at B, "
+              f"measured by `Clover.calibrate`): {curve}.\n",
+          "## Autoregressive baseline of the same size\n",
+          f"llama.cpp's own `qwen35moe` with the same dimensions and tensors (the clover-only tensors "
+          f"dropped), `{ar['cmd']}`: {ar['tps']:.0f} tokens/s decode, beside ours at threshold 0.9 "
+          "(tokens/s, and the ratio to qwen35moe):\n",
+          "| qwen35moe | B=1 | " + " | ".join(f"B={B}" for B in BLOCK_SIZES) + " | auto |",
+          "|---|---|" + "---|" * (len(BLOCK_SIZES) + 1),
+          f"| {ar['tps']:.0f} | {b1['tps']:.0f} ({b1['tps'] / ar['tps']:.2f}x) | "
+          + " | ".join(f"{t09[B]['tps']:.0f} ({t09[B]['tps'] / ar['tps']:.2f}x)" for B in BLOCK_SIZES + ("auto",))
+          + " |"]
     L += ["", "![eval](eval.png)", "", "## Held-out masked-token loss\n",
           f"Same {res['loss_windows']} held-out windows of 256 tokens, B = 32, fixed masks "
           "(t ~ U(0.05, 1] per block), mean cross-entropy over the masked positions (nats).\n",
@@ -266,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                  "kl_windows": a.kl_windows}
     res["speed"] = speed(g["f16"], ps, a.new_tokens, a.threads)
     log(f"speed done at {time.time() - t0:.0f}s")
+    res["ar_baseline"] = ar_baseline(g["f16"], work, a.threads, a.new_tokens)
+    log(f"qwen35moe baseline: {res['ar_baseline']}")
     clean, noisy, masked = heldout_windows(data, 256, a.loss_windows)
     res["loss"] = {}
     if Path(a.run, "ckpt.pt").is_file():

@@ -65,6 +65,31 @@ def read_log(run: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def run_chain(run: Path) -> list[dict]:
+    """The stages that made `run`, oldest first: each with its folder, args and log rows
+    (a stage started with --init-from continues the run whose ckpt.pt it names)."""
+    stages = []
+    while True:
+        args = json.loads((run / "args.json").read_text())
+        stages.insert(0, {"run": run, "args": args, "rows": read_log(run)})
+        if not args.get("init_from"):
+            return stages
+        run = Path(args["init_from"]).parent
+
+
+def chain_rows(stages: list[dict]) -> list[dict]:
+    """The stages' log rows with step and tokens_seen counted from the first stage."""
+    out, step0, tok0 = [], 0, 0
+    for st in stages:
+        for r in st["rows"]:
+            out.append({**r, "step": str(int(r["step"]) + step0),
+                        "tokens_seen": str(int(r["tokens_seen"]) + tok0)})
+        last = st["rows"][-1]
+        step0 += int(last["step"])
+        tok0 += int(last["tokens_seen"])
+    return out
+
+
 def plot_loss(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -109,27 +134,47 @@ def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(data / f, out / f)
-    rows = read_log(run)
+    stages = run_chain(run)
+    rows = chain_rows(stages)
     plot_loss(rows, out / "loss.png")
     meta = json.loads((data / "meta.json").read_text())
     args = st["args"]
-    ev = [r for r in rows if r["heldout_loss"] and int(r["step"]) <= st["step"]]
-    info = {"step": st["step"], "steps_planned": args["steps"], "elapsed_s": st.get("elapsed", 0.0),
-            "tokens_seen": st["step"] * args["batch"] * args["seq_len"],
+    ev = [r for r in stages[-1]["rows"] if r["heldout_loss"] and int(r["step"]) <= st["step"]]
+    for s_ in stages:
+        last = s_["rows"][-1] if s_ is not stages[-1] else next(r for r in s_["rows"] if int(r["step"]) == st["step"])
+        s_.update(steps=int(last["step"]), minutes=float(last["elapsed_s"]) / 60, tokens=int(last["tokens_seen"]))
+    info = {"step": sum(s_["steps"] for s_ in stages), "steps_planned": sum(s_["args"]["steps"] for s_ in stages),
+            "elapsed_s": sum(s_["minutes"] for s_ in stages) * 60,
+            "tokens_seen": sum(s_["tokens"] for s_ in stages),
             "heldout_loss": float(ev[-1]["heldout_loss"]) if ev else None,
             "params": sum(int(np.prod(a.shape)) for a, _ in tensors.values())}
-    (out / "README.md").write_text(model_card(hfc, args, meta, info, card_extra))
+    (out / "README.md").write_text(model_card(hfc, args, meta, info, card_extra, stages))
     return info
 
 
-def model_card(hfc: dict, args: dict, meta: dict, info: dict, extra: str) -> str:
+def train_command(args: dict) -> str:
+    keys = ["data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes",
+            "threads"] + (["init_from"] if args.get("init_from") else [])
+    return "nice -n 10 python -m train.train " + " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in keys)
+
+
+def stage_lines(stages: list[dict]) -> str:
+    out = []
+    for i, s in enumerate(stages, 1):
+        a = s["args"]
+        start = (f"from the weights of stage {i - 1} (fresh AdamW state and schedule)" if a.get("init_from")
+                 else "from scratch")
+        out.append(f"  {i}. {start}: seed {a['seed']}, {s['steps']} steps, lr {a['lr']} ({a['warmup']} warmup "
+                   f"steps, cosine to 10%), {a['threads']} CPU thread(s), {s['minutes']:.0f} minutes.")
+    return "\n".join(out)
+
+
+def model_card(hfc: dict, args: dict, meta: dict, info: dict, extra: str, stages: list[dict]) -> str:
     E, k = hfc["num_experts"], hfc["num_experts_per_tok"]
     H, I, Is = hfc["hidden_size"], hfc["moe_intermediate_size"], hfc["shared_expert_intermediate_size"]
     n_active = info["params"] - hfc["num_hidden_layers"] * (E - k) * 3 * H * I - hfc["vocab_size"] * H
     cmd_data = f"python -m train.data --out {args['data']}"
-    cmd_train = ("nice -n 10 python -m train.train " + " ".join(
-        f"--{k.replace('_', '-')} {args[k]}" for k in
-        ("data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes")))
+    cmd_train = "\n".join(train_command(s["args"]) for s in stages)
     cmd_export = f"python -m train.export --run {args['out']} --data {args['data']} --out models/clover-default"
     hl = f"{info['heldout_loss']:.3f}" if info["heldout_loss"] is not None else "n/a"
     partial = ("" if info["step"] >= info["steps_planned"] else
@@ -140,8 +185,7 @@ A small **Clover** block-diffusion MoE language model trained from scratch on CP
 with clover-cpp as the default model of `clover demo`. It is a toy: it has learned the
 surface of Python code (indentation, `def`/`self.`/`return` patterns, common stdlib
 identifiers), not to program. It was trained to give the decoder real (non-flat)
-distributions, which random weights never do; at this training length they are still
-too flat for threshold decoding to unmask more than one token per pass (see Evaluation).
+distributions, which random weights never do; see Evaluation for how far that got.
 
 ## Data
 
@@ -185,10 +229,10 @@ Weights: matrices BF16, norms / conv taps / A_log / dt_bias / block_calib F32.
   max(1, round(tB)) random positions become `<|mask|>`; block b is denoised against the
   memory (GDN state, conv tail, KV) of the clean blocks before it; cross-entropy on the
   masked positions only, token mean (no 1/t weight), + 0.01 MoE load-balancing loss.
-* AdamW (0.9, 0.95), lr {args['lr']} with {args['warmup']} warmup steps and cosine decay to
-  10%, weight decay {args['weight_decay']}, grad clip {args['clip']}, batch {args['batch']} x {args['seq_len']} tokens,
-  fp32, seed {args['seed']}, 1 CPU thread (torch {torch.__version__}).
-* {info['step']} steps{partial}, {info['tokens_seen']:,} training tokens
+* AdamW (0.9, 0.95), weight decay {args['weight_decay']}, grad clip {args['clip']}, batch
+  {args['batch']} x {args['seq_len']} tokens, fp32 (torch {torch.__version__}), in {len(stages)} stage(s):
+{stage_lines(stages)}
+* {info['step']} steps in all{partial}, {info['tokens_seen']:,} training tokens
   ({info['tokens_seen'] / max(1, meta['train']['tokens']):.2f} epochs), {info['elapsed_s'] / 60:.0f} minutes.
 * Held-out masked-token loss (B = 32, fixed masks, t ~ U(0.05, 1]): **{hl} nats**.
 
@@ -197,7 +241,9 @@ Weights: matrices BF16, norms / conv taps / A_log / dt_bias / block_calib F32.
 ## Reproduce
 
 From the repository root, with `pip install -e .[train]` (torch CPU build), on the same
-Python {meta['python']} standard library:
+Python {meta['python']} standard library (each stage is a deterministic function of its
+arguments on a given torch build and thread count: `python -m train.check_repro --run <stage folder>`
+re-runs a stage's first steps and compares the logged losses):
 
 ```
 {cmd_data}
