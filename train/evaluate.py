@@ -243,7 +243,7 @@ def write_md(res: dict, path: Path, cmd: str) -> None:
                 v = r["tps"] / b1["tps"] if key == "speedup" else r[key]
                 row.append(fmt.format(v))
             L.append(f"| {th} | " + " | ".join(row) + " |")
-    best = max(sp["runs"], key=lambda r: r["tps"])
+    best = max(sp["runs"] + [{**b1, "B": 1, "threshold": "any"}], key=lambda r: r["tps"])
     t09 = {r["B"]: r for r in sp["runs"] + sp["auto"] if r["threshold"] == 0.9}
     curve = ", ".join(f"{b}: {v:.2f}" for b, v in sp["auto_curve"].items())
     ar = res["ar_baseline"]
