@@ -124,3 +124,28 @@ def test_select_equals_full_logits():
         full, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4)
         sel, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4, select=torch.as_tensor(masked))
     assert torch.allclose(full[torch.as_tensor(masked)], sel)
+
+
+def test_second_stage_and_check_repro(tmp_path, capsys):
+    from train import check_repro
+
+    tokens = np.random.default_rng(1).integers(0, 48, size=4000).astype(np.int16)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "train.npy", tokens)
+    np.save(data / "heldout.npy", tokens[:400])
+    common = ["--data", str(data), "--preset", "test", "--batch", "2", "--seq-len", "16",
+              "--block-sizes", "4:0.5,8:0.5", "--eval-every", "0", "--warmup", "2"]
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    tr.main(common + ["--out", str(s1), "--steps", "4", "--seed", "0"])
+    second = tr.main(common + ["--out", str(s2), "--steps", "4", "--seed", "1", "--init-from", str(s1 / "ckpt.pt")])
+    fresh = tr.main(common + ["--out", str(tmp_path / "s3"), "--steps", "4", "--seed", "1"])
+    assert second != fresh            # the second stage starts from the first stage's weights
+    assert check_repro.main(["--run", str(s2), "--steps", "3"]) == 0
+    assert "3/3 logged losses identical" in capsys.readouterr().out
+    log = (s2 / "log.csv").read_text().splitlines()      # a wrong log must be caught
+    cells = log[2].split(",")
+    cells[5] = "9.9999"
+    log[2] = ",".join(cells)
+    (s2 / "log.csv").write_text("\n".join(log) + "\n")
+    assert check_repro.main(["--run", str(s2), "--steps", "3"]) == 1
