@@ -84,7 +84,8 @@ asan() {
     log "decoding tests under AddressSanitizer"
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 CLOVER_LIB_PATH="$asan_build/bin/libclover.so" \
-        "$PY" -m pytest -q tests/test_native_api.py -k "block_pass or generate or errors or bad_clover"
+        "$PY" -m pytest -q tests/test_native_api.py tests/test_block_auto.py \
+            -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate"
 }
 
 case "${1:-}" in
