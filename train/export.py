@@ -154,7 +154,7 @@ def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
 
 def train_command(args: dict) -> str:
     keys = ["data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes",
-            "threads"] + (["init_from"] if args.get("init_from") else [])
+            "threads"] + [k for k in ("stop_after", "init_from") if args.get(k)]
     return "nice -n 10 python -m train.train " + " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in keys)
 
 

@@ -197,6 +197,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     windows = heldout_windows(data, T, a.eval_windows)
     log_path = out / "log.csv"
     new_log = not (a.resume and log_path.is_file())
+    if not new_log:   # drop rows logged after the checkpoint by a run that was killed
+        with open(log_path, newline="") as f:
+            rows = list(csv.reader(f))
+        with open(log_path, "w", newline="") as f:
+            csv.writer(f).writerows(r for r in rows if not r[0].isdigit() or int(r[0]) <= step)
     logf = open(log_path, "w" if new_log else "a", newline="")
     log = csv.writer(logf)
     if new_log:
