@@ -164,8 +164,10 @@ def stage_lines(stages: list[dict]) -> str:
         a = s["args"]
         start = (f"from the weights of stage {i - 1} (fresh AdamW state and schedule)" if a.get("init_from")
                  else "from scratch")
+        sched = (f"cosine to 10% over {a['steps']} steps, stopped at step {s['steps']}"
+                 if s["steps"] < a["steps"] else "cosine to 10%")
         out.append(f"  {i}. {start}: seed {a['seed']}, {s['steps']} steps, lr {a['lr']} ({a['warmup']} warmup "
-                   f"steps, cosine to 10%), {a['threads']} CPU thread(s), {s['minutes']:.0f} minutes.")
+                   f"steps, {sched}), {a['threads']} CPU thread(s), {s['minutes']:.0f} minutes.")
     return "\n".join(out)
 
 
