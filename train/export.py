@@ -143,7 +143,7 @@ def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
     for s_ in stages:
         last = s_["rows"][-1] if s_ is not stages[-1] else next(r for r in s_["rows"] if int(r["step"]) == st["step"])
         s_.update(steps=int(last["step"]), minutes=float(last["elapsed_s"]) / 60, tokens=int(last["tokens_seen"]))
-    info = {"step": sum(s_["steps"] for s_ in stages), "steps_planned": sum(s_["args"]["steps"] for s_ in stages),
+    info = {"step": sum(s_["steps"] for s_ in stages), "steps_planned": sum(s_["args"].get("stop_after") or s_["args"]["steps"] for s_ in stages),
             "elapsed_s": sum(s_["minutes"] for s_ in stages) * 60,
             "tokens_seen": sum(s_["tokens"] for s_ in stages),
             "heldout_loss": float(ev[-1]["heldout_loss"]) if ev else None,
