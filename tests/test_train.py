@@ -99,14 +99,19 @@ def test_mask_and_loss_only_on_masked():
     assert torch.all(logits2.grad[torch.as_tensor(~masked)] == 0)
 
 
-def test_resume_matches_uninterrupted(tmp_path):
-    tokens = np.random.default_rng(0).integers(0, 48, size=4000).astype(np.int16)
+def toy_run_args(tmp_path, seed: int) -> list[str]:
+    """A random-token data folder and the train.train arguments of a tiny run on it."""
+    tokens = np.random.default_rng(seed).integers(0, 48, size=4000).astype(np.int16)
     data = tmp_path / "data"
     data.mkdir()
     np.save(data / "train.npy", tokens)
     np.save(data / "heldout.npy", tokens[:400])
-    common = ["--data", str(data), "--preset", "test", "--batch", "2", "--seq-len", "16",
-              "--block-sizes", "4:0.5,8:0.5", "--eval-every", "0", "--warmup", "2", "--seed", "3"]
+    return ["--data", str(data), "--preset", "test", "--batch", "2", "--seq-len", "16",
+            "--block-sizes", "4:0.5,8:0.5", "--eval-every", "0", "--warmup", "2"]
+
+
+def test_resume_matches_uninterrupted(tmp_path):
+    common = toy_run_args(tmp_path, 0) + ["--seed", "3"]
     full = tr.main(common + ["--out", str(tmp_path / "a"), "--steps", "6"])
     tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "6", "--stop-after", "3"])
     rest = tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "6", "--resume"])
@@ -129,13 +134,7 @@ def test_select_equals_full_logits():
 def test_second_stage_and_check_repro(tmp_path, capsys):
     from train import check_repro
 
-    tokens = np.random.default_rng(1).integers(0, 48, size=4000).astype(np.int16)
-    data = tmp_path / "data"
-    data.mkdir()
-    np.save(data / "train.npy", tokens)
-    np.save(data / "heldout.npy", tokens[:400])
-    common = ["--data", str(data), "--preset", "test", "--batch", "2", "--seq-len", "16",
-              "--block-sizes", "4:0.5,8:0.5", "--eval-every", "0", "--warmup", "2"]
+    common = toy_run_args(tmp_path, 1)
     s1, s2 = tmp_path / "s1", tmp_path / "s2"
     tr.main(common + ["--out", str(s1), "--steps", "4", "--seed", "0"])
     second = tr.main(common + ["--out", str(s2), "--steps", "4", "--seed", "1", "--init-from", str(s1 / "ckpt.pt")])
