@@ -24,7 +24,7 @@ import click
 from . import _lib
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-DEFAULT_DEMO_PROMPT = "def fibonacci(n):"
+DEFAULT_DEMO_PROMPT = 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
 
 
 class UserError(click.ClickException):
@@ -647,8 +647,8 @@ def demo_model(cache_dir: Path, log: Any = None) -> tuple[Path, str]:
 @click.option("-p", "--prompt", default=DEFAULT_DEMO_PROMPT, show_default=True, help="Prompt text.")
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=64, show_default=True,
               help="Tokens to generate.")
-@click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default=None,
-              help="Block size (default: the model's training block size; auto = chosen per block).")
+@click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
+              help="Block size, or auto (chosen per block from the measured cost and tokens per pass).")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
               help="Confidence threshold.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
@@ -665,7 +665,7 @@ def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads
     if visual is None:
         visual = sys.stdout.isatty()
     with _open_model(str(path), threads, 4096, 0, block_size, False) as m:
-        B = block_size or m.block_size
+        B = block_size
         click.echo(f"prompt: {prompt!r}; block size {B}, threshold {threshold}", err=True)
         kw = dict(max_tokens=n_predict, block_size=B, threshold=threshold)
         r = _generate_to_terminal(m, prompt, visual, prefix=prompt, **kw)

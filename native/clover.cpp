@@ -585,28 +585,38 @@ std::vector<int32_t> auto_candidates(const clover_context * c) {
     return out;
 }
 
-// Measures the cost curve: the fastest of 3 denoising steps (after a warm-up) of an
+// Measures the cost curve: the fastest of 10 denoising steps (2 sweeps) of an
 // all-mask block at each candidate B on an empty memory: the block pass and the greedy
 // candidate of every position (a softmax over the vocabulary each, which matters for small
 // models). Leaves the context at the last B, empty.
 int calibrate_impl(clover_context * c, std::string & msg) {
     const std::vector<int32_t> sizes = auto_candidates(c);
-    std::vector<double>        ms;
+    std::vector<double>        ms(sizes.size(), 1e300);
     std::vector<const float *> rows;
     std::mt19937_64            rng(0);
     clover_detail::pick_work   work;
     int32_t                    tok  = 0;
     double                     conf = 0.0;
-    for (int32_t B : sizes) {
-        int rc = set_block_size_impl(c, B, msg);
+    // two sweeps, small to large then back, keeping the fastest step per B: a machine that
+    // speeds up or slows down during the sweep then biases no end of the curve
+    std::vector<size_t> order;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        order.push_back(i);
+    }
+    for (size_t i = sizes.size(); i-- > 0;) {
+        order.push_back(i);
+    }
+    for (size_t idx : order) {
+        const int32_t B  = sizes[idx];
+        int           rc = set_block_size_impl(c, B, msg);
         if (rc != CLOVER_OK) {
             return rc;
         }
         llama_memory_clear(llama_get_memory(c->lctx), true);
         c->n_committed = 0;
         const std::vector<int32_t> canvas(B, c->model->mask);
-        double                     best = 1e300;
-        for (int rep = 0; rep < 4; ++rep) {
+        double &                   best = ms[idx];
+        for (int rep = 0; rep < 7; ++rep) {
             const auto t0 = std::chrono::steady_clock::now();
             rc            = block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
             if (rc != CLOVER_OK) {
@@ -616,11 +626,10 @@ int calibrate_impl(clover_context * c, std::string & msg) {
                 clover_detail::pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work,
                                               tok, conf);
             }
-            if (rep > 0) {
+            if (rep > 1) { // two warm-up steps
                 best = std::min(best, ms_since(t0));
             }
         }
-        ms.push_back(best);
     }
     c->auto_sizes = sizes;
     c->auto_ms    = ms;

@@ -165,8 +165,8 @@ CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
 
 /* ---------------------------------------------------------------- block size auto */
 
-/* Measure the cost curve for block_size = auto: the time of one block pass (ms, fastest of
- * 3 after a warm-up, empty memory) at each candidate B. Clears the memory. Writes up to cap
+/* Measure the cost curve for block_size = auto: the time of one denoising step (block pass
+ * + candidates; ms, fastest of 10 over two sweeps, empty memory) at each candidate B. Clears the memory. Writes up to cap
  * entries to sizes_out / ms_out (either may be NULL) and *n_out = the number of candidates. */
 CLOVER_API int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, int32_t cap,
                                 int32_t * n_out, char * err, size_t err_len);

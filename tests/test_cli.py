@@ -164,12 +164,13 @@ def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     res = invoke(["demo", "--cache-dir", cache, "-n", "16", "-t", "1", "--no-visual"])
     assert res.exit_code == 0, res.output
     assert (cache / "clover-tiny-f16.gguf").is_file()
-    assert res.stdout.startswith("def fibonacci(n):")
-    assert "tiny" in res.stderr and "[clover] B=8" in res.stderr and "[clover] B=1" in res.stderr
+    assert res.stdout.startswith(cli_mod.DEFAULT_DEMO_PROMPT)
+    assert "tiny" in res.stderr and "block size auto" in res.stderr and "[clover] B=1" in res.stderr
     assert "vs autoregressive" in res.stderr
     # second run reuses the cache
-    res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare"])
+    res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "-b", "8"])
     assert res.exit_code == 0 and "writing the tiny preset" not in res.stderr
+    assert "[clover] B=8" in res.stderr
 
 
 @needs_lib
