@@ -657,14 +657,29 @@ double auto_ms_per_token(const clover_context * c, size_t i) {
     return c->auto_ms[i] * (1.0 / auto_tpf_estimate(c, i) + 1.0 / B);
 }
 
-// The candidate with the lowest expected ms per token among those that start a block at
-// n_committed (block aligned) and fit `n_left` more tokens into n_ctx.
+// Index of B among the candidates, or -1.
+int auto_index(const clover_context * c, int32_t B) {
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        if (c->auto_sizes[i] == B) {
+            return (int) i;
+        }
+    }
+    return -1;
+}
+
+// Can a block of B start at n_committed (block aligned) with `n_left` more tokens fitting
+// into n_ctx?
+bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t n_left) {
+    return n_committed % B == 0 && (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B <= c->n_ctx;
+}
+
+// The candidate with the lowest expected ms per token among those that fit (auto_fits).
 int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left) {
     int32_t best = 0;
     double  best_ms = 1e300;
     for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
         const int32_t B = c->auto_sizes[i];
-        if (n_committed % B != 0 || (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B > c->n_ctx) {
+        if (!auto_fits(c, B, n_committed, n_left)) {
             continue;
         }
         const double ms = auto_ms_per_token(c, i);
@@ -684,20 +699,16 @@ void auto_observe(clover_context * c, int32_t B, int32_t n_tokens, int32_t n_pas
     const double tpf = (double) n_tokens / n_passes;
     const double a   = 0.3;
     c->auto_tpf_any  = c->auto_tpf_any > 0 ? (1 - a) * c->auto_tpf_any + a * tpf : tpf;
-    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
-        if (c->auto_sizes[i] == B) {
-            c->auto_tpf[i] = c->auto_tpf[i] > 0 ? (1 - a) * c->auto_tpf[i] + a * tpf : tpf;
-        }
+    const int i      = auto_index(c, B);
+    if (i >= 0) {
+        c->auto_tpf[i] = c->auto_tpf[i] > 0 ? (1 - a) * c->auto_tpf[i] + a * tpf : tpf;
     }
 }
 
+// Expected ms per token at B (1e300 if B is not a candidate).
 double auto_ms_of(const clover_context * c, int32_t B) {
-    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
-        if (c->auto_sizes[i] == B) {
-            return auto_ms_per_token(c, i);
-        }
-    }
-    return 1e300;
+    const int i = auto_index(c, B);
+    return i >= 0 ? auto_ms_per_token(c, (size_t) i) : 1e300;
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -1342,8 +1353,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 // exists, one block of B = 2 measures it
                 const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
                 int32_t       next   = auto_pick(ctx, start, n_left);
-                if (next == 1 && ctx->auto_tpf_any < 0 && start % 2 == 0 && auto_ms_of(ctx, 2) < 1e300 &&
-                    (int64_t) start + (n_left + 1) / 2 * 2 <= ctx->n_ctx) {
+                if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, start, n_left)) {
                     next = 2;
                 } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B))) {
                     next = B; // not worth a switch
