@@ -38,15 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = json.loads((run / "args.json").read_text())
     want = logged_losses(run / "log.csv", a.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        argv2 = ["--data", args["data"], "--out", tmp, "--preset", args["preset"], "--seed", str(args["seed"]),
-                 "--steps", str(args["steps"]), "--stop-after", str(len(want)), "--batch", str(args["batch"]),
-                 "--seq-len", str(args["seq_len"]), "--block-sizes", args["block_sizes"],
-                 "--t-min", str(args["t_min"]), "--lr", str(args["lr"]), "--min-lr-frac", str(args["min_lr_frac"]),
-                 "--warmup", str(args["warmup"]), "--weight-decay", str(args["weight_decay"]),
-                 "--clip", str(args["clip"]), "--eval-every", "0", "--threads", str(args["threads"])]
-        if args.get("init_from"):
-            argv2 += ["--init-from", args["init_from"]]
-        trainer.main(argv2)
+        # the run's own arguments, then (later options win) a scratch folder, no evaluations
+        trainer.main(trainer.run_argv(args) + ["--out", tmp, "--stop-after", str(len(want)), "--eval-every", "0"])
         got = logged_losses(Path(tmp) / "log.csv", a.steps)
     same = sum(x == y for x, y in zip(got, want))
     print(f"{run}: {same}/{len(want)} logged losses identical over the first {len(want)} steps")

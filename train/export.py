@@ -23,6 +23,7 @@ from clover_convert.safetensors_io import write_safetensors
 from clover_cpp.checkpoints import HF_IDENTITY
 from clover_cpp.reference import CloverConfig
 from train.model import CloverTorch
+from train.train import run_argv
 
 HF_EXTRA = {
     **HF_IDENTITY,
@@ -153,9 +154,8 @@ def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
 
 
 def train_command(args: dict) -> str:
-    keys = ["data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes",
-            "threads"] + [k for k in ("stop_after", "init_from") if args.get(k)]
-    return "nice -n 10 python -m train.train " + " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in keys)
+    shown = ("data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes", "threads")
+    return "nice -n 10 python -m train.train " + " ".join(run_argv(args, keep=shown))
 
 
 def stage_lines(stages: list[dict]) -> str:

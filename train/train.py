@@ -164,6 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run_argv(args: dict, keep: tuple[str, ...] = ()) -> list[str]:
+    """Command-line arguments that recreate a run's args.json: every option that differs from
+    its default, and those named in `keep`. Never --resume (a resumed run logs and ends as
+    an uninterrupted one)."""
+    defaults = vars(build_parser().parse_args([]))
+    out: list[str] = []
+    for k, v in args.items():
+        if k == "resume" or k not in defaults or (v == defaults[k] and k not in keep):
+            continue
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[float]:
     a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
