@@ -5,6 +5,24 @@ import numpy as np
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_libclover: skipped when libclover is not built")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked needs_libclover, with the reason, when the library is missing."""
+    from clover_cpp import _native
+
+    try:
+        _native.find_library()
+        return
+    except _native.CloverLibraryNotFound as e:  # pragma: no cover - depends on the build
+        skip = pytest.mark.skip(reason=f"libclover is not built ({e})")
+    for item in items:
+        if item.get_closest_marker("needs_libclover"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny preset (f32 checkpoint) converted once to f32, f16 and q8_0 GGUFs."""

@@ -11,13 +11,7 @@ import pytest
 
 from clover_cpp import _native
 
-try:
-    _LIB = _native.find_library()
-    _SKIP = None
-except _native.CloverLibraryNotFound as e:  # pragma: no cover - depends on the build
-    _LIB, _SKIP = None, f"libclover is not built ({e})"
-
-pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+pytestmark = pytest.mark.needs_libclover
 
 PROMPTS = ["hello world", "def fibonacci(n):", "The quick brown fox jumps over the lazy dog."]
 

@@ -9,15 +9,8 @@ import sys
 
 import pytest
 
-from clover_cpp import _native
 
-try:
-    _native.find_library()
-    _SKIP = None
-except _native.CloverLibraryNotFound as e:  # pragma: no cover - depends on the build
-    _SKIP = f"libclover is not built ({e})"
-
-pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+pytestmark = pytest.mark.needs_libclover
 
 PROMPTS = ["hello world", "def fibonacci(n):", "The quick brown fox jumps over the lazy dog."]
 # cheap single tokens, costly B = 2: B = 1 first, then one B = 2 probe, then (with confident

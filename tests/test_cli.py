@@ -13,16 +13,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from clover_cpp import _native
 from clover_cpp.cli import cli
 
-try:
-    _native.find_library()
-    _NO_LIB = None
-except _native.CloverLibraryNotFound as e:  # pragma: no cover - depends on the build
-    _NO_LIB = f"libclover is not built ({e})"
-
-needs_lib = pytest.mark.skipif(_NO_LIB is not None, reason=_NO_LIB or "")
+needs_lib = pytest.mark.needs_libclover
 
 REPO = Path(__file__).resolve().parent.parent
 CLOVER_BIN = REPO / ".venv" / "bin" / "clover"
