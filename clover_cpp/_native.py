@@ -65,6 +65,7 @@ class clover_context_params(Structure):
         ("block_size", c_int32),
         ("flash_attn", c_int32),
         ("kv_f32", c_int32),
+        ("calib_cache", c_int32),
     ]
 
 
@@ -107,6 +108,7 @@ class clover_stats(Structure):
         ("tokens_per_second", c_double),
         ("block_size", c_int32),
         ("n_block_switches", c_int32),
+        ("calibration", c_int32),
     ]
 
 
@@ -194,8 +196,10 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
     fn("clover_n_ctx", c_int32, clover_context_p)
     fn("clover_set_block_size", c_int, clover_context_p, c_int32, c_char_p, c_size_t)
     fn("clover_set_n_threads", c_int, clover_context_p, c_int32)
-    fn("clover_calibrate", c_int, clover_context_p, c_int32_p, c_double_p, c_int32, c_int32_p, c_char_p, c_size_t)
-    fn("clover_set_cost_curve", c_int, clover_context_p, c_int32_p, c_double_p, c_int32, c_char_p, c_size_t)
+    fn("clover_calibrate", c_int, clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32, c_int32_p,
+       c_char_p, c_size_t)
+    fn("clover_set_cost_curve", c_int, clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32,
+       c_char_p, c_size_t)
 
     fn("clover_block_pass", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
     fn("clover_commit", c_int, clover_context_p, c_int32_p, c_int32, c_char_p, c_size_t)

@@ -415,24 +415,33 @@ class Clover:
             err, n = N.err_buffer()
             _check(_lib().clover_set_block_size(self._c(), value, err, n), err)
 
-    def calibrate(self) -> dict[int, float]:
-        """Measure the cost curve used by block_size="auto": {B: ms per block pass} for
-        B = 1, 2, 4, ... (clears the memory)."""
+    def calibrate(self, fused: bool = False) -> dict[int, float] | dict[int, tuple[float, float]]:
+        """Measure the cost curve used by block_size="auto" (bypassing the disk cache):
+        {B: ms per block pass} for B = 1, 2, 4, ...; with fused=True {B: (pass ms, ms of a
+        commit fused with a pass)}. Clears the memory."""
         with self._lock:
             L, err, n = _lib(), *N.err_buffer()
-            sizes, ms, cnt = (ctypes.c_int32 * 32)(), (ctypes.c_double * 32)(), ctypes.c_int32(0)
-            _check(L.clover_calibrate(self._c(), sizes, ms, 32, ctypes.byref(cnt), err, n), err)
-            return {int(sizes[i]): float(ms[i]) for i in range(min(cnt.value, 32))}
+            sizes, cnt = (ctypes.c_int32 * 32)(), ctypes.c_int32(0)
+            ms, msf = (ctypes.c_double * 32)(), (ctypes.c_double * 32)()
+            _check(L.clover_calibrate(self._c(), sizes, ms, msf, 32, ctypes.byref(cnt), err, n), err)
+            k = min(cnt.value, 32)
+            if fused:
+                return {int(sizes[i]): (float(ms[i]), float(msf[i])) for i in range(k)}
+            return {int(sizes[i]): float(ms[i]) for i in range(k)}
 
-    def set_cost_curve(self, curve: Mapping[int, float]) -> None:
-        """Set the cost curve for block_size="auto" ({1: ms, 2: ms, 4: ms, ...}) instead of
+    def set_cost_curve(self, curve: Mapping[int, float], fused: Mapping[int, float] | None = None) -> None:
+        """Set the cost curve for block_size="auto" ({1: ms, 2: ms, 4: ms, ...}; fused: the
+        cost of a commit fused with a pass, by default that of a pass of 2B) instead of
         measuring it, e.g. from an earlier :meth:`calibrate`. Resets the running tokens per pass."""
         items = sorted((int(b), float(v)) for b, v in curve.items())
         with self._lock:
             err, n = N.err_buffer()
             sizes = N.as_int32_array([b for b, _ in items])
             ms = (ctypes.c_double * max(1, len(items)))(*[v for _, v in items])
-            _check(_lib().clover_set_cost_curve(self._c(), sizes, ms, len(items), err, n), err)
+            msf = None
+            if fused is not None:
+                msf = (ctypes.c_double * max(1, len(items)))(*[float(fused[b]) for b, _ in items])
+            _check(_lib().clover_set_cost_curve(self._c(), sizes, ms, msf, len(items), err, n), err)
 
     def set_n_threads(self, n_threads: int) -> None:
         with self._lock:

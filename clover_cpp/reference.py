@@ -562,6 +562,12 @@ def _candidates(logits: np.ndarray, mask_id: int, temperature: float, top_k: int
     return toks, conf
 
 
+def ubatch_tokens(block_size: int) -> int:
+    """Tokens per llama_decode in libclover for block size B: whole blocks, at least two (a
+    commit and the next pass), about 512 (the prompt prefill)."""
+    return block_size * max(2, -(-512 // block_size))
+
+
 def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens: int,
              block_size: int, threshold: float = 0.9, max_steps: int = 0,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -588,7 +594,9 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
         while True:
             start = mem.n_committed
             canvas = list(rest) + [mask] * (B - len(rest))
-            masked = [p for p in range(len(rest), B)]
+            # positions at or past the token budget are never candidates: they stay masked
+            n_cand = min(B - len(rest), max_tokens - len(out))
+            masked = [p for p in range(len(rest), len(rest) + n_cand)]
             step, cancelled = 0, False
             while masked:
                 logits = model.block_pass(mem, canvas, B)
@@ -609,7 +617,7 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
                     cancelled = True
                     break
             if not masked:
-                out.extend(canvas[len(rest):])
+                out.extend(canvas[len(rest):len(rest) + n_cand])
             if cancelled:
                 reason = "cancelled"
                 break
@@ -627,6 +635,10 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
             out = out[:idx]
             break
     out = out[:max(max_tokens, 0)]
-    return GenerateResult(tokens=out, n_forward=n_steps + n_commits, n_steps=n_steps,
+    # forwards as libclover runs them: the prompt's blocks in ubatches, then one per denoising
+    # step (a commit rides on the next block's first step)
+    n_full = len(prompt_tokens) // schedule[0] * schedule[0] if max_tokens > 0 else 0
+    n_prefill_calls = -(-n_full // ubatch_tokens(schedule[0]))
+    return GenerateResult(tokens=out, n_forward=n_steps + n_prefill_calls, n_steps=n_steps,
                           tokens_per_forward=len(out) / n_steps if n_steps else 0.0,
                           n_commits=n_commits, finish_reason=reason)

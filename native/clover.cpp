@@ -13,13 +13,19 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <mutex>
 #include <new>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 // ------------------------------------------------------------------ logging / errors
 
@@ -139,6 +145,7 @@ struct status_error {
 // ------------------------------------------------------------------ objects
 
 struct clover_model {
+    std::string         path; // for the calibration cache key
     llama_model *       lm    = nullptr;
     const llama_vocab * vocab = nullptr;
     int32_t n_vocab     = 0;
@@ -153,18 +160,23 @@ struct clover_context {
     llama_batch     batch{};
     bool            batch_ok    = false;
     int32_t         B           = 0;
+    int32_t         U           = 0; // the llama.cpp context's n_ubatch
     int32_t         n_ctx       = 0;
     int32_t         n_threads   = 0;
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
+    llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (0 or 1, see fused_commit_pass)
     // block_size = auto: the cost of a block pass per candidate B (ms; measured by
     // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
     // (EMA over finished decode blocks; < 0 = not seen yet), per candidate and overall
     std::vector<int32_t> auto_sizes;
-    std::vector<double>  auto_ms;
+    std::vector<double>  auto_ms;       // a block pass of B tokens
+    std::vector<double>  auto_ms_fused; // a commit of B tokens fused with the next block's first pass
     std::vector<double>  auto_tpf;
     double               auto_tpf_any = -1.0;
+    int32_t              use_calib_cache = 1;
+    int32_t              last_calibration = 0; // 0 none, 1 measured, 2 from the disk cache (per generate)
 };
 
 // ------------------------------------------------------------------ pure decoding pieces
@@ -367,13 +379,25 @@ void free_lctx(clover_context * c) {
     c->n_committed = 0;
 }
 
+// The ubatch size for block size B: whole blocks, at least two (a commit fused with the next
+// pass), about 512 tokens for the prefill. Any power of two up to 256 divides 512, so
+// block_size = auto switches B without a new context.
+int32_t ubatch_for(int32_t B) {
+    return B * std::max(2, (512 + B - 1) / B);
+}
+
+bool ubatch_fits(const clover_context * c, int32_t B) {
+    return c->lctx && c->U % B == 0 && c->U >= 2 * B;
+}
+
 int make_lctx(clover_context * c, int32_t B, std::string & msg) {
     free_lctx(c);
+    const int32_t U        = ubatch_for(B);
     llama_context_params p = llama_context_default_params();
     p.n_ctx                = (uint32_t) c->n_ctx;
-    p.n_ubatch             = (uint32_t) B; // the clover graph reads the block size from n_ubatch
-    p.n_batch              = (uint32_t) (B * std::max(1, 512 / B));
-    p.n_seq_max            = 2; // seq 0 = memory, seq 1 = scratch for block passes
+    p.n_ubatch             = (uint32_t) U;
+    p.n_batch              = (uint32_t) U;
+    p.n_seq_max            = 3; // seq 0 or 1 = memory, seq 2 = scratch for block passes
     p.kv_unified           = true;
     p.n_threads            = c->n_threads;
     p.n_threads_batch      = c->n_threads;
@@ -397,11 +421,15 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
         }
         return CLOVER_ERR_LOAD;
     }
-    llama_set_causal_attn(c->lctx, false);
-    c->batch    = llama_batch_init(B, 0, 1);
+    // block-causal: a token sees its own block and the earlier ones; the graph reads B from it
+    llama_set_causal_attn(c->lctx, true);
+    llama_set_block_causal(c->lctx, B);
+    c->batch    = llama_batch_init(U, 0, 1);
     c->batch_ok = true;
     c->B        = B;
+    c->U        = U;
     c->n_committed = 0;
+    c->mem_seq     = 0;
     return CLOVER_OK;
 }
 
@@ -439,16 +467,40 @@ int check_pass(const clover_context * c, const int32_t * tokens, int32_t n, std:
     return check_tokens(c, tokens, n, msg);
 }
 
-void fill_batch(clover_context * c, const int32_t * tokens, int32_t n, llama_seq_id seq, bool logits) {
+// Appends n tokens at positions pos0.. to the batch.
+void add_to_batch(clover_context * c, const int32_t * tokens, int32_t n, int32_t pos0, llama_seq_id seq,
+                  const std::vector<char> * want, bool logits) {
     llama_batch & b = c->batch;
-    b.n_tokens      = n;
     for (int32_t i = 0; i < n; ++i) {
-        b.token[i]     = tokens[i];
-        b.pos[i]       = c->n_committed + i;
-        b.n_seq_id[i]  = 1;
-        b.seq_id[i][0] = seq;
-        b.logits[i]    = logits ? 1 : 0;
+        const int32_t at = b.n_tokens++;
+        b.token[at]     = tokens[i];
+        b.pos[at]       = pos0 + i;
+        b.n_seq_id[at]  = 1;
+        b.seq_id[at][0] = seq;
+        b.logits[at]    = logits && (!want || (*want)[i]) ? 1 : 0;
     }
+}
+
+void fill_batch(clover_context * c, const int32_t * tokens, int32_t n, bool logits) {
+    c->batch.n_tokens = 0;
+    add_to_batch(c, tokens, n, c->n_committed, c->mem_seq, nullptr, logits);
+}
+
+// rows[i] = logits of batch row first + i for the rows asked for (want), valid until the next decode
+int read_rows(clover_context * c, int32_t first, int32_t n, const std::vector<char> * want,
+              std::vector<const float *> & rows, const char * what, std::string & msg) {
+    rows.assign(n, nullptr);
+    for (int32_t i = 0; i < n; ++i) {
+        if (want && !(*want)[i]) {
+            continue;
+        }
+        rows[i] = llama_get_logits_ith(c->lctx, first + i);
+        if (!rows[i]) {
+            msg = std::string(what) + ": no logits for token " + std::to_string(i);
+            return CLOVER_ERR_DECODE;
+        }
+    }
+    return CLOVER_OK;
 }
 
 int decode_status(int rc, const char * what, std::string & msg) {
@@ -460,38 +512,60 @@ int decode_status(int rc, const char * what, std::string & msg) {
     return rc == 1 ? CLOVER_ERR_CONTEXT_FULL : CLOVER_ERR_DECODE;
 }
 
-// block pass: seq 1 = copy of seq 0, decode there, read logits, drop seq 1.
+constexpr llama_seq_id SCRATCH_SEQ = 2;
+
+void clear_memory(clover_context * c) {
+    llama_memory_clear(llama_get_memory(c->lctx), true);
+    c->n_committed = 0;
+    c->mem_seq     = 0;
+}
+
+// block pass: the scratch sequence = copy of the memory, decode there, read logits, drop it.
 // want: which rows to compute (nullptr = all); rows[i] = the logits of token i (nullptr
 // where not wanted), valid until the next llama_decode on this context.
 int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const std::vector<char> * want,
                     std::vector<const float *> & rows, std::string & msg) {
     llama_memory_t mem = llama_get_memory(c->lctx);
-    llama_memory_seq_rm(mem, 1, -1, -1);
-    llama_memory_seq_cp(mem, 0, 1, -1, -1);
-    fill_batch(c, tokens, n, 1, true);
-    if (want) {
-        for (int32_t i = 0; i < n; ++i) {
-            c->batch.logits[i] = (*want)[i] ? 1 : 0;
-        }
-    }
+    llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1);
+    llama_memory_seq_cp(mem, c->mem_seq, SCRATCH_SEQ, -1, -1);
+    c->batch.n_tokens = 0;
+    add_to_batch(c, tokens, n, c->n_committed, SCRATCH_SEQ, want, true);
     g_last_log_error.clear();
     const int rc = llama_decode(c->lctx, c->batch);
-    llama_memory_seq_rm(mem, 1, -1, -1);
+    llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1);
     if (rc != 0) {
         return decode_status(rc, "block pass", msg);
     }
-    rows.assign(n, nullptr);
-    for (int32_t i = 0; i < n; ++i) {
-        if (want && !(*want)[i]) {
-            continue;
-        }
-        rows[i] = llama_get_logits_ith(c->lctx, i);
-        if (!rows[i]) {
-            msg = "block pass: no logits for token " + std::to_string(i);
-            return CLOVER_ERR_DECODE;
-        }
+    return read_rows(c, 0, n, want, rows, "block pass", msg);
+}
+
+// One llama_decode that commits the B final tokens of the current block and runs the first
+// pass of the next block (canvas, B tokens) against the memory including them (the graph
+// leaves the GDN state at the committed block). The canvas's KV cells must then go, but
+// llama.cpp cannot cut the end off a recurrent sequence, so the memory moves to the other
+// sequence: the committed KV cells are copied there with the (shared) recurrent cell, and the
+// old sequence is dropped with the canvas. The recurrent cell keeps the canvas's last
+// position, which no check reads (the hybrid memory's last position is the lower of the two).
+// rows: the canvas's logits (want).
+int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const int32_t * canvas, int32_t B,
+                      const std::vector<char> * want, std::vector<const float *> & rows, std::string & msg) {
+    const int32_t      P     = c->n_committed;
+    const llama_seq_id cur   = c->mem_seq, other = 1 - c->mem_seq;
+    llama_memory_t     mem   = llama_get_memory(c->lctx);
+    c->batch.n_tokens = 0;
+    add_to_batch(c, final_tokens, B, P, cur, nullptr, false);
+    add_to_batch(c, canvas, B, P + B, cur, want, true);
+    g_last_log_error.clear();
+    const int rc = llama_decode(c->lctx, c->batch);
+    if (rc != 0) {
+        return decode_status(rc, "commit + block pass", msg);
     }
-    return CLOVER_OK;
+    llama_memory_seq_rm(mem, other, -1, -1);
+    llama_memory_seq_cp(mem, cur, other, -1, P + B);
+    llama_memory_seq_rm(mem, cur, -1, -1);
+    c->mem_seq = other;
+    c->n_committed += B;
+    return read_rows(c, B, B, want, rows, "commit + block pass", msg);
 }
 
 int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float * out, std::string & msg) {
@@ -508,7 +582,7 @@ int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float
 }
 
 int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
-    fill_batch(c, tokens, n, 0, false);
+    fill_batch(c, tokens, n, false);
     g_last_log_error.clear();
     const int rc = llama_decode(c->lctx, c->batch);
     if (rc != 0) {
@@ -518,19 +592,22 @@ int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::stri
     return CLOVER_OK;
 }
 
-// Commits the complete blocks of tokens[0..n), one llama_decode per block. (A single
-// llama_decode of several blocks would give the same numbers, since llama.cpp splits a
-// batch into ubatches of n_ubatch = B tokens, but the pinned llama.cpp asserts
-// n_ubatch >= n_tokens for non-causal attention.)
-int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, std::string & msg) {
+// Commits the complete blocks of tokens[0..n): one llama_decode per ubatch of whole blocks
+// (block-causal attention across them; the numbers are those of one commit per block).
+int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, int32_t & n_calls,
+                 std::string & msg) {
     const int32_t B = c->B;
-    n_blocks        = 0;
-    for (int32_t s = 0; s + B <= n; s += B) {
-        const int rc = commit_impl(c, tokens + s, B, msg);
+    const int32_t U = (int32_t) llama_n_ubatch(c->lctx) / B * B;
+    const int32_t n_full = n / B * B;
+    n_blocks = n_calls = 0;
+    for (int32_t s = 0; s < n_full; s += U) {
+        const int32_t m = std::min(U, n_full - s);
+        const int rc = commit_impl(c, tokens + s, m, msg);
         if (rc != CLOVER_OK) {
             return rc;
         }
-        ++n_blocks;
+        n_blocks += m / B;
+        ++n_calls;
     }
     return CLOVER_OK;
 }
@@ -543,6 +620,12 @@ int set_block_size_impl(clover_context * c, int32_t B, std::string & msg) {
     if (B == c->B && c->lctx) {
         return CLOVER_OK;
     }
+    if (ubatch_fits(c, B)) {
+        clear_memory(c);
+        llama_set_block_causal(c->lctx, B);
+        c->B = B;
+        return CLOVER_OK;
+    }
     return make_lctx(c, B, msg);
 }
 
@@ -552,11 +635,16 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
     if (B == c->B) {
         return CLOVER_OK;
     }
+    if (ubatch_fits(c, B)) { // the same context: only the block size of mask and graph changes
+        llama_set_block_causal(c->lctx, B);
+        c->B = B;
+        return CLOVER_OK;
+    }
     const int32_t        nc = c->n_committed;
     std::vector<uint8_t> state;
     if (nc > 0) {
-        state.resize(llama_state_seq_get_size(c->lctx, 0));
-        if (llama_state_seq_get_data(c->lctx, state.data(), state.size(), 0) != state.size()) {
+        state.resize(llama_state_seq_get_size(c->lctx, c->mem_seq));
+        if (llama_state_seq_get_data(c->lctx, state.data(), state.size(), c->mem_seq) != state.size()) {
             msg = "block-size switch: could not save the memory";
             return CLOVER_ERR_INTERNAL;
         }
@@ -585,13 +673,13 @@ std::vector<int32_t> auto_candidates(const clover_context * c) {
     return out;
 }
 
-// Measures the cost curve: the fastest of 10 denoising steps (2 sweeps) of an
-// all-mask block at each candidate B on an empty memory: the block pass and the greedy
-// candidate of every position (a softmax over the vocabulary each, which matters for small
-// models). Leaves the context at the last B, empty.
+// Measures the cost curve: per candidate B, the fastest of 10 denoising steps (2 sweeps)
+// of an all-mask block on an almost empty memory, both as a plain block pass and as a commit
+// fused with the next pass; each includes the greedy candidate of every position (a softmax
+// over the vocabulary, which matters for small models). Leaves the context at the last B, empty.
 int calibrate_impl(clover_context * c, std::string & msg) {
     const std::vector<int32_t> sizes = auto_candidates(c);
-    std::vector<double>        ms(sizes.size(), 1e300);
+    std::vector<double>        ms(sizes.size(), 1e300), ms_fused(sizes.size(), 1e300);
     std::vector<const float *> rows;
     std::mt19937_64            rng(0);
     clover_detail::pick_work   work;
@@ -612,33 +700,38 @@ int calibrate_impl(clover_context * c, std::string & msg) {
         if (rc != CLOVER_OK) {
             return rc;
         }
-        llama_memory_clear(llama_get_memory(c->lctx), true);
-        c->n_committed = 0;
         const std::vector<int32_t> canvas(B, c->model->mask);
-        double &                   best = ms[idx];
         for (int rep = 0; rep < 7; ++rep) {
-            const auto t0 = std::chrono::steady_clock::now();
-            rc            = block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
-            if (rc != CLOVER_OK) {
-                return rc;
-            }
-            for (int32_t i = 0; i < B; ++i) {
-                clover_detail::pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work,
-                                              tok, conf);
-            }
-            if (rep > 1) { // two warm-up steps
-                best = std::min(best, ms_since(t0));
+            for (int fused = 0; fused < 2; ++fused) {
+                clear_memory(c);
+                const auto t0 = std::chrono::steady_clock::now();
+                rc = fused ? fused_commit_pass(c, canvas.data(), canvas.data(), B, nullptr, rows, msg)
+                           : block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
+                if (rc != CLOVER_OK) {
+                    return rc;
+                }
+                for (int32_t i = 0; i < B; ++i) {
+                    clover_detail::pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work,
+                                                  tok, conf);
+                }
+                if (rep > 1) { // two warm-up steps
+                    double & best = fused ? ms_fused[idx] : ms[idx];
+                    best          = std::min(best, ms_since(t0));
+                }
             }
         }
     }
-    c->auto_sizes = sizes;
-    c->auto_ms    = ms;
+    clear_memory(c);
+    c->auto_sizes    = sizes;
+    c->auto_ms       = ms;
+    c->auto_ms_fused = ms_fused;
     c->auto_tpf.assign(sizes.size(), -1.0);
     return CLOVER_OK;
 }
 
-// Expected tokens per block pass at B: its own running figure, else the running figure of
-// any B (capped at B), else 1.
+// Expected tokens per block pass at B: its own running figure; else that of the largest
+// smaller B seen, doubled when that B finished its blocks in about one pass (so a confident
+// model climbs one size at a time); else the running figure of any B; each capped at B; else 1.
 double auto_tpf_estimate(const clover_context * c, size_t i) {
     const int32_t B = c->auto_sizes[i];
     if (B == 1) {
@@ -647,14 +740,160 @@ double auto_tpf_estimate(const clover_context * c, size_t i) {
     if (c->auto_tpf[i] > 0) {
         return c->auto_tpf[i];
     }
+    for (size_t j = i; j-- > 0;) {
+        const double t = c->auto_tpf[j];
+        if (t > 0 && c->auto_sizes[j] > 1) {
+            return std::min<double>(B, t >= 0.9 * c->auto_sizes[j] ? 2 * t : t);
+        }
+    }
     return c->auto_tpf_any > 0 ? std::min<double>(B, c->auto_tpf_any) : 1.0;
 }
 
-// Expected milliseconds per generated token at candidate i: B / tpf passes and one commit
-// (about one pass) per B tokens.
+// Expected milliseconds per generated token at candidate i: a block of B tokens takes B / tpf
+// passes, the first of which carries the previous block's commit.
 double auto_ms_per_token(const clover_context * c, size_t i) {
-    const int32_t B = c->auto_sizes[i];
-    return c->auto_ms[i] * (1.0 / auto_tpf_estimate(c, i) + 1.0 / B);
+    const int32_t B      = c->auto_sizes[i];
+    const double  passes = std::max(1.0, B / auto_tpf_estimate(c, i));
+    return (c->auto_ms_fused[i] + (passes - 1.0) * c->auto_ms[i]) / B;
+}
+
+// ---- the calibration cache: one small text file per (model file, backend, build, threads)
+// under $CLOVER_CACHE_DIR, else $XDG_CACHE_HOME/clover-cpp, else ~/.cache/clover-cpp. The
+// first lines repeat the key; an entry that does not match it or does not parse is measured
+// again and replaced (written to a temporary file, then renamed).
+
+std::string calib_cache_dir() {
+    if (const char * d = getenv("CLOVER_CACHE_DIR"); d && *d) {
+        return d;
+    }
+    if (const char * x = getenv("XDG_CACHE_HOME"); x && *x) {
+        return std::string(x) + "/clover-cpp";
+    }
+    if (const char * h = getenv("HOME"); h && *h) {
+        return std::string(h) + "/.cache/clover-cpp";
+    }
+    return "";
+}
+
+std::string calib_key(const clover_context * c) {
+    struct stat st {};
+    if (c->model->path.empty() || stat(c->model->path.c_str(), &st) != 0) {
+        return "";
+    }
+    std::ostringstream k;
+    k << "clover-calibration 2\n"
+      << "model " << c->model->path << "\n"
+      << "file " << (long long) st.st_size << " " << (long long) st.st_mtim.tv_sec << "." << st.st_mtim.tv_nsec
+      << " " << (long long) st.st_ino << "\n"
+      << "build " << __DATE__ << " " << __TIME__ << " " << CLOVER_API_VERSION << "\n"
+      << "backend";
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        k << " " << ggml_backend_dev_name(ggml_backend_dev_get(i));
+    }
+    k << "\nsystem " << llama_print_system_info() << "\n"
+      << "threads " << c->n_threads << " flash_attn " << c->flash_attn << " kv_f32 " << c->kv_f32
+      << " n_ctx " << c->n_ctx << "\n";
+    return k.str();
+}
+
+std::string calib_path(const std::string & dir, const std::string & key) {
+    uint64_t h = 1469598103934665603ull; // FNV-1a
+    for (unsigned char ch : key) {
+        h = (h ^ ch) * 1099511628211ull;
+    }
+    char name[64];
+    snprintf(name, sizeof(name), "/calibration-%016llx.txt", (unsigned long long) h);
+    return dir + name;
+}
+
+// true = the cost curve was read from the entry; false = absent, stale or corrupt (*bad = the
+// entry exists but cannot be trusted)
+bool calib_load(clover_context * c, const std::string & path, const std::string & key, bool * bad) {
+    *bad = false;
+    std::ifstream f(path, std::ios::binary);
+    if (!f) {
+        return false;
+    }
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    *bad = true;
+    if (text.compare(0, key.size(), key) != 0) {
+        return false;
+    }
+    std::istringstream in(text.substr(key.size()));
+    const std::vector<int32_t> sizes = auto_candidates(c);
+    std::vector<double> ms(sizes.size()), msf(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        std::string tag;
+        long long   B = 0;
+        if (!(in >> tag >> B >> ms[i] >> msf[i]) || tag != "cost" || B != sizes[i] || !(ms[i] > 0) ||
+            !(msf[i] > 0) || std::isinf(ms[i]) || std::isinf(msf[i])) {
+            return false;
+        }
+    }
+    std::string end;
+    if (!(in >> end) || end != "end") {
+        return false;
+    }
+    *bad           = false;
+    c->auto_sizes    = sizes;
+    c->auto_ms       = ms;
+    c->auto_ms_fused = msf;
+    c->auto_tpf.assign(sizes.size(), -1.0);
+    return true;
+}
+
+void calib_store(const clover_context * c, const std::string & dir, const std::string & path, const std::string & key) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string tmp = path + ".tmp" + std::to_string((long long) getpid());
+    {
+        std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+        if (!f) {
+            return; // a cache we cannot write is no error
+        }
+        f << key;
+        char line[96];
+        for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+            snprintf(line, sizeof(line), "cost %d %.6f %.6f\n", c->auto_sizes[i], c->auto_ms[i], c->auto_ms_fused[i]);
+            f << line;
+        }
+        f << "end\n";
+        if (!f.flush()) {
+            f.close();
+            std::filesystem::remove(tmp, ec);
+            return;
+        }
+    }
+    if (rename(tmp.c_str(), path.c_str()) != 0) {
+        std::filesystem::remove(tmp, ec);
+    }
+}
+
+// The cost curve from the disk cache, else measured (and stored).
+int calibrate_cached(clover_context * c, std::string & msg) {
+    const std::string dir = c->use_calib_cache ? calib_cache_dir() : "";
+    const std::string key = dir.empty() ? "" : calib_key(c);
+    const std::string path = key.empty() ? "" : calib_path(dir, key);
+    if (!path.empty()) {
+        bool bad = false;
+        if (calib_load(c, path, key, &bad)) {
+            c->last_calibration = 2;
+            return CLOVER_OK;
+        }
+        if (bad) {
+            fprintf(stderr, "clover: warning: the calibration cache entry %s is stale or corrupt; measuring again\n",
+                    path.c_str());
+        }
+    }
+    const int rc = calibrate_impl(c, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    c->last_calibration = 1;
+    if (!path.empty()) {
+        calib_store(c, dir, path, key);
+    }
+    return CLOVER_OK;
 }
 
 // Index of B among the candidates, or -1.
@@ -826,6 +1065,11 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
         }
         auto * cm        = new clover_model();
         cm->lm           = lm;
+        {
+            std::error_code ec;
+            const auto abs = std::filesystem::canonical(path, ec);
+            cm->path       = ec ? std::string(path) : abs.string();
+        }
         cm->vocab        = llama_model_get_vocab(lm);
         cm->n_vocab      = llama_vocab_n_tokens(cm->vocab);
         char buf[64];
@@ -948,6 +1192,7 @@ clover_context_params clover_context_default_params(void) {
     p.block_size = 0;
     p.flash_attn = -1;
     p.kv_f32     = 0;
+    p.calib_cache = 1;
     return p;
 }
 
@@ -994,6 +1239,7 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         c->n_threads   = default_threads(cp.n_threads);
         c->flash_attn  = cp.flash_attn;
         c->kv_f32      = cp.kv_f32 != 0;
+        c->use_calib_cache = cp.calib_cache != 0;
         std::string msg;
         const int rc = make_lctx(c, B, msg);
         if (rc != CLOVER_OK) {
@@ -1040,8 +1286,8 @@ int clover_set_n_threads(clover_context * ctx, int32_t n_threads) {
     return CLOVER_OK;
 }
 
-int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, int32_t cap, int32_t * n_out,
-                     char * err, size_t err_len) {
+int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, double * ms_fused_out, int32_t cap,
+                     int32_t * n_out, char * err, size_t err_len) {
     return guarded(err, err_len, [&]() -> int {
         clear_err(err, err_len);
         if (!ctx || !ctx->lctx || cap < 0) {
@@ -1060,6 +1306,9 @@ int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out,
             if (ms_out) {
                 ms_out[i] = ctx->auto_ms[i];
             }
+            if (ms_fused_out) {
+                ms_fused_out[i] = ctx->auto_ms_fused[i];
+            }
         }
         if (n_out) {
             *n_out = n;
@@ -1068,22 +1317,28 @@ int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out,
     });
 }
 
-int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, int32_t n, char * err,
-                          size_t err_len) {
+int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, const double * ms_fused,
+                          int32_t n, char * err, size_t err_len) {
     return guarded(err, err_len, [&]() -> int {
         clear_err(err, err_len);
         if (!ctx || !sizes || !ms || n < 1) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_set_cost_curve");
         }
         for (int32_t i = 0; i < n; ++i) {
+            const double f = ms_fused ? ms_fused[i] : 1.0;
             if (sizes[i] != (i == 0 ? 1 : 2 * sizes[i - 1]) || sizes[i] > ctx->n_ctx || !(ms[i] > 0.0) ||
-                std::isinf(ms[i])) {
+                std::isinf(ms[i]) || !(f > 0.0) || std::isinf(f)) {
                 return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
                                "cost curve: sizes must be 1, 2, 4, ... (<= n_ctx) and costs finite and > 0");
             }
         }
         ctx->auto_sizes.assign(sizes, sizes + n);
         ctx->auto_ms.assign(ms, ms + n);
+        // without fused costs: a fused step of B tokens is about a pass of 2B
+        ctx->auto_ms_fused.resize(n);
+        for (int32_t i = 0; i < n; ++i) {
+            ctx->auto_ms_fused[i] = ms_fused ? ms_fused[i] : i + 1 < n ? ms[i + 1] : 2.0 * ms[i];
+        }
         ctx->auto_tpf.assign(n, -1.0);
         ctx->auto_tpf_any = -1.0;
         return CLOVER_OK;
@@ -1094,8 +1349,7 @@ int clover_reset(clover_context * ctx) {
     if (!ctx || !ctx->lctx) {
         return CLOVER_ERR_INVALID_ARG;
     }
-    llama_memory_clear(llama_get_memory(ctx->lctx), true);
-    ctx->n_committed = 0;
+    clear_memory(ctx);
     return CLOVER_OK;
 }
 
@@ -1150,7 +1404,8 @@ int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int3
         int rc = check_tokens(ctx, tokens, n, msg);
         int32_t nb = 0;
         if (rc == CLOVER_OK) {
-            rc = prefill_impl(ctx, tokens, n_full, nb, msg);
+            int32_t n_calls = 0;
+            rc = prefill_impl(ctx, tokens, n_full, nb, n_calls, msg);
         }
         if (n_rest) {
             *n_rest = n - n_full;
@@ -1273,9 +1528,10 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
         // ---- setup
         int rc = CLOVER_OK;
+        ctx->last_calibration = 0;
         if (auto_B) {
             if (ctx->auto_sizes.empty()) {
-                rc = calibrate_impl(ctx, msg);
+                rc = calibrate_cached(ctx, msg);
                 if (rc != CLOVER_OK) {
                     return set_err(err, err_len, rc, "block-size calibration: " + msg);
                 }
@@ -1294,7 +1550,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         std::mt19937_64 rng(gp.seed);
         clover_detail::pick_work work;
 
-        int32_t n_commits = 0, n_steps = 0, n_blocks = 0, n_switches = 0, finish = CLOVER_FINISH_MAX_TOKENS;
+        int32_t n_commits = 0, n_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0, finish = CLOVER_FINISH_MAX_TOKENS;
         std::vector<int32_t> gen;      // generated tokens (uncut)
         int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
         double               t_prefill = 0.0;
@@ -1313,7 +1569,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 stats->n_decode_passes    = n_steps;
                 stats->n_steps            = n_steps;
                 stats->n_commits          = n_commits;
-                stats->n_forward          = n_steps + n_commits;
+                stats->n_forward          = n_steps + n_calls;
                 stats->n_blocks           = n_blocks;
                 stats->block_size         = B;
                 stats->n_block_switches   = n_switches;
@@ -1323,23 +1579,27 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 stats->t_decode_ms        = ms_since(t_start) - t_prefill;
                 stats->tokens_per_second =
                     stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
+                stats->calibration        = ctx->last_calibration;
             }
+        };
+        auto fail = [&](int code, const std::string & what) {
+            finish = CLOVER_FINISH_NONE;
+            finish_stats();
+            return set_err(err, err_len, code, what);
         };
 
         // ---- prefill: commit the prompt's complete blocks
         int32_t nb = 0;
         const int32_t n_full = n_prompt / B * B;
-        rc = prefill_impl(ctx, prompt, n_full, nb, msg);
+        rc = prefill_impl(ctx, prompt, n_full, nb, n_calls, msg);
         n_commits += nb;
         t_prefill = ms_since(t_start);
         if (rc != CLOVER_OK) {
-            finish = CLOVER_FINISH_NONE;
-            finish_stats();
-            return set_err(err, err_len, rc, "prefill: " + msg);
+            return fail(rc, "prefill: " + msg);
         }
 
-        std::vector<int32_t> canvas;
-        std::vector<char>    want;             // logits only for the masked positions
+        std::vector<int32_t> canvas, pending; // pending: the finished block whose commit rides on the next pass
+        std::vector<char>    want;            // logits only for the masked positions inside the budget
         std::vector<const float *> rows;
         std::vector<int32_t> masked, cand_tok, order;
         std::vector<double>  cand_conf;
@@ -1347,48 +1607,62 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         bool                 cancelled = false;
 
         while (true) {
-            const int32_t start = ctx->n_committed;
+            const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
             if (auto_B && n_blocks > 0) {
                 // re-plan at a block boundary; the first time no tokens-per-pass figure
                 // exists, one block of B = 2 measures it
-                const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
-                int32_t       next   = auto_pick(ctx, start, n_left);
-                if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, start, n_left)) {
+                const int32_t at   = ctx->n_committed + (int32_t) pending.size();
+                int32_t       next = auto_pick(ctx, at, n_left);
+                if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, at, n_left)) {
                     next = 2;
                 } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B))) {
                     next = B; // not worth a switch
                 }
                 if (next > 0 && next != B) {
+                    if (!pending.empty()) { // a commit cannot share a ubatch with a block of another size
+                        rc = commit_impl(ctx, pending.data(), B, msg);
+                        if (rc != CLOVER_OK) {
+                            return fail(rc, msg);
+                        }
+                        pending.clear();
+                        ++n_calls;
+                    }
                     rc = switch_block_size_keep(ctx, next, msg);
                     if (rc != CLOVER_OK) {
-                        finish = CLOVER_FINISH_NONE;
-                        finish_stats();
-                        return set_err(err, err_len, rc, msg);
+                        return fail(rc, msg);
                     }
                     B = next;
                     ++n_switches;
                 }
             }
+            const int32_t start = ctx->n_committed + (int32_t) pending.size();
+            // positions at or past the budget are never candidates: they stay masked
+            const int32_t n_cand = std::min(B - n_rest, n_left);
             canvas.resize(B);
-            want.resize(B);
+            want.assign(B, 0);
             for (int32_t i = 0; i < B; ++i) {
                 canvas[i] = i < n_rest ? prompt[n_full + i] : mask;
             }
             masked.clear();
-            for (int32_t i = n_rest; i < B; ++i) {
+            for (int32_t i = n_rest; i < n_rest + n_cand; ++i) {
                 masked.push_back(i);
             }
             ++n_blocks;
             int32_t step = 0;
             while (!masked.empty()) {
-                for (int32_t i = 0; i < B; ++i) {
-                    want[i] = canvas[i] == mask;
+                std::fill(want.begin(), want.end(), 0);
+                for (int32_t p : masked) {
+                    want[p] = 1;
                 }
-                rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
+                if (!pending.empty()) {
+                    rc = fused_commit_pass(ctx, pending.data(), canvas.data(), B, &want, rows, msg);
+                    pending.clear();
+                    ++n_commits;
+                } else {
+                    rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
+                }
                 if (rc != CLOVER_OK) {
-                    finish = CLOVER_FINISH_NONE;
-                    finish_stats();
-                    return set_err(err, err_len, rc, msg);
+                    return fail(rc, msg);
                 }
                 ++n_steps;
                 const int32_t nm = (int32_t) masked.size();
@@ -1421,8 +1695,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             }
             bool has_eos = false;
             if (masked.empty()) {
-                auto_observe(ctx, B, B - n_rest, step);
-                gen.insert(gen.end(), canvas.begin() + n_rest, canvas.end());
+                auto_observe(ctx, B, n_cand, step);
+                gen.insert(gen.end(), canvas.begin() + n_rest, canvas.begin() + n_rest + n_cand);
                 // visible output: cut at the first EOS and at max_tokens
                 int32_t new_visible = (int32_t) gen.size();
                 if (eos >= 0) {
@@ -1457,14 +1731,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 finish = CLOVER_FINISH_MAX_TOKENS;
                 break;
             }
-            rc = commit_impl(ctx, canvas.data(), B, msg);
-            if (rc != CLOVER_OK) {
-                finish = CLOVER_FINISH_NONE;
-                finish_stats();
-                return set_err(err, err_len, rc, msg);
-            }
-            ++n_commits;
-            n_rest = 0;
+            pending = canvas; // committed by the next block's first pass
+            n_rest  = 0;
         }
         finish_stats();
         if (cancelled) {

@@ -10,15 +10,18 @@
  * Model:    a GGUF with general.architecture == "clover" (see convert/LAYOUT.md).
  * Context:  one llama.cpp context whose memory (recurrent GDN states + KV cache) holds the
  *           committed blocks. Sequence 0 is the memory M; sequence 1 is scratch for block
- *           passes. The context is built for one block size B (n_ubatch = B); asking for
- *           another B (clover_set_block_size, or a generate call with another block_size)
- *           recreates the llama.cpp context and clears the memory.
+ *           passes. Attention is block-causal (llama_set_block_causal(B)); a ubatch holds
+ *           several whole blocks (about 512 tokens). Changing B keeps the llama.cpp context
+ *           when the ubatch is a multiple of 2B (every power of two up to 256), else
+ *           recreates it; clover_set_block_size clears the memory either way.
  *
- * Decoding (see shared/clover-architecture.md, "Decoding"): the prompt's complete blocks
- * (aligned at position 0) are committed; its last partial block becomes the first decode
- * block. A decode block has B positions; masked positions are denoised step by step (one
- * block pass per step) until none remains, then the block is committed, except the final
- * block of a generation, which is not committed.
+ * Decoding (see docs/decoding.md): the prompt's complete blocks (aligned at position 0)
+ * are committed in as few llama_decode calls as the ubatch allows; its last partial block
+ * becomes the first decode block. A decode block has B positions; the masked positions
+ * inside the token budget are denoised step by step (one block pass per step) until none
+ * remains; positions past the budget stay masked and cost nothing. A finished block is
+ * committed by the same llama_decode as the next block's first pass (the final block of a
+ * generation is not committed), so a denoising step is one forward.
  *
  * Threading: a clover_context must not be used from two threads at once; distinct contexts
  * (even on the same model) may be used concurrently.
@@ -127,6 +130,10 @@ typedef struct clover_context_params {
     int32_t block_size; /* B; 0 = the model's training block size (or 32); default 0 */
     int32_t flash_attn; /* -1 auto (default), 0 off, 1 on */
     int32_t kv_f32;     /* 1 = keep the KV cache in f32 (exact parity runs), 0 = f16 (default) */
+    int32_t calib_cache;/* 1 (default) = block_size = auto keeps its cost curve in a disk cache
+                           ($CLOVER_CACHE_DIR, else $XDG_CACHE_HOME/clover-cpp, else
+                           ~/.cache/clover-cpp), keyed by model file, backend, build and threads;
+                           0 = measure once per context */
 } clover_context_params;
 
 CLOVER_API clover_context_params clover_context_default_params(void);
@@ -155,8 +162,8 @@ CLOVER_API int clover_block_pass(clover_context * ctx, const int32_t * tokens, i
 CLOVER_API int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len);
 /* Commit every complete block of `tokens` (n_committed must be 0 or block aligned); returns
  * through *n_rest the number of trailing tokens (< B) left uncommitted. One llama_decode per
- * block (the pinned llama.cpp refuses non-causal batches larger than n_ubatch); the numbers
- * are those of block-by-block clover_commit calls. */
+ * ubatch of whole blocks (block-causal attention); the numbers are those of block-by-block
+ * clover_commit calls. */
 CLOVER_API int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest,
                               char * err, size_t err_len);
 /* Clear the memory (n_committed = 0). */
@@ -165,15 +172,18 @@ CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
 
 /* ---------------------------------------------------------------- block size auto */
 
-/* Measure the cost curve for block_size = auto: the time of one denoising step (block pass
- * + candidates; ms, fastest of 10 over two sweeps, empty memory) at each candidate B. Clears the memory. Writes up to cap
- * entries to sizes_out / ms_out (either may be NULL) and *n_out = the number of candidates. */
-CLOVER_API int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, int32_t cap,
-                                int32_t * n_out, char * err, size_t err_len);
-/* Set the cost curve instead of measuring it (e.g. a saved calibration): n pairs, sizes
- * strictly increasing powers of two starting at 1, ms > 0. Resets the running figures. */
-CLOVER_API int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, int32_t n,
-                                     char * err, size_t err_len);
+/* Measure the cost curve for block_size = auto (ignores the disk cache): at each candidate B,
+ * the time of one denoising step (ms, fastest of 10 over two sweeps, candidates included) as
+ * a plain block pass (ms_out) and as a commit fused with the next pass (ms_fused_out). Clears
+ * the memory. Writes up to cap entries to each non-NULL array; *n_out = the number of
+ * candidates. */
+CLOVER_API int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, double * ms_fused_out,
+                                int32_t cap, int32_t * n_out, char * err, size_t err_len);
+/* Set the cost curve instead of measuring it: n entries, sizes 1, 2, 4, ..., costs finite and
+ * > 0; ms_fused may be NULL (then a fused step of B costs a pass of 2B). Resets the running
+ * figures. */
+CLOVER_API int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms,
+                                     const double * ms_fused, int32_t n, char * err, size_t err_len);
 
 /* ---------------------------------------------------------------- generation */
 
@@ -214,10 +224,10 @@ CLOVER_API clover_generate_params clover_generate_default_params(void);
 typedef struct clover_stats {
     int32_t n_prompt;           /* prompt tokens */
     int32_t n_generated;        /* tokens in the output */
-    int32_t n_forward;          /* block passes + commits (prefill blocks included) */
+    int32_t n_forward;          /* llama_decode calls: prefill, denoising steps, unfused commits */
     int32_t n_decode_passes;    /* block passes during decoding */
     int32_t n_steps;            /* denoising steps (= n_decode_passes) */
-    int32_t n_commits;          /* committed blocks (prefill included) */
+    int32_t n_commits;          /* committed blocks (prefill included; most ride on a denoising step) */
     int32_t n_blocks;           /* decode blocks started */
     int32_t finish_reason;      /* enum clover_finish_reason */
     double  tokens_per_forward; /* n_generated / n_decode_passes */
@@ -226,18 +236,21 @@ typedef struct clover_stats {
     double  tokens_per_second;  /* n_generated / t_decode */
     int32_t block_size;         /* B of the last block */
     int32_t n_block_switches;   /* B changes during the generation (block_size = auto) */
+    int32_t calibration;        /* this call's cost curve: 0 = already set, 1 = measured, 2 = disk cache */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 0 tokens).
  *
  * block_size = CLOVER_BLOCK_SIZE_AUTO: B is chosen from the candidates 1, 2, 4, ... up to
- * max(32, training B) to minimise the expected time per token, cost(B) * (1/tpf(B) + 1/B)
- * (B/tpf passes and one commit per block), where cost(B) is the context's cost curve (measured
- * by clover_calibrate on the first auto call, not counted in the stats) and tpf(B) the running
+ * max(32, training B) to minimise the expected time per token,
+ * (fused(B) + (B/tpf(B) - 1) * pass(B)) / B (B/tpf passes per block, the first carrying the
+ * previous block's commit), where pass and fused are the context's cost curve (from the disk
+ * cache or measured on the first auto call, not counted in the stats) and tpf(B) the running
  * tokens per pass seen at that B (else at any B >= 2, capped at B; else 1). B is re-planned
  * at each block boundary, only to a B that divides the committed length (blocks stay aligned)
  * and only for a gain of at least 10%; a switch keeps the memory (seq state saved, context
- * rebuilt, state restored). The running figures live in the context across calls. The memory is cleared
+ * rebuilt, state restored; usually only the mask's block size changes). The running figures
+ * live in the context across calls. The memory is cleared
  * first; afterwards it holds every committed block. Writes at most max_tokens tokens into
  * out (out_cap must be >= max_tokens), *n_out = their count; stats and n_out may be NULL.
  *
