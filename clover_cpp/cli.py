@@ -150,9 +150,9 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
     opts = [
         click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=n_default,
                      show_default=True, help="Tokens to generate at most."),
-        click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default=None,
-                     help="Block size B (default: the model's training block size; 1 = autoregressive; "
-                          "auto = chosen per block from the measured pass cost and tokens per pass)."),
+        click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
+                     help="Block size B (1 = autoregressive; auto = chosen per block from the pass cost, "
+                          "measured once per model and machine and cached, and the tokens per pass)."),
         click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
                      help="Unmask every position whose confidence is at least this."),
         click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
@@ -198,7 +198,8 @@ def _stats_line(stats: Any) -> str:
             f"blocks={stats.n_blocks}, decode passes={stats.n_decode_passes} "
             f"({stats.tokens_per_forward:.2f} tok/forward), forward passes={stats.n_forward}, "
             f"prefill={stats.t_prefill_ms:.1f} ms, decode={stats.t_decode_ms:.1f} ms "
-            f"({stats.tokens_per_second:.1f} tok/s), finish={stats.finish_reason or 'none'}")
+            f"({stats.tokens_per_second:.1f} tok/s), finish={stats.finish_reason or 'none'}"
+            + (f", cost curve {stats.calibration}" if getattr(stats, "calibration", "") else ""))
 
 
 # ----------------------------------------------------------------------------- live view

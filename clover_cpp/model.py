@@ -107,6 +107,7 @@ class GenerationStats:
     tokens_per_second: float = 0.0
     block_size: int = 0         # B of the last block
     n_block_switches: int = 0   # B changes (block_size="auto")
+    calibration: str = ""       # block_size="auto": "measured" or "cached" when this call set the cost curve
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -115,7 +116,8 @@ class GenerationStats:
                    n_blocks=s.n_blocks, finish_reason=N.FINISH_REASONS.get(s.finish_reason, ""),
                    tokens_per_forward=s.tokens_per_forward, t_prefill_ms=s.t_prefill_ms,
                    t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size,
-                   n_block_switches=s.n_block_switches)
+                   n_block_switches=s.n_block_switches,
+                   calibration={1: "measured", 2: "cached"}.get(getattr(s, "calibration", 0), ""))
 
     def format(self) -> str:
         """One line for humans."""
@@ -139,7 +141,8 @@ class GenerationResult:
 
 
 class GenerationStream:
-    """Iterator over the text of each committed block, produced while generation runs in a
+    """Iterator over the output text as it becomes final (after every denoising step: the
+    new contiguous unmasked prefix of the block), produced while generation runs in a
     worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
     ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation."""
 
@@ -149,13 +152,13 @@ class GenerationStream:
         self._cancel = threading.Event()
         self._done = False
 
-        def on_block(piece: str, toks: list[int]) -> bool:
+        def on_piece(piece: str, toks: list[int]) -> bool:
             self._q.put(("piece", piece))
             return self._cancel.is_set()
 
         def worker() -> None:
             try:
-                res = run(on_block, self._cancel)
+                res = run(on_piece, self._cancel)
                 self._q.put(("done", res))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 self._q.put(("error", e))
@@ -274,8 +277,10 @@ def _float(name: str, v: Any) -> float:
 class Clover:
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
-    ``n_threads=None`` lets libclover choose from the hardware; ``block_size=None`` uses the
-    model's training block size. ``flash_attn``: None = llama.cpp's automatic choice, False
+    ``n_threads=None`` lets libclover choose from the hardware. ``block_size``: the default B
+    of :meth:`generate`; None (default) = "auto" (chosen per block; its cost curve is measured
+    once per model file, backend, build and thread count and kept in a disk cache, see
+    ``clover.h``); an integer fixes it. ``flash_attn``: None = llama.cpp's automatic choice, False
     off, True on. ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
     exact parity runs against the numpy reference). Use as a context manager or call
     :meth:`close` (idempotent). A Clover object must not be used from two threads at once
@@ -293,8 +298,11 @@ class Clover:
         if n_threads is not None:
             n_threads = _int("n_threads", n_threads, 1)
         n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1)
+        if isinstance(block_size, str) and block_size == "auto":
+            block_size = None
         if block_size is not None:
             block_size = _int("block_size", block_size, 1, n_ctx)
+        self._default_block_size: int | str = block_size if block_size is not None else "auto"
         if not self.model_path.exists():
             raise CloverError(f"{self.model_path}: no such file", N.CLOVER_ERR_LOAD)
         if self.model_path.is_dir():
@@ -601,7 +609,7 @@ class Clover:
             self._eot_cache = ids
         return self._eot_cache
 
-    def generate(self, prompt: Prompt, max_tokens: int = 256, block_size: int | None = None,
+    def generate(self, prompt: Prompt, max_tokens: int = 256, block_size: int | str | None = "default",
                  threshold: float = 0.9, max_steps: int = 0, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
@@ -609,10 +617,10 @@ class Clover:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
-        block_size: B for this call; None = the context's current block size (the model's
-        training block size unless set otherwise). A different B recreates the context.
-        "auto" = chosen per block from the context's cost curve (measured on the first auto
-        call, see :meth:`calibrate`) and the running tokens per pass (rules in clover.h).
+        block_size: B for this call; by default the one given to the constructor, else "auto":
+        chosen per block from the cost curve (from the disk cache, else measured on the first
+        auto call, see :meth:`calibrate`) and the running tokens per pass (rules in clover.h).
+        None = the context's current block size.
         threshold: unmask every masked position whose confidence >= threshold (in [0, 1]).
         max_steps: per-block step cap (0 = none). temperature 0 = greedy.
         on_step(canvas_tokens, n_masked, block_start): called after every denoising step with
@@ -623,18 +631,18 @@ class Clover:
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 
         Returns a :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`
-        yielding each committed block's text as soon as it is produced."""
+        yielding the text as it becomes final: after every denoising step, the new part of the
+        block's contiguous unmasked prefix."""
+        if isinstance(block_size, str) and block_size == "default":
+            block_size = self._default_block_size
         kw = self._gen_params(max_tokens, block_size, threshold, max_steps, temperature, top_k, top_p, seed)
         toks = self._prompt_tokens(prompt)
         stops = [int(t) for t in stop_tokens]
         if not stream:
-            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None)
+            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, None)
 
         def run(push: Callable[[str, list[int]], bool], cancel: threading.Event) -> GenerationResult:
-            def both(piece: str, bt: list[int]) -> bool:
-                stop = bool(on_block(piece, bt)) if on_block is not None else False
-                return bool(push(piece, bt)) or stop
-            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, both, cancel)
+            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, push, cancel)
 
         s = GenerationStream(run)
         self._streams.add(s)
@@ -664,13 +672,45 @@ class Clover:
 
     def _run(self, toks: list[int], kw: dict[str, Any], stop_at_eos: bool, stops: list[int],
              on_step: StepCallback | None, on_block: BlockCallback | None,
-             cancel: threading.Event | None) -> GenerationResult:
+             push: Callable[[str, list[int]], bool] | None, cancel: threading.Event | None) -> GenerationResult:
+        """push (streams): called with each new piece of final text: after every denoising
+        step, the contiguous unmasked prefix of the block that is new (unmasked tokens never
+        change), cut at EOS, stop tokens and the budget."""
         L = _lib()
-        state: dict[str, Any] = {"exc": None, "stopped": False}
+        state: dict[str, Any] = {"exc": None, "stopped": False, "base": 0, "block": []}
         dec = codecs.getincrementaldecoder("utf-8")("replace")
         pieces: list[str] = []
-        got: list[int] = []
+        got: list[int] = []        # final output tokens so far (what the pieces spell)
         stopset = set(stops)
+        if stop_at_eos and self.eos_token >= 0:
+            prefix_stops = stopset | {self.eos_token}
+        else:
+            prefix_stops = stopset
+        mask, n_prompt, budget = self.mask_token, len(toks), kw["max_tokens"]
+
+        def advance(bt: list[int], final: bool) -> bool:
+            """bt: the current block's output known so far (a prefix of what it will be).
+            Emits what is new; True when a stop token ended the output."""
+            stop = False
+            if stopset:
+                for i, t in enumerate(bt):
+                    if t in stopset:
+                        bt, stop = bt[:i], True
+                        break
+            new = bt[len(got) - state["base"]:]
+            if new:
+                got.extend(new)
+                piece = dec.decode(self.detokenize_bytes(new))
+            else:
+                piece = ""
+            if stop or (final and state["stopped"]):
+                piece += dec.decode(b"", final=True)
+            if piece:
+                pieces.append(piece)
+                state["block"].append(piece)
+                if push is not None and push(piece, new):
+                    return True
+            return stop
 
         def step_cb(block_start: int, canvas: Any, bsz: int, n_masked: int, _ud: Any) -> int:
             try:
@@ -678,6 +718,17 @@ class Clover:
                     return 1
                 if on_step is not None and on_step(list(canvas[:bsz]), int(n_masked), int(block_start)):
                     return 1
+                if push is not None:
+                    first = max(0, n_prompt - block_start)
+                    room = budget - state["base"]
+                    prefix: list[int] = []
+                    for t in canvas[first:min(bsz, first + room)]:
+                        if t == mask or t in prefix_stops:
+                            break
+                        prefix.append(int(t))
+                    if advance(prefix, False):
+                        state["stopped"] = True
+                        return 1
                 return 0
             except BaseException as e:  # noqa: BLE001 - re-raised after the native call returns
                 state["exc"] = e
@@ -686,24 +737,14 @@ class Clover:
         def block_cb(block_start: int, tokens: Any, n_tokens: int, _ud: Any) -> int:
             try:
                 bt = list(tokens[:n_tokens])
-                stop = False
-                if stopset:
-                    for i, t in enumerate(bt):
-                        if t in stopset:
-                            bt, stop = bt[:i], True
-                            break
-                got.extend(bt)
-                piece = dec.decode(self.detokenize_bytes(bt)) if bt else ""
-                pieces.append(piece)
-                if stop:
+                if stopset and any(t in stopset for t in bt):
                     state["stopped"] = True
-                    tail = dec.decode(b"", final=True)
-                    if tail:
-                        pieces.append(tail)
-                        piece += tail
+                stop = advance(bt, True)
+                block_text = "".join(state["block"])
+                state["block"], state["base"] = [], len(got)
                 want_stop = False
                 if on_block is not None:
-                    want_stop = bool(on_block(piece, bt))
+                    want_stop = bool(on_block(block_text, bt[:len(got)]))
                 if cancel is not None and cancel.is_set():
                     want_stop = True
                 return 1 if (stop or want_stop) else 0
@@ -753,6 +794,8 @@ class Clover:
         tail = dec.decode(b"", final=True)
         if tail:
             pieces.append(tail)
+            if push is not None:
+                push(tail, [])
             if on_block is not None:
                 on_block(tail, [])
         text = "".join(pieces) if tokens == got else self.detokenize(tokens)

@@ -38,8 +38,8 @@ void usage(const char * argv0) {
             "  -t, --threads N        CPU threads (default 4)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
             "  -ngl, --n-gpu-layers N layers to offload to the GPU (default 0)\n"
-            "  --block-size N|auto    block size B (default: the model's training block size); auto\n"
-            "                         picks B per block from the measured pass cost and tokens/pass\n"
+            "  --block-size N|auto    block size B (default auto: B per block from the pass cost,\n"
+            "                         measured once per model and machine and cached, and tokens/pass)\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
             "  --max-steps N          denoising steps cap per block (default 0 = none)\n"
             "  --temp X               temperature (default 0 = greedy)\n"
@@ -174,7 +174,7 @@ int main(int argc, char ** argv) {
     clover_model_params    mp = clover_model_default_params();
     clover_context_params  cp = clover_context_default_params();
     clover_generate_params gp = clover_generate_default_params();
-    bool                   auto_block = false;
+    bool                   auto_block = true;
     cli_state              st;
 
     for (int i = 1; i < argc; ++i) {
@@ -275,7 +275,7 @@ int main(int argc, char ** argv) {
     st.mask = clover_mask_token(st.model);
     if (cp.block_size == 0) {
         const int32_t b0 = clover_train_block_size(st.model);
-        cp.block_size    = b0 > 0 ? b0 : 32;
+        cp.block_size    = std::min(b0 > 0 ? b0 : 32, cp.n_ctx); // auto starts here; the first call re-plans
     }
     if (cp.block_size > cp.n_ctx) {
         clover_model_free(st.model);

@@ -166,7 +166,7 @@ struct clover_context {
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
-    llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (0 or 1, see fused_commit_pass)
+    llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)
     // block_size = auto: the cost of a block pass per candidate B (ms; measured by
     // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
     // (EMA over finished decode blocks; < 0 = not seen yet), per candidate and overall
@@ -543,8 +543,8 @@ int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const
 // pass of the next block (canvas, B tokens) against the memory including them (the graph
 // leaves the GDN state at the committed block). The canvas's KV cells must then go, but
 // llama.cpp cannot cut the end off a recurrent sequence, so the memory moves to the other
-// sequence: the committed KV cells are copied there with the (shared) recurrent cell, and the
-// old sequence is dropped with the canvas. The recurrent cell keeps the canvas's last
+// sequence (the committed KV cells and the shared recurrent cell), the old sequence is dropped
+// with the canvas, and the memory comes back. The recurrent cell keeps the canvas's last
 // position, which no check reads (the hybrid memory's last position is the lower of the two).
 // rows: the canvas's logits (want).
 int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const int32_t * canvas, int32_t B,
@@ -563,7 +563,10 @@ int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const in
     llama_memory_seq_rm(mem, other, -1, -1);
     llama_memory_seq_cp(mem, cur, other, -1, P + B);
     llama_memory_seq_rm(mem, cur, -1, -1);
-    c->mem_seq = other;
+    // and back, so that the next call has the same sequence id (llama.cpp reuses a graph
+    // only for the same sequences)
+    llama_memory_seq_cp(mem, other, cur, -1, -1);
+    llama_memory_seq_rm(mem, other, -1, -1);
     c->n_committed += B;
     return read_rows(c, B, B, want, rows, "commit + block pass", msg);
 }

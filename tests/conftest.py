@@ -9,6 +9,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs_libclover: skipped when libclover is not built")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_calibration_cache(tmp_path_factory: pytest.TempPathFactory):
+    """block_size="auto" keeps its cost curve in $CLOVER_CACHE_DIR: never the user's cache."""
+    import os
+
+    old = os.environ.get("CLOVER_CACHE_DIR")
+    os.environ["CLOVER_CACHE_DIR"] = str(tmp_path_factory.mktemp("clover-cache"))
+    yield
+    if old is None:
+        os.environ.pop("CLOVER_CACHE_DIR", None)
+    else:
+        os.environ["CLOVER_CACHE_DIR"] = old
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests marked needs_libclover, with the reason, when the library is missing."""
     from clover_cpp import _native

@@ -33,7 +33,7 @@ def ref(tiny):
 def model(tiny):
     from clover_cpp import Clover
 
-    with Clover(tiny[1], n_ctx=1024, n_threads=1, flash_attn=False, kv_f32=True) as m:
+    with Clover(tiny[1], n_ctx=1024, n_threads=1, flash_attn=False, kv_f32=True, block_size=8) as m:
         yield m
 
 
@@ -94,6 +94,33 @@ def test_stream_really_streams(model) -> None:
     gate.set()
     rest = list(it)
     assert "".join(seen_first + rest) == stream.result.text
+
+
+def test_stream_follows_the_canvas(model) -> None:
+    """Pieces arrive after denoising steps, not once per block: once the block's unmasked
+    prefix is non-empty, the consumer gets it while the block is still being denoised."""
+    gate = threading.Event()
+    seen = {"prefix": False, "waited": None}
+    first_gen = 7   # "hello world" is 7 tokens here: the block at 0 starts generating at 7
+
+    def on_step(canvas, n_masked, block_start):
+        if seen["prefix"] and n_masked > 0 and seen["waited"] is None:
+            seen["waited"] = gate.wait(timeout=10)   # mid-block: the consumer must have a piece
+        start = max(0, first_gen - block_start)
+        if canvas[start] != model.mask_token:
+            seen["prefix"] = True
+        return False
+
+    assert len(model.tokenize("hello world")) == first_gen
+    stream = model.generate("hello world", max_tokens=24, block_size=32, threshold=1.0, stream=True,
+                            stop_at_eos=False, on_step=on_step)
+    pieces = []
+    for piece in stream:
+        pieces.append(piece)
+        gate.set()
+    assert "".join(pieces) == stream.result.text
+    assert stream.result.stats.n_blocks == 1
+    assert seen["waited"] is True
 
 
 def test_stream_close_cancels(model) -> None:
@@ -304,7 +331,7 @@ def test_wrong_architecture(llama_gguf: Path) -> None:
 def test_two_models_and_close(tiny) -> None:
     from clover_cpp import Clover, CloverError
 
-    a = Clover(tiny[1], n_ctx=256, n_threads=1, flash_attn=False, kv_f32=True)
+    a = Clover(tiny[1], n_ctx=256, n_threads=1, flash_attn=False, kv_f32=True, block_size=8)
     b = Clover(tiny[1], n_ctx=256, n_threads=1, block_size=4, flash_attn=False, kv_f32=True)
     assert a.block_size == 8 and b.block_size == 4
     ra = a.generate("hello", max_tokens=12)

@@ -100,3 +100,47 @@ def test_cli_block_size_auto(tiny_artifacts) -> None:
     bad = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "run", "-m", str(tiny_artifacts["f16"]), "-p",
                           "hello", "-b", "often"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "'often'" in bad.stderr
+
+
+def test_calibration_disk_cache(tiny_artifacts, tmp_path, monkeypatch, capfd) -> None:
+    """The cost curve is measured once per model file / backend / build / threads and read
+    back by the next start; a corrupt or stale entry is measured again, with a warning, and
+    replaced."""
+    from clover_cpp import Clover
+
+    monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "cache"))
+
+    def first_call() -> str:
+        with Clover(tiny_artifacts["f32"], n_ctx=256, n_threads=1) as m:
+            return m.generate("hello", max_tokens=4).stats.calibration
+
+    assert first_call() == "measured"
+    entries = list((tmp_path / "cache").glob("calibration-*.txt"))
+    assert len(entries) == 1
+    assert first_call() == "cached"
+    capfd.readouterr()
+    good = entries[0].read_text()
+    for bad in ("garbage\n", good.replace("cost 4 ", "cost 4 nan "), good.replace("threads 1 ", "threads 7 "),
+                good.rsplit("end", 1)[0]):
+        entries[0].write_text(bad)
+        assert first_call() == "measured"
+        assert "stale or corrupt" in capfd.readouterr().err
+        assert first_call() == "cached"     # replaced by a good entry
+    # another thread count is another entry
+    with Clover(tiny_artifacts["f32"], n_ctx=256, n_threads=2) as m:
+        assert m.generate("hello", max_tokens=4).stats.calibration == "measured"
+    assert len(list((tmp_path / "cache").glob("calibration-*.txt"))) == 2
+    assert not list((tmp_path / "cache").glob("*.tmp*"))
+
+
+def test_second_run_does_not_calibrate(tiny_artifacts, tmp_path, monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from clover_cpp.cli import cli
+
+    monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["run", "-m", str(tiny_artifacts["f32"]), "-p", "hello", "-n", "8", "-t", "1", "--no-visual"]
+    runs = [CliRunner().invoke(cli, args) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    assert "cost curve measured" in runs[0].stderr and "cost curve cached" in runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout
