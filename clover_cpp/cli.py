@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -543,41 +544,57 @@ def _parse_block_sizes(s: str) -> list[Any]:
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
               help="Confidence threshold.")
 @click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Step cap per block.")
-@click.option("-r", "--repetitions", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Runs per block size (the best is kept).")
+@click.option("-r", "--repetitions", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Rounds; each round runs every block size once (rotated order), so that the "
+                   "comparisons are paired.")
 @_runtime_options
 def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: float, max_steps: int,
           repetitions: int, threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool) -> None:
     """Tokens/s and tokens per forward pass for each block size, against B = 1 (autoregressive).
 
-    EOS is ignored so that every run generates -n tokens."""
+    Paired and repeated: every round runs each setting once, in a rotated order; the table
+    shows medians with the min-max spread over the rounds, and the speed-up is the median of
+    the per-round ratios. EOS is ignored so that every run generates -n tokens."""
     sizes = _parse_block_sizes(block_sizes)
     if 1 not in sizes:
         sizes = [1] + sizes
-    rows = []
     with _open_model(model, threads, ctx_size, n_gpu_layers, None, verbose) as m:
-        m.generate(prompt, max_tokens=min(n_predict, 8), block_size=sizes[0], stop_at_eos=False)  # warm up
-        for B in sizes:
-            best = None
-            for _ in range(repetitions):
-                r = m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
-                               max_steps=max_steps, stop_at_eos=False)
-                if best is None or r.stats.tokens_per_second > best.stats.tokens_per_second:
-                    best = r
-            assert best is not None
-            rows.append((B, best.stats))
-    base = next(s for B, s in rows if B == 1)
-    hdr = f"{'B':>6} {'tokens':>7} {'passes':>7} {'tok/fwd':>8} {'tok/s':>10} {'decode ms':>10} " \
-          f"{'x tok/fwd':>10} {'x tok/s':>8}"
-    click.echo(f"model {model}, prompt {base.n_prompt} tok, -n {n_predict}, threshold {threshold}"
-               + (f", max steps {max_steps}" if max_steps else ""))
+        m.generate(prompt, max_tokens=min(n_predict, 8), block_size="auto", stop_at_eos=False)  # warm-up + curve
+        runs = paired_runs(lambda B: m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
+                                                max_steps=max_steps, stop_at_eos=False).stats,
+                           sizes, repetitions)
+    base = runs[1]
+    click.echo(f"model {model}, prompt {base[0].n_prompt} tok, -n {n_predict}, threshold {threshold}"
+               + (f", max steps {max_steps}" if max_steps else "") + f", {repetitions} paired rounds")
+    hdr = f"{'B':>6} {'tok/fwd':>8} {'tok/s (median, min-max)':>26} {'x B=1 (median, min-max)':>26}"
     click.echo(hdr)
     click.echo("-" * len(hdr))
-    for B, s in rows:
-        r_tpf = s.tokens_per_forward / base.tokens_per_forward if base.tokens_per_forward else 0.0
-        r_tps = s.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
-        click.echo(f"{B:>6} {s.n_generated:>7} {s.n_decode_passes:>7} {s.tokens_per_forward:>8.2f} "
-                   f"{s.tokens_per_second:>10.1f} {s.t_decode_ms:>10.1f} {r_tpf:>9.2f}x {r_tps:>7.2f}x")
+    for B in sizes:
+        tps = [s.tokens_per_second for s in runs[B]]
+        ratio = [a.tokens_per_second / b.tokens_per_second for a, b in zip(runs[B], base) if b.tokens_per_second]
+        click.echo(f"{B!s:>6} {_median([s.tokens_per_forward for s in runs[B]]):>8.2f} "
+                   f"{_spread(tps, '.1f'):>26} {_spread(ratio, '.2f', 'x'):>26}")
+
+
+def paired_runs(run: Callable[[Any], Any], settings: Sequence[Any], rounds: int) -> dict[Any, list[Any]]:
+    """run(setting) for every setting in each of `rounds` rounds, the order rotated per round
+    (so slow drifts of the machine hit every setting alike); {setting: [result per round]}."""
+    out: dict[Any, list[Any]] = {s: [] for s in settings}
+    for r in range(rounds):
+        k = r % len(settings)
+        for s in list(settings[k:]) + list(settings[:k]):
+            out[s].append(run(s))
+    return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def _spread(xs: Sequence[float], fmt: str, unit: str = "") -> str:
+    if not xs:
+        return "-"
+    return f"{_median(xs):{fmt}}{unit} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
 # ----------------------------------------------------------------------------- demo
@@ -674,12 +691,15 @@ def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads
         sys.stdout.flush()
         click.echo(_stats_line(r.stats), err=True)
         if compare and B != 1:
-            ar = m.generate(prompt, max_tokens=n_predict, block_size=1, threshold=threshold)
-            click.echo(_stats_line(ar.stats), err=True)
-            ratio_f = r.stats.tokens_per_forward / ar.stats.tokens_per_forward if ar.stats.tokens_per_forward else 0
-            ratio_s = r.stats.tokens_per_second / ar.stats.tokens_per_second if ar.stats.tokens_per_second else 0
-            click.echo(f"[clover] block diffusion (B={B}) vs autoregressive (B=1): "
-                       f"{ratio_f:.2f}x tokens per forward, {ratio_s:.2f}x tokens/s", err=True)
+            # paired and repeated: 3 rounds of (B, B = 1), the order alternating
+            runs = paired_runs(lambda b: m.generate(prompt, max_tokens=n_predict, block_size=b,
+                                                    threshold=threshold).stats, [B, 1], 3)
+            tps = {b: [s.tokens_per_second for s in runs[b]] for b in (B, 1)}
+            ratio = [a / b for a, b in zip(tps[B], tps[1]) if b]
+            tpf = _median([s.tokens_per_forward for s in runs[B]])
+            click.echo(f"[clover] B={B}: {_spread(tps[B], '.1f')} tok/s, {tpf:.2f} tok/forward; "
+                       f"B=1 (autoregressive): {_spread(tps[1], '.1f')} tok/s; "
+                       f"speed-up {_spread(ratio, '.2f', 'x')} (median of 3 paired rounds, min-max)", err=True)
 
 
 def main(argv: Sequence[str] | None = None) -> Any:

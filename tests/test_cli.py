@@ -143,8 +143,10 @@ def test_bench(files) -> None:
     lines = res.stdout.splitlines()
     rows = [ln.split() for ln in lines if ln.strip() and ln.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["1", "4", "8"]  # B = 1 added as the baseline
-    assert rows[0][-1] == "1.00x" and rows[0][-2] == "1.00x"
-    assert all(r[1] == "16" for r in rows)
+    assert "3 paired rounds" in res.stdout
+    # B = 1 against itself: every paired ratio is 1
+    assert rows[0][-2:] == ["1.00x", "(1.00-1.00)"]
+    assert all(r[3].startswith("(") and "-" in r[3] for r in rows)   # the tok/s spread
 
 
 @needs_lib
@@ -159,7 +161,7 @@ def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (cache / "clover-tiny-f16.gguf").is_file()
     assert res.stdout.startswith(cli_mod.DEFAULT_DEMO_PROMPT)
     assert "tiny" in res.stderr and "block size auto" in res.stderr and "[clover] B=1" in res.stderr
-    assert "vs autoregressive" in res.stderr
+    assert "speed-up" in res.stderr and "paired rounds" in res.stderr
     # second run reuses the cache
     res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "-b", "8"])
     assert res.exit_code == 0 and "writing the tiny preset" not in res.stderr
