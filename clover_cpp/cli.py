@@ -174,10 +174,13 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
 
 def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
                 verbose: bool) -> Any:
-    from .gguf_info import check_clover_gguf
     from .model import Clover, CloverError, set_verbosity
 
-    check_clover_gguf(path)  # friendly messages for missing / not GGUF / wrong architecture
+    # libclover checks the file (missing, not a GGUF, wrong architecture, bad metadata) with
+    # one-line messages in milliseconds; reading the header in Python first cost 0.3 s+
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{path}: is a folder, not a GGUF file")
     if verbose:
         set_verbosity(2)
     try:
