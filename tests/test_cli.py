@@ -160,7 +160,7 @@ def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.exit_code == 0, res.output
     assert (cache / "clover-tiny-f16.gguf").is_file()
     assert res.stdout.startswith(cli_mod.DEFAULT_DEMO_PROMPT)
-    assert "tiny" in res.stderr and "block size auto" in res.stderr and "[clover] B=1" in res.stderr
+    assert "tiny" in res.stderr and "block size auto" in res.stderr and "[clover] B=" in res.stderr
     assert "speed-up" in res.stderr and "paired rounds" in res.stderr
     # second run reuses the cache
     res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "-b", "8"])
