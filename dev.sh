@@ -85,7 +85,7 @@ asan() {
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 CLOVER_LIB_PATH="$asan_build/bin/libclover.so" \
         "$PY" -m pytest -q tests/test_native_api.py tests/test_block_auto.py \
-            -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate"
+            -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate or prefill or budget or disk_cache"
 }
 
 case "${1:-}" in

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import json
 import statistics
 import sys
@@ -52,7 +53,9 @@ class Model:
         self.path = Path(path)
         self.n_threads = n_threads
         err, el = N.err_buffer()
-        self.m = self.L.clover_model_load(str(self.path).encode(), None, err, el)
+        mp = self.L.clover_model_default_params()
+        mp.n_gpu_layers = int(os.environ.get("CLOVER_NGL", "0"))  # benchmarks/gpu.sh offloads every layer
+        self.m = self.L.clover_model_load(str(self.path).encode(), ctypes.byref(mp), err, el)
         if not self.m:
             raise CloverError(f"load {path}: {err.value.decode(errors='replace')}")
         self.n_vocab = self.L.clover_n_vocab(self.m)

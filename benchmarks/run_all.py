@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 import make_baselines  # noqa: E402
 import native_bench as nb  # noqa: E402
 
-BIN = REPO / "build" / "bin"
+BIN = Path(os.environ.get("CLOVER_BIN_DIR", REPO / "build" / "bin"))
 
 
 def log(msg: str) -> None:
@@ -127,7 +127,7 @@ def need_tool(name: str) -> Path:
 # ----------------------------------------------------------------------------- upstream runs
 def llama_bench(model: Path, threads: int, reps: int, p: int = 0, n: int = 0) -> dict:
     cmd = [str(need_tool("llama-bench")), "-m", str(model), "-p", str(p), "-n", str(n),
-           "-t", str(threads), "-r", str(reps), "-o", "json"]
+           "-t", str(threads), "-r", str(reps), "-o", "json", "-ngl", os.environ.get("CLOVER_NGL_UPSTREAM", "0")]
     r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")

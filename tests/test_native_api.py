@@ -87,7 +87,9 @@ def _fptr(a: np.ndarray):
 class Model:
     def __init__(self, path: Path | str):
         eb, el = N.err_buffer()
-        self.p = L.clover_model_load(str(path).encode(), None, eb, el)
+        mp = L.clover_model_default_params()
+        mp.n_gpu_layers = int(os.environ.get("CLOVER_TEST_NGL", "0"))  # benchmarks/gpu.sh: -1 = all on the GPU
+        self.p = L.clover_model_load(str(path).encode(), ctypes.byref(mp), eb, el)
         if not self.p:
             raise NativeError(N.CLOVER_ERR_LOAD, eb.value.decode())
         self.n_vocab = L.clover_n_vocab(self.p)

@@ -148,3 +148,48 @@ def test_second_stage_and_check_repro(tmp_path, capsys):
     log[2] = ",".join(cells)
     (s2 / "log.csv").write_text("\n".join(log) + "\n")
     assert check_repro.main(["--run", str(s2), "--steps", "3"]) == 1
+
+
+def test_certainty_term_only_on_right_predictions():
+    from train.distill import certainty_loss
+
+    logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 3.0, 0.0], [1.0, 1.0, 1.0]], requires_grad=True)
+    target = torch.tensor([0, 2, 1])            # right, wrong, tie (argmax 0: wrong)
+    loss = certainty_loss(logits, target)
+    p = torch.softmax(logits[0], -1)
+    assert loss.item() == pytest.approx(float(-(p * p.log()).sum()), rel=1e-6)
+    loss.backward()
+    assert logits.grad[1].abs().sum() == 0 and logits.grad[2].abs().sum() == 0
+    assert logits.grad[0].abs().sum() > 0        # more confident on the right one
+    assert certainty_loss(logits[1:], target[1:]).item() == 0.0
+
+
+@pytest.mark.needs_libclover
+def test_distill_trajectories_and_finetune(tmp_path):
+    """Trajectories are the native engine's own B = 1 greedy output; fine-tuning resumes to
+    the same losses as an uninterrupted run."""
+    from clover_cpp import Clover
+    from clover_cpp.checkpoints import write_checkpoint
+    from train import distill
+
+    init = tmp_path / "init"
+    write_checkpoint(init, preset="tiny", dtype="f32")
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 60, size=3000).astype(np.int16)
+    np.save(data / "train.npy", tokens)
+    np.save(data / "heldout.npy", tokens[:600])
+    traj = distill.trajectories(init, data, tmp_path / "traj", n_prompts=5, seed=1, threads=1)
+    rows = np.load(traj)
+    assert rows.shape == (5, distill.PROMPT_LEN + distill.NEW_TOKENS)
+    with Clover(tmp_path / "traj" / "model-f32.gguf", n_ctx=512, n_threads=1, block_size=1) as m:
+        r = m.generate(rows[2, :distill.PROMPT_LEN].tolist(), max_tokens=distill.NEW_TOKENS, stop_at_eos=False)
+    assert r.tokens == rows[2, distill.PROMPT_LEN:].tolist()
+    common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+              "--batch", "2", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
+              "--eval-windows", "2", "--threads", "1", "--steps", "4", "--seed", "7"]
+    full = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "a")]))
+    distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]))
+    rest = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]))
+    assert len(full) == 4 and len(rest) == 2
+    np.testing.assert_array_equal(np.array(full[2:]), np.array(rest))

@@ -57,16 +57,28 @@ def read(root: Path, rel: str) -> str:
     return (root / rel).read_text(encoding="utf-8", errors="replace")
 
 
-def build(out: Path, vocab_size: int = VOCAB_SIZE, bpe_subset_mod: int = BPE_SUBSET_MOD) -> dict:
+def build(out: Path, vocab_size: int = VOCAB_SIZE, bpe_subset_mod: int = BPE_SUBSET_MOD,
+          tokenizer_json: Path | None = None) -> dict:
+    """tokenizer_json: encode with this (a model's tokenizer.json, through the `tokenizers`
+    library) instead of training the BPE: the token cache of an existing model."""
     out.mkdir(parents=True, exist_ok=True)
     root = stdlib_root()
     train, held = list_files(root)
     t0 = time.time()
     sub = [r for r in train if int(hashlib.sha1(r.encode()).hexdigest(), 16) % bpe_subset_mod == 0]
-    vocab, merges = bpe.train_bpe((read(root, r) for r in sub), vocab_size, bpe.SPECIAL_TOKENS)
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_file(str(tokenizer_json))
+        vocab = hf.get_vocab()
+        encode = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+        sub = []
+    else:
+        vocab, merges = bpe.train_bpe((read(root, r) for r in sub), vocab_size, bpe.SPECIAL_TOKENS)
+        bpe.write_tokenizer_files(out, vocab, merges, bpe.SPECIAL_TOKENS, bpe.CHATML_TEMPLATE)
+        tok = bpe.Tokenizer(vocab, merges, bpe.SPECIAL_TOKENS)
+        encode = lambda text: tok.encode(text, allow_special=False)  # noqa: E731
     t_bpe = time.time() - t0
-    bpe.write_tokenizer_files(out, vocab, merges, bpe.SPECIAL_TOKENS, bpe.CHATML_TEMPLATE)
-    tok = bpe.Tokenizer(vocab, merges, bpe.SPECIAL_TOKENS)
     eos = vocab[bpe.EOS_TOKEN]
     stats = {}
     for name, files in (("train", train), ("heldout", held)):
@@ -74,7 +86,7 @@ def build(out: Path, vocab_size: int = VOCAB_SIZE, bpe_subset_mod: int = BPE_SUB
         starts = []
         for r in files:
             starts.append(len(ids))
-            ids.extend(tok.encode(read(root, r), allow_special=False))
+            ids.extend(encode(read(root, r)))
             ids.append(eos)
         np.save(out / f"{name}.npy", np.asarray(ids, dtype=np.int16 if vocab_size <= 32767 else np.int32))
         np.save(out / f"{name}_starts.npy", np.asarray(starts, dtype=np.int64))
@@ -93,8 +105,11 @@ def main() -> None:
     ap.add_argument("--out", default="train/runs/data")
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     ap.add_argument("--bpe-subset-mod", type=int, default=BPE_SUBSET_MOD)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="encode with this tokenizer.json (e.g. models/clover-default/tokenizer.json) "
+                         "instead of training the BPE")
     a = ap.parse_args()
-    meta = build(Path(a.out), a.vocab_size, a.bpe_subset_mod)
+    meta = build(Path(a.out), a.vocab_size, a.bpe_subset_mod, a.tokenizer)
     print(json.dumps({k: v for k, v in meta.items() if k != "heldout_files"}, indent=1))
 
 

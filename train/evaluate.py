@@ -74,7 +74,54 @@ def timed(m: Clover, prompt: list[int], **kw):
     return max(runs, key=lambda r: r.stats.tokens_per_second)
 
 
-def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int) -> dict:
+PAIRED_ROUNDS = 3
+
+
+def parse_prompts(data_meta: dict, tokenize, n: int, plen: int) -> list[list[int]]:
+    """Prompts for the syntax check: the first plen tokens from each top-level `def` / `class`
+    line of the held-out files (a place where a complete statement can follow)."""
+    import sysconfig
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for rel in data_meta["heldout_files"]:
+        text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        for at in [0] + [i + 1 for i in range(len(text)) if text.startswith(("\ndef ", "\nclass "), i)]:
+            toks = tokenize(text[at:])[:plen]
+            if len(toks) == plen:
+                out.append(toks)
+    rng = np.random.default_rng(0)
+    idx = sorted(rng.choice(len(out), size=min(n, len(out)), replace=False).tolist())
+    return [out[i] for i in idx]
+
+
+def parses(code: str) -> bool:
+    """Does Python accept this text, cut at its last complete line?"""
+    import ast
+    import warnings
+    cut = code[: code.rfind("\n") + 1] if "\n" in code else ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ast.parse(cut)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def parse_share(m: Clover, prompt_list: list[list[int]], new: int, settings: dict) -> dict:
+    """Share of prompt + continuation (new tokens, cut at the last complete line) that
+    ast.parse accepts, per setting."""
+    out = {}
+    for name, kw in settings.items():
+        ok = [parses(m.detokenize(p + m.generate(p, max_tokens=new, stop_at_eos=False, **kw).tokens))
+              for p in prompt_list]
+        out[name] = {"share": float(np.mean(ok)), "n": len(ok)}
+        log(f"ast.parse share {name}: {out[name]['share']:.1%} of {len(ok)}")
+    return out
+
+
+def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int,
+          syntax_prompts: list[list[int]] = ()) -> dict:
     res: dict = {"runs": []}
     with Clover(gguf, n_ctx=1024, n_threads=threads) as m:
         m.generate(prompt_list[0], max_tokens=16, block_size=1, stop_at_eos=False)   # warm up
@@ -93,10 +140,12 @@ def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int) -> d
                 log(f"B={B:2d} th={th:.2f}: {a['tpf']:.2f} tok/fwd, {a['tps']:.0f} tok/s, "
                     f"agree {a['agree']:.1%}, prefix {a['prefix']:.1f}")
         # block_size = "auto": the calibrated cost curve, running figures reset per threshold
-        res["auto_curve"] = m.calibrate()
+        curve = m.calibrate(fused=True)
+        res["auto_curve"] = {b: v[0] for b, v in curve.items()}
+        res["auto_curve_fused"] = {b: v[1] for b, v in curve.items()}
         res["auto"] = []
         for th in THRESHOLDS:
-            m.set_cost_curve(res["auto_curve"])
+            m.set_cost_curve(res["auto_curve"], res["auto_curve_fused"])
             rs, b1 = [], []
             for p in prompt_list:      # B = 1 timed again next to auto: a paired ratio
                 b1.append(timed(m, p, max_tokens=new, block_size=1, threshold=th))
@@ -108,6 +157,26 @@ def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int) -> d
             res["auto"].append(a)
             log(f"auto th={th:.2f}: {a['tpf']:.2f} tok/fwd, {a['tps']:.0f} tok/s ({a['vs_B1_paired']:.2f}x B=1 "
                 f"paired), last B {a['last_B']}")
+        # paired and repeated: rounds of (B = 1, the best fixed setting, auto at 0.9) over all
+        # prompts, the order rotated per round; medians and min-max of tokens/s and of the ratios
+        best = max(res["runs"], key=lambda r: r["tps"])
+        settings = {"B=1": dict(block_size=1, threshold=1.0),
+                    f"B={best['B']} th={best['threshold']}": dict(block_size=best["B"], threshold=best["threshold"]),
+                    "auto th=0.9": dict(block_size="auto", threshold=0.9)}
+        m.set_cost_curve(res["auto_curve"], res["auto_curve_fused"])
+        names = list(settings)
+        rounds: dict = {k: [] for k in names}
+        for rnd in range(PAIRED_ROUNDS):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for k in order:
+                rs = [m.generate(p, max_tokens=new, stop_at_eos=False, **settings[k]) for p in prompt_list]
+                rounds[k].append(agg(rs, base)["tps"])
+        res["paired"] = {k: {"tps": v, "vs_B1": [a / b for a, b in zip(v, rounds["B=1"])]} for k, v in rounds.items()}
+        for k, v in res["paired"].items():
+            log(f"paired {k}: tok/s {v['tps']}, vs B=1 {v['vs_B1']}")
+        res["fast_setting"] = names[1] if np.median(rounds[names[1]]) >= np.median(rounds[names[2]]) else names[2]
+        res["quality"] = parse_share(m, syntax_prompts, new, {"B=1": settings["B=1"],
+                                                              res["fast_setting"]: settings[res["fast_setting"]]})
         res["samples"] = {"prompt": m.detokenize(prompt_list[0]),
                           "B1": base[0].text,
                           "B32_t0.9": m.generate(prompt_list[0], max_tokens=new, block_size=32,
@@ -196,32 +265,38 @@ def torch_loss(run: Path, data: Path, n: int, threads: int) -> float:
     return heldout_loss(model, hw(data, st["args"]["seq_len"], n), model.cfg.block_size, model.cfg.mask_token_id)
 
 
-def chart(res: dict, path: Path) -> None:
+def chart(res: dict, path: Path, old: dict | None = None) -> None:
+    """Tokens per forward, tokens/s and agreement vs threshold per B; with `old` (an earlier
+    evaluation's speed results) the old model dashed beside the new one."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axs = plt.subplots(1, 3, figsize=(13, 3.8), dpi=100)
-    for B in BLOCK_SIZES:
-        rr = [r for r in res["runs"] if r["B"] == B]
-        th = [r["threshold"] for r in rr]
-        axs[0].plot(th, [r["tpf"] for r in rr], "o-", label=f"B={B}")
-        axs[1].plot(th, [r["tps"] for r in rr], "o-", label=f"B={B}")
-        axs[2].plot(th, [100 * r["agree"] for r in rr], "o-", label=f"B={B}")
-    th = [r["threshold"] for r in res["auto"]]
-    axs[0].plot(th, [r["tpf"] for r in res["auto"]], "s--", color="gray", label="auto")
-    axs[1].plot(th, [r["tps"] for r in res["auto"]], "s--", color="gray", label="auto")
-    axs[2].plot(th, [100 * r["agree"] for r in res["auto"]], "s--", color="gray", label="auto")
-    axs[0].axhline(1.0, color="k", ls="--", lw=1, label="B=1")
-    axs[1].axhline(res["B1"]["tps"], color="k", ls="--", lw=1, label="B=1")
+    fig, axs = plt.subplots(1, 3, figsize=(14, 4.2), dpi=100)
+    colors = dict(zip(BLOCK_SIZES, ("C0", "C1", "C2", "C3")))
+    for label, r_, ls in (("new", res, "-"), ("old", old, ":")):
+        if r_ is None:
+            continue
+        for B in BLOCK_SIZES:
+            rr = [r for r in r_["runs"] if r["B"] == B]
+            th = [r["threshold"] for r in rr]
+            kw = dict(color=colors[B], ls=ls, marker="o" if ls == "-" else ".", label=f"B={B} {label}")
+            axs[0].plot(th, [r["tpf"] for r in rr], **kw)
+            axs[1].plot(th, [r["tps"] for r in rr], **kw)
+            axs[2].plot(th, [100 * r["agree"] for r in rr], **kw)
+        th = [r["threshold"] for r in r_["auto"]]
+        for ax, key, f in ((axs[0], "tpf", 1), (axs[1], "tps", 1), (axs[2], "agree", 100)):
+            ax.plot(th, [f * r[key] for r in r_["auto"]], color="gray", ls=ls, marker="s", label=f"auto {label}")
+        axs[1].axhline(r_["B1"]["tps"], color="k", ls=ls, lw=1, label=f"B=1 {label}")
+    axs[0].axhline(1.0, color="k", ls="--", lw=1)
     axs[0].set_ylabel("tokens per forward")
     axs[1].set_ylabel("tokens / s (decode, 2 threads)")
     axs[2].set_ylabel("% tokens equal to B=1 greedy")
     for ax in axs:
         ax.set_xlabel("confidence threshold")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("clover-default (f16 GGUF), held-out stdlib prompts")
+    axs[2].legend(fontsize=7, ncol=2)
+    fig.suptitle("clover-default (f16 GGUF), held-out stdlib prompts" + (": new (solid) vs old (dotted)" if old else ""))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -276,6 +351,26 @@ def write_md(res: dict, path: Path, cmd: str) -> None:
           f"| {ar['tps']:.0f} | {b1['tps']:.0f} ({b1['tps'] / ar['tps']:.2f}x) | "
           + " | ".join(f"{t09[B]['tps']:.0f} ({t09[B]['tps'] / ar['tps']:.2f}x)" for B in BLOCK_SIZES + ("auto",))
           + " |"]
+    pr = sp.get("paired")
+    if pr:
+        L += ["", f"## Paired, repeated: B = 1, the best fixed setting, auto\n",
+              f"{PAIRED_ROUNDS} rounds; each round runs every setting once over all prompts (order rotated "
+              "per round). Median tokens/s (min-max) and the median of the per-round ratios to B = 1.\n",
+              "| setting | tok/s | vs B = 1 |", "|---|---|---|"]
+        for k, v in pr.items():
+            L.append(f"| {k} | {np.median(v['tps']):.0f} ({min(v['tps']):.0f}-{max(v['tps']):.0f}) | "
+                     f"{np.median(v['vs_B1']):.2f}x ({min(v['vs_B1']):.2f}-{max(v['vs_B1']):.2f}) |")
+        L.append(f"\nAgainst upstream autoregressive `qwen35moe` ({ar['tps']:.0f} tok/s): "
+                 + ", ".join(f"{k} {np.median(v['tps']) / ar['tps']:.2f}x" for k, v in pr.items()) + ".")
+    q = sp.get("quality")
+    if q:
+        L += ["", "## Does the output parse?\n",
+              f"Share of {next(iter(q.values()))['n']} continuations ({res['new_tokens']} new tokens after a "
+              f"{res['prompt_len']}-token prompt starting at a top-level `def`/`class` of a held-out file, "
+              "prompt + continuation cut at the last complete line) that `ast.parse` accepts.\n",
+              "| setting | parses |", "|---|---|"]
+        for k, v in q.items():
+            L.append(f"| {k} | {v['share']:.1%} |")
     L += ["", "![eval](eval.png)", "", "## Held-out masked-token loss\n",
           f"Same {res['loss_windows']} held-out windows of 256 tokens, B = 32, fixed masks "
           "(t ~ U(0.05, 1] per block), mean cross-entropy over the masked positions (nats).\n",
@@ -316,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--loss-windows", type=int, default=32)
     ap.add_argument("--kl-windows", type=int, default=16)
+    ap.add_argument("--parse-prompts", type=int, default=48, help="prompts of the ast.parse check")
+    ap.add_argument("--baseline", default="", help="an earlier eval_results.json to chart against (old model)")
     ap.add_argument("--out", default="train")
     a = ap.parse_args(argv)
     cmd = "python -m train.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -330,7 +427,10 @@ def main(argv: list[str] | None = None) -> None:
                  "threads": a.threads, "date": time.strftime("%Y-%m-%d"), "prompt_len": a.prompt_len,
                  "n_prompts": len(ps), "new_tokens": a.new_tokens, "loss_windows": a.loss_windows,
                  "kl_windows": a.kl_windows}
-    res["speed"] = speed(g["f16"], ps, a.new_tokens, a.threads)
+    with Clover(g["f16"], n_ctx=256, n_threads=1, block_size=1) as tk:
+        pps = parse_prompts(json.loads((data / "meta.json").read_text()), lambda t: tk.tokenize(t), a.parse_prompts,
+                            a.prompt_len)
+    res["speed"] = speed(g["f16"], ps, a.new_tokens, a.threads, pps)
     log(f"speed done at {time.time() - t0:.0f}s")
     res["ar_baseline"] = ar_baseline(g["f16"], work, a.threads, a.new_tokens)
     log(f"qwen35moe baseline: {res['ar_baseline']}")
@@ -356,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{k}: {res['quant'][k]}")
     res["seconds"] = time.time() - t0
     (out / "eval_results.json").write_text(json.dumps(res, indent=1) + "\n")
-    chart(res["speed"], out / "eval.png")
+    old = json.loads(Path(a.baseline).read_text())["speed"] if a.baseline else None
+    chart(res["speed"], out / "eval.png", old)
     write_md(res, out / "RESULTS.md", cmd)
     log(f"done in {res['seconds']:.0f}s")
 

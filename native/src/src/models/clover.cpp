@@ -1,103 +1,76 @@
 // Clover: block-diffusion MoE with a restructured Gated DeltaNet token mixer.
 //
 // A ubatch holds whole blocks of B = cparams.n_block positions (llama_set_block_causal;
-// 0 = the ubatch is one block), aligned at position 0. Every block before the first block
-// that asks for an output row is a commit: its tokens are written into the sequence's memory
-// (GDN state by the gated delta rule, conv tail, KV cells). The block that asks for outputs
-// is a block pass against the memory *including* the commits before it in the same ubatch,
-// and leaves the GDN memory unchanged. So one llama_decode can commit block k and run the
-// first pass of block k+1 (native/clover.cpp then drops the canvas's KV cells), or commit a
-// whole prompt. Attention is block-causal through the KV mask.
+// 0 = the ubatch is one block), aligned at position 0, in position order. When its last block
+// asks for an output row it is a canvas: a block pass against the memory *including* the
+// blocks before it, leaving the GDN memory unchanged; every other block is a commit, written
+// into the sequence's memory (GDN state by the gated delta rule, conv tail, KV cells). So one
+// llama_decode can commit block k and run the first pass of block k+1 (native/clover.cpp then
+// drops the canvas's KV cells), or commit a whole prompt. Attention is block-causal through
+// the KV mask.
 #include "models.h"
 #include "llama-memory-recurrent.h"
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <stdexcept>
 
-// Where the rows of a ubatch go in the GDN layers. The rows of each sequence are processed
-// in position order (the C API puts a canvas before the block it commits, so that the
-// recurrent memory ends at the committed position). The gated delta rule runs over a
-// sequence of 2n steps: per block, its rows as reads (beta = 0, no decay: the output is the
-// memory read S^T q of the state at the block start) and then as writes (commit blocks only).
+// The gated delta rule of a GDN layer runs over 2n steps: per block, its rows as reads
+// (beta = 0, no decay: the output is the memory read S^T q of the state at the block start)
+// and then as writes (commit blocks only), so the final state is the committed one.
 class llm_graph_input_clover_blocks : public llm_graph_input_i {
 public:
-    llm_graph_input_clover_blocks(uint32_t n_block, int64_t n_tok, int64_t n_seqs, int64_t n_conv, int64_t n_look) :
-        n_block(n_block), n_tok(n_tok), n_seqs(n_seqs), n_conv(n_conv), n_look(n_look) {}
+    llm_graph_input_clover_blocks(uint32_t n_block, const llama_ubatch & ub) :
+        n_block(n_block), n_tok(ub.n_seq_tokens), n_seqs(ub.n_seqs), canvas(has_canvas(n_block, ub)) {}
 
     // rows per block in this ubatch (one partial block when the ubatch is shorter than B)
     static int64_t block_len(uint32_t n_block, int64_t n_tok) {
         return n_block > 0 ? std::min<int64_t>(n_block, n_tok) : n_tok;
     }
 
+    // does the last block of (every sequence of) the ubatch ask for an output row?
+    static bool has_canvas(uint32_t n_block, const llama_ubatch & ub) {
+        const int64_t n_tok = ub.n_seq_tokens, Bb = block_len(n_block, n_tok);
+        for (int64_t t = n_tok - Bb; t < n_tok; ++t) {
+            if (ub.output[t]) {
+                return true;
+            }
+        }
+        return false;
+    }
+
     void set_input(const llama_ubatch * ubatch) override {
         const int64_t Bb = block_len(n_block, n_tok);
         GGML_ASSERT(ubatch->n_seq_tokens == (uint32_t) n_tok && n_tok % Bb == 0);
-        const int64_t nb = n_tok / Bb;
-
-        std::vector<int32_t> v_order(n_tok * n_seqs), v_unorder(n_tok * n_seqs), v_gdn(2 * n_tok * n_seqs),
-                             v_read(n_tok * n_seqs), v_tail((n_conv - 1) * n_seqs);
-        std::vector<float>   v_write(2 * n_tok * n_seqs, 0.0f), v_look(n_tok * n_seqs * std::max<int64_t>(n_look, 1), 0.0f);
-
+        const int64_t nb = n_tok / Bb, n_commit = nb - (canvas ? 1 : 0);
+        std::vector<int32_t> v_gdn(2 * n_tok * n_seqs), v_read(n_tok * n_seqs);
+        std::vector<float>   v_write(2 * n_tok * n_seqs, 0.0f);
         for (int64_t s = 0; s < n_seqs; ++s) {
-            const llama_pos * pos = ubatch->pos + s * n_tok;
-            int32_t * order = v_order.data() + s * n_tok;
-            std::iota(order, order + n_tok, 0);
-            std::stable_sort(order, order + n_tok, [pos](int32_t a, int32_t b) { return pos[a] < pos[b]; });
-
-            // the committed prefix: the blocks before the first one with an output row
-            int64_t n_commit = nb;
-            for (int64_t c = 0; c < nb && n_commit == nb; ++c) {
-                for (int64_t t = 0; t < Bb; ++t) {
-                    if (ubatch->output[s * n_tok + order[c * Bb + t]]) {
-                        n_commit = c;
-                        break;
-                    }
-                }
-            }
             for (int64_t t = 0; t < n_tok; ++t) {
-                v_unorder[s * n_tok + order[t]] = (int32_t) t;
-                const int64_t c = t / Bb, j = t % Bb;
-                v_gdn[s * 2 * n_tok + 2 * c * Bb + j]      = (int32_t) t; // read
-                v_gdn[s * 2 * n_tok + 2 * c * Bb + Bb + j] = (int32_t) t; // write
-                v_write[s * 2 * n_tok + 2 * c * Bb + Bb + j] = c < n_commit ? 1.0f : 0.0f;
+                const int64_t c = t / Bb, j = t % Bb, at = s * 2 * n_tok + 2 * c * Bb + j;
+                v_gdn[at]        = (int32_t) t; // read
+                v_gdn[at + Bb]   = (int32_t) t; // write
+                v_write[at + Bb] = c < n_commit ? 1.0f : 0.0f;
                 v_read[s * n_tok + t] = (int32_t) (2 * c * Bb + j);
-                for (int64_t r = 0; r < n_look; ++r) { // lookahead stays inside the block
-                    v_look[(r * n_seqs + s) * n_tok + t] = j + 1 + r < Bb ? 1.0f : 0.0f;
-                }
-            }
-            // new conv tail: the last K-1 rows of [tail ; committed rows]
-            for (int64_t j = 0; j < n_conv - 1; ++j) {
-                v_tail[s * (n_conv - 1) + j] = (int32_t) (n_commit * Bb + j);
             }
         }
-        ggml_backend_tensor_set(order,     v_order.data(),   0, ggml_nbytes(order));
-        ggml_backend_tensor_set(unorder,   v_unorder.data(), 0, ggml_nbytes(unorder));
-        ggml_backend_tensor_set(gdn_rows,  v_gdn.data(),     0, ggml_nbytes(gdn_rows));
-        ggml_backend_tensor_set(gdn_write, v_write.data(),   0, ggml_nbytes(gdn_write));
-        ggml_backend_tensor_set(read_rows, v_read.data(),    0, ggml_nbytes(read_rows));
-        ggml_backend_tensor_set(tail_rows, v_tail.data(),    0, ggml_nbytes(tail_rows));
-        if (look_keep) {
-            ggml_backend_tensor_set(look_keep, v_look.data(), 0, ggml_nbytes(look_keep));
-        }
+        ggml_backend_tensor_set(gdn_rows,  v_gdn.data(),   0, ggml_nbytes(gdn_rows));
+        ggml_backend_tensor_set(gdn_write, v_write.data(), 0, ggml_nbytes(gdn_write));
+        ggml_backend_tensor_set(read_rows, v_read.data(),  0, ggml_nbytes(read_rows));
     }
 
     bool can_reuse(const llm_graph_params & params) override {
         return params.ubatch.n_seq_tokens == (uint32_t) n_tok && params.ubatch.n_seqs == (uint32_t) n_seqs &&
-               params.cparams.n_block == n_block;
+               params.cparams.n_block == n_block && has_canvas(n_block, params.ubatch) == canvas;
     }
 
     const uint32_t n_block;
-    const int64_t  n_tok, n_seqs, n_conv, n_look;
+    const int64_t  n_tok, n_seqs;
+    const bool     canvas; // the graph's shape: the new conv tail ends before the last block
 
-    ggml_tensor * order     = nullptr; // I32 [n_tok, n_seqs]: ubatch rows in position order
-    ggml_tensor * unorder   = nullptr; // I32 [n_tok, n_seqs]: the inverse permutation
-    ggml_tensor * gdn_rows  = nullptr; // I32 [2 n_tok, n_seqs]: sorted row of each delta-rule step
-    ggml_tensor * gdn_write = nullptr; // F32 [2 n_tok, n_seqs]: 1 = the step writes (commit), 0 = read
-    ggml_tensor * read_rows = nullptr; // I32 [n_tok, n_seqs]: the read step of each sorted row
-    ggml_tensor * tail_rows = nullptr; // I32 [K-1, n_seqs]: rows of [tail ; sorted u] that form the new tail
-    ggml_tensor * look_keep = nullptr; // F32 [1, n_tok, n_seqs, R]: lookahead tap r of a row stays in its block
+    ggml_tensor * gdn_rows  = nullptr; // I32 [2 n_tok, n_seqs]: the row of each delta-rule step
+    ggml_tensor * gdn_write = nullptr; // F32 [1, 1, 2 n_tok, n_seqs]: 1 = the step writes (commit), 0 = read
+    ggml_tensor * read_rows = nullptr; // I32 [n_tok, n_seqs]: the read step of each row
 };
 
 void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
@@ -205,23 +178,15 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     {
         const int64_t n_tok  = ubatch.n_seq_tokens;
         const int64_t n_seqs = ubatch.n_seqs;
-        const int64_t n_look = hparams.ssm_d_conv_look;
-        auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams.n_block, n_tok, n_seqs,
-                                                                   (int64_t) hparams.ssm_d_conv, n_look);
+        auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams.n_block, ubatch);
         auto input = [&](ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2 = 1, int64_t ne3 = 1) {
             ggml_tensor * t = ggml_new_tensor_4d(ctx0, type, ne0, ne1, ne2, ne3);
             ggml_set_input(t);
             return t;
         };
-        inp->order     = input(GGML_TYPE_I32, n_tok, n_seqs);
-        inp->unorder   = input(GGML_TYPE_I32, n_tok, n_seqs);
         inp->gdn_rows  = input(GGML_TYPE_I32, 2 * n_tok, n_seqs);
         inp->gdn_write = input(GGML_TYPE_F32, 1, 1, 2 * n_tok, n_seqs);
         inp->read_rows = input(GGML_TYPE_I32, n_tok, n_seqs);
-        inp->tail_rows = input(GGML_TYPE_I32, hparams.ssm_d_conv - 1, n_seqs);
-        if (n_look > 0) {
-            inp->look_keep = input(GGML_TYPE_F32, 1, n_tok, n_seqs, n_look);
-        }
         blocks = inp.get();
         res->add_input(std::move(inp));
     }
@@ -312,7 +277,6 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn(
 
 // Clover GDN mixer: o = lambda * (memory read S^T q) + (1 - lambda) * (block attention),
 // with a bidirectional short convolution; the gated delta rule only updates the memory.
-// Works on the rows in position order (blocks->order) and returns them in ubatch order.
 ggml_tensor * llama_model_clover::graph::build_layer_gdn(
         llm_graph_input_rs * inp,
         ggml_tensor *        cur,
@@ -333,10 +297,6 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     const int64_t n_blk     = n_tok / Bb; // blocks per sequence in this ubatch
     GGML_ASSERT(n_tok % Bb == 0 && "clover: a ubatch holds whole blocks");
 
-    // rows in position order
-    cur = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, cur, cur->ne[0], n_tok, n_seqs), blocks->order);
-    cur = ggml_reshape_2d(ctx0, cur, cur->ne[0], n_tok * n_seqs);
-
     // projections
     ggml_tensor * u = ggml_reshape_3d(ctx0, build_lora_mm(layer.wqkv, cur), conv_dim, n_tok, n_seqs);
     ggml_tensor * z = build_lora_mm(layer.wqkv_gate, cur);
@@ -348,33 +308,34 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
     lambda = ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs);
 
-    // causal taps over [committed conv tail ; u]; the new tail ends at the last committed row
+    // causal taps over [committed conv tail ; u]; the new tail ends before a canvas
     ggml_tensor * conv_states_all = mctx->get_r_l(il);
     ggml_tensor * tail = build_rs(inp, conv_states_all, hparams.n_embd_r(), n_seqs);
-    tail = ggml_cont(ctx0, ggml_transpose(ctx0, ggml_reshape_3d(ctx0, tail, n_conv - 1, conv_dim, n_seqs))); // [C, K-1, n_seqs]
-    ggml_tensor * rows_all = ggml_concat(ctx0, tail, u, 1);                                   // [C, K-1+n, n_seqs]
+    tail = ggml_reshape_3d(ctx0, tail, n_conv - 1, conv_dim, n_seqs);
+    ggml_tensor * conv_in = ggml_concat(ctx0, tail, ggml_transpose(ctx0, u), 0);            // [K-1+n, C, n_seqs]
     {
-        ggml_tensor * new_tail = ggml_get_rows(ctx0, rows_all, blocks->tail_rows);            // [C, K-1, n_seqs]
-        new_tail = ggml_cont(ctx0, ggml_transpose(ctx0, new_tail));                         // [K-1, C, n_seqs]
-        const int64_t row_count = (n_conv - 1) * conv_dim;
+        const int64_t n_commit_rows = n_tok - (blocks->canvas ? Bb : 0);
+        const int64_t row_count     = (n_conv - 1) * conv_dim;
+        ggml_tensor * new_tail = ggml_view_3d(ctx0, conv_in, n_conv - 1, conv_dim, n_seqs,
+                conv_in->nb[1], conv_in->nb[2], ggml_row_size(conv_in->type, n_commit_rows));
         ggml_build_forward_expand(gf, ggml_cpy(ctx0, new_tail,
                 ggml_view_2d(ctx0, conv_states_all, row_count, n_seqs, conv_states_all->nb[1],
                         mctx->get_head() * ggml_row_size(conv_states_all->type, row_count))));
     }
-    ggml_tensor * conv_in = ggml_cont(ctx0, ggml_transpose(ctx0, rows_all));                 // [K-1+n, C, n_seqs]
-    ggml_tensor * conv    = ggml_ssm_conv(ctx0, conv_in, layer.ssm_conv1d);                   // [C, n, n_seqs]
-    // ... plus lookahead taps on the next rows of the same block
+    ggml_tensor * conv = ggml_ssm_conv(ctx0, conv_in, layer.ssm_conv1d);                     // [C, n, n_seqs]
+    // ... plus lookahead taps on the next rows of the same block (zero past its end)
     if (n_look > 0) {
-        ggml_tensor * u_pad = ggml_pad(ctx0, u, 0, (int) n_look, 0, 0);
+        ggml_tensor * u_blk = ggml_reshape_4d(ctx0, u, conv_dim, Bb, n_blk, n_seqs);
+        ggml_tensor * u_pad = ggml_pad(ctx0, u_blk, 0, (int) n_look, 0, 0);                  // [C, Bb+R, ., .]
         ggml_tensor * taps  = ggml_cont(ctx0, ggml_transpose(ctx0, layer.ssm_conv1d_look));  // [C, R]
+        ggml_tensor * look  = nullptr;
         for (int64_t j = 0; j < n_look; ++j) {
-            ggml_tensor * ahead = ggml_view_3d(ctx0, u_pad, conv_dim, n_tok, n_seqs,
-                    u_pad->nb[1], u_pad->nb[2], (j + 1) * u_pad->nb[1]);
-            ggml_tensor * tap  = ggml_view_1d(ctx0, taps, conv_dim, j * taps->nb[1]);
-            ggml_tensor * keep = ggml_view_3d(ctx0, blocks->look_keep, 1, n_tok, n_seqs,
-                    blocks->look_keep->nb[1], blocks->look_keep->nb[2], j * blocks->look_keep->nb[3]);
-            conv = ggml_add(ctx0, conv, ggml_mul(ctx0, ggml_mul(ctx0, ahead, tap), keep));
+            ggml_tensor * ahead = ggml_view_4d(ctx0, u_pad, conv_dim, Bb, n_blk, n_seqs,
+                    u_pad->nb[1], u_pad->nb[2], u_pad->nb[3], (j + 1) * u_pad->nb[1]);
+            ggml_tensor * tap = ggml_mul(ctx0, ahead, ggml_view_1d(ctx0, taps, conv_dim, j * taps->nb[1]));
+            look = look ? ggml_add(ctx0, look, tap) : tap;
         }
+        conv = ggml_add(ctx0, conv, ggml_reshape_3d(ctx0, look, conv_dim, n_tok, n_seqs));
     }
     conv = ggml_silu(ctx0, conv);
     cb(conv, "conv_out", il);
@@ -444,15 +405,13 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     // o = lambda * o_mem + (1 - lambda) * o_blk
     ggml_tensor * o = ggml_add(ctx0, o_blk, ggml_mul(ctx0, ggml_sub(ctx0, o_mem, o_blk), lambda));
 
-    // y = norm_w * rmsnorm(o) * silu(z), then the output projection, back in ubatch order
+    // y = norm_w * rmsnorm(o) * silu(z), then the output projection
     z = ggml_reshape_4d(ctx0, z, d_state, n_v_heads, n_tok, n_seqs);
     o = ggml_mul(ctx0, build_norm(o, layer.ssm_norm, nullptr, LLM_NORM_RMS, il), ggml_silu(ctx0, z));
     o = ggml_reshape_2d(ctx0, o, d_state * n_v_heads, n_tok * n_seqs);
     cb(o, "gdn_out", il);
 
-    ggml_tensor * out = build_lora_mm(layer.ssm_out, o);
-    out = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, out, out->ne[0], n_tok, n_seqs), blocks->unorder);
-    return ggml_reshape_2d(ctx0, out, out->ne[0], n_tok * n_seqs);
+    return build_lora_mm(layer.ssm_out, o);
 }
 
 ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int il) {

@@ -1,0 +1,238 @@
+"""Self-distillation: make a Clover confident where its own greedy answer is determined.
+
+1. ``trajectories``: prompts cut from the *training* split, continued greedily at B = 1 by
+   the native engine (libclover): the model's own deterministic answers.
+2. ``finetune``: block-diffusion training (train/train.py's objective: a block size per
+   step, t ~ U(t_min, 1] of each block masked, blocks denoised against the clean memory of
+   the earlier ones) on a mix of trajectory windows and original data windows, plus a
+   certainty term on the trajectory windows (as in dParallel's certainty forcing): on the
+   masked positions the model already predicts correctly (argmax = the target), the entropy
+   of its prediction is minimised, so that what it gets right it also says with confidence.
+
+Deterministic from --seed (numpy PCG64 for prompts / data / masks, torch seed); resumable
+(--resume) from <out>/ckpt.pt; a log in <out>/log.csv with the held-out masked-token loss.
+train.export turns the run into an HF checkpoint (models/clover-default).
+
+    python -m train.distill trajectories --model models/clover-default --data train/runs/data \\
+        --out train/runs/traj --prompts 512
+    python -m train.distill finetune --init models/clover-default --traj train/runs/traj \\
+        --data train/runs/data --out train/runs/distill --steps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT_LEN = 64
+NEW_TOKENS = 128
+
+
+def _progress(done: int, total: int, t0: float, what: str) -> None:
+    """A one-line progress bar on stderr."""
+    frac = done / max(total, 1)
+    el = time.time() - t0
+    eta = el / frac - el if frac > 0 else 0.0
+    bar = "#" * int(30 * frac)
+    sys.stderr.write(f"\r{what} [{bar:<30}] {done}/{total} {el:.0f}s eta {eta:.0f}s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- 1. trajectories
+def trajectories(model: Path, data: Path, out: Path, n_prompts: int, seed: int, threads: int) -> Path:
+    """Greedy B = 1 continuations (NEW_TOKENS, EOS ignored) of n_prompts windows of PROMPT_LEN
+    tokens from the training split; saved as int16 [n, PROMPT_LEN + NEW_TOKENS] in out/traj.npy
+    (resumable: finished rows are kept in out/traj.partial.npy)."""
+    from clover_convert import convert
+    from clover_cpp import Clover
+
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = out / "model-f32.gguf"
+    if not gguf.is_file():
+        convert(str(model), str(gguf), outtype="f32", force=True, progress=False)
+    tokens = np.load(data / "train.npy")
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(tokens) - PROMPT_LEN, size=n_prompts)
+    part = out / "traj.partial.npy"
+    rows = list(np.load(part)) if part.is_file() else []
+    t0 = time.time()
+    with Clover(gguf, n_ctx=PROMPT_LEN + NEW_TOKENS + 64, n_threads=threads, block_size=1) as m:
+        for i in range(len(rows), n_prompts):
+            prompt = tokens[starts[i]:starts[i] + PROMPT_LEN].astype(int).tolist()
+            r = m.generate(prompt, max_tokens=NEW_TOKENS, block_size=1, stop_at_eos=False)
+            rows.append(np.asarray(prompt + r.tokens, dtype=np.int16))
+            if (i + 1) % 32 == 0 or i + 1 == n_prompts:
+                np.save(part, np.stack(rows))
+            _progress(i + 1, n_prompts, t0, "trajectories")
+    arr = np.stack(rows)
+    np.save(out / "traj.npy", arr)
+    (out / "meta.json").write_text(json.dumps({"model": str(model), "prompts": n_prompts, "seed": seed,
+                                               "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+                                               "seconds": round(time.time() - t0, 1)}, indent=1) + "\n")
+    part.unlink(missing_ok=True)
+    return out / "traj.npy"
+
+
+# ----------------------------------------------------------------------------- 2. fine-tuning
+def certainty_loss(logits, target):
+    """Mean entropy of the predictions that are already right (dParallel's certainty forcing)."""
+    import torch
+
+    right = logits.argmax(-1) == target
+    if not bool(right.any()):
+        return logits.new_zeros(())
+    logp = torch.log_softmax(logits[right], -1)
+    return -(logp.exp() * logp).sum(-1).mean()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trajectories", help="greedy B = 1 continuations of training prompts")
+    t.add_argument("--model", default="models/clover-default")
+    t.add_argument("--data", default="train/runs/data")
+    t.add_argument("--out", default="train/runs/traj")
+    t.add_argument("--prompts", type=int, default=512)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=2)
+    f = sub.add_parser("finetune", help="block-diffusion fine-tuning on trajectories + data, certainty term")
+    f.add_argument("--init", default="models/clover-default", help="HF checkpoint folder to start from")
+    f.add_argument("--traj", default="train/runs/traj")
+    f.add_argument("--data", default="train/runs/data")
+    f.add_argument("--out", default="train/runs/distill")
+    f.add_argument("--seed", type=int, default=3)
+    f.add_argument("--steps", type=int, default=600, help="total optimizer steps (sets the cosine schedule)")
+    f.add_argument("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this step")
+    f.add_argument("--batch", type=int, default=8)
+    f.add_argument("--traj-frac", type=float, default=0.5, help="share of each batch from the trajectories")
+    f.add_argument("--certainty", type=float, default=0.5, help="weight of the certainty term")
+    f.add_argument("--block-sizes", default="16:0.3,32:0.7")
+    f.add_argument("--t-min", type=float, default=0.3, help="trajectory blocks: most positions masked")
+    f.add_argument("--lr", type=float, default=5e-4)
+    f.add_argument("--warmup", type=int, default=20)
+    f.add_argument("--min-lr-frac", type=float, default=0.1)
+    f.add_argument("--weight-decay", type=float, default=0.1)
+    f.add_argument("--clip", type=float, default=1.0)
+    f.add_argument("--eval-every", type=int, default=100)
+    f.add_argument("--eval-windows", type=int, default=32)
+    f.add_argument("--ckpt-every", type=float, default=180.0)
+    f.add_argument("--threads", type=int, default=2)
+    f.add_argument("--resume", action="store_true")
+    return ap
+
+
+def finetune(a: argparse.Namespace) -> list[float]:
+    import torch
+    from safetensors.numpy import load_file
+
+    from clover_cpp.reference import CloverConfig
+    from train.model import CloverTorch
+    from train.train import (AUX_WEIGHT, heldout_loss, heldout_windows, lr_at, make_optimizer, mask_blocks,
+                             masked_loss, parse_block_sizes, save_ckpt)
+
+    torch.set_num_threads(a.threads)
+    out, data, init = Path(a.out), Path(a.data), Path(a.init)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
+    torch.manual_seed(a.seed)
+    model = CloverTorch(cfg, seed=a.seed)
+    model.load_hf({k: v.astype(np.float32) for k, v in load_file(str(init / "model.safetensors")).items()})
+    opt = make_optimizer(model, a)
+    rng = np.random.default_rng(a.seed)
+    step, elapsed = 0, 0.0
+    ck = out / "ckpt.pt"
+    if a.resume and ck.is_file():
+        st = torch.load(ck, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        rng.bit_generator.state = st["rng"]
+        torch.set_rng_state(st["torch_rng"])
+        step, elapsed = st["step"], st.get("elapsed", 0.0)
+        print(f"resumed from {ck} at step {step}", flush=True)
+    (out / "config.json").write_text((init / "config.json").read_text())
+    (out / "args.json").write_text(json.dumps(vars(a), indent=1) + "\n")
+    traj = np.load(Path(a.traj) / "traj.npy").astype(np.int64)
+    tokens = np.load(data / "train.npy").astype(np.int64)
+    T = traj.shape[1]
+    sizes, probs = parse_block_sizes(a.block_sizes)
+    if any(T % b for b in sizes):
+        raise SystemExit(f"trajectory length {T} must be a multiple of every block size")
+    windows = heldout_windows(data, 256, a.eval_windows)
+    log_path = out / "log.csv"
+    new_log = not (a.resume and log_path.is_file())
+    if not new_log:
+        with open(log_path, newline="") as f:
+            rows = list(csv.reader(f))
+        with open(log_path, "w", newline="") as f:
+            csv.writer(f).writerows(r for r in rows if not r[0].isdigit() or int(r[0]) <= step)
+    logf = open(log_path, "w" if new_log else "a", newline="")
+    log = csv.writer(logf)
+    if new_log:
+        log.writerow(["step", "elapsed_s", "block_size", "lr", "loss", "certainty", "aux", "heldout_loss"])
+    if step == 0:
+        h0 = heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id)
+        log.writerow([0, "0.0", "", "", "", "", "", f"{h0:.4f}"])
+        print(f"step 0 heldout {h0:.4f}", flush=True)
+    n_traj = max(1, int(round(a.batch * a.traj_frac)))
+    n_data = a.batch - n_traj
+    losses: list[float] = []
+    t_last_ck, t_start = time.time(), time.time() - elapsed
+    last = a.stop_after if a.stop_after else a.steps
+    while step < last:
+        B = int(rng.choice(sizes, p=probs))
+        rows = traj[rng.integers(0, len(traj), size=n_traj)]
+        offs = rng.integers(0, len(tokens) - T, size=n_data)
+        clean = np.concatenate([rows, tokens[offs[:, None] + np.arange(T)[None, :]]], 0)
+        noisy, masked = mask_blocks(clean, B, cfg.mask_token_id, rng, a.t_min)
+        is_traj = np.zeros_like(masked)
+        is_traj[:n_traj] = True
+        lr = lr_at(step, argparse.Namespace(steps=a.steps, warmup=a.warmup, lr=a.lr, min_lr_frac=a.min_lr_frac))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        sel = torch.as_tensor(masked)
+        logits, aux = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, select=sel)
+        target = torch.as_tensor(clean)[sel]
+        loss = masked_loss(logits, torch.as_tensor(clean), sel)
+        cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
+        opt.zero_grad(set_to_none=True)
+        (loss + a.certainty * cert + AUX_WEIGHT * aux).backward()
+        if a.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        hl = ""
+        if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
+            hl = f"{heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id):.4f}"
+        el = time.time() - t_start
+        log.writerow([step, f"{el:.1f}", B, f"{lr:.3e}", f"{loss.item():.4f}", f"{cert.item():.4f}",
+                      f"{aux.item():.4f}", hl])
+        logf.flush()
+        if step % 10 == 0 or hl:
+            print(f"step {step} B={B} loss {loss.item():.4f} certainty {cert.item():.3f} lr {lr:.2e} {el:.0f}s"
+                  + (f" heldout {hl}" if hl else ""), flush=True)
+        if time.time() - t_last_ck >= a.ckpt_every or step == last:
+            save_ckpt(ck, model, opt, step, rng, a, el)
+            t_last_ck = time.time()
+    logf.close()
+    return losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    if a.cmd == "trajectories":
+        trajectories(Path(a.model), Path(a.data), Path(a.out), a.prompts, a.seed, a.threads)
+    else:
+        finetune(a)
+
+
+if __name__ == "__main__":
+    main()
