@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def finetune(a: argparse.Namespace) -> list[float]:
     import torch
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     from clover_cpp.reference import CloverConfig
     from train.model import CloverTorch
@@ -144,7 +144,7 @@ def finetune(a: argparse.Namespace) -> list[float]:
     cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
     torch.manual_seed(a.seed)
     model = CloverTorch(cfg, seed=a.seed)
-    model.load_hf({k: v.astype(np.float32) for k, v in load_file(str(init / "model.safetensors")).items()})
+    model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
     opt = make_optimizer(model, a)
     rng = np.random.default_rng(a.seed)
     step, elapsed = 0, 0.0
@@ -226,12 +226,70 @@ def finetune(a: argparse.Namespace) -> list[float]:
     return losses
 
 
+# ----------------------------------------------------------------------------- 3. export + quick check
+def export_weights(run: Path, init: Path, out: Path) -> None:
+    """The run's weights as an HF checkpoint (matrices bf16, the rest f32, as train.export),
+    config / tokenizer / generation config copied from the checkpoint it started from."""
+    import shutil
+
+    from clover_convert.safetensors_io import write_safetensors
+    from train.export import is_f32, load_run
+
+    model, _ = load_run(run)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in model.hf_state_dict().items():
+        arr = t.float().numpy()
+        tensors[name] = (arr, "F32" if is_f32(name, arr) else "BF16")
+    write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (init / f).is_file() and init.resolve() != out.resolve():
+            shutil.copyfile(init / f, out / f)
+
+
+def quick_eval(model: Path, data: Path, work: Path, threads: int, new: int = 128) -> dict:
+    """Tokens per forward and agreement with the same model's B = 1 greedy output on the
+    held-out prompts (first 64 tokens of each held-out file), threshold 0.9, B = 16 and 32."""
+    from clover_convert import convert
+    from clover_cpp import Clover
+    from train.evaluate import prompts
+
+    work.mkdir(parents=True, exist_ok=True)
+    gguf = work / f"{model.name}-f16.gguf"
+    convert(str(model), str(gguf), outtype="f16", force=True, progress=False)
+    ps = prompts(data, 8, PROMPT_LEN)
+    res = {}
+    with Clover(gguf, n_ctx=512, n_threads=threads) as m:
+        base = [m.generate(p, max_tokens=new, block_size=1, stop_at_eos=False).tokens for p in ps]
+        for B in (16, 32):
+            rs = [m.generate(p, max_tokens=new, block_size=B, threshold=0.9, stop_at_eos=False) for p in ps]
+            same = sum(int(np.sum(np.asarray(r.tokens) == np.asarray(b))) for r, b in zip(rs, base))
+            res[f"B{B}"] = {"tpf": sum(len(r.tokens) for r in rs) / sum(r.stats.n_decode_passes for r in rs),
+                            "agree": same / sum(len(b) for b in base)}
+    return res
+
+
 def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    sub = next(x for x in ap._actions if isinstance(x, argparse._SubParsersAction))
+    e = sub.add_parser("export", help="a run's weights as an HF checkpoint folder")
+    e.add_argument("--run", required=True)
+    e.add_argument("--init", default="models/clover-default")
+    e.add_argument("--out", required=True)
+    q = sub.add_parser("quick-eval", help="tokens per forward and agreement at threshold 0.9 (B = 16, 32)")
+    q.add_argument("--model", required=True)
+    q.add_argument("--data", default="train/runs/data")
+    q.add_argument("--work", default="train/runs/quick-eval")
+    q.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
     if a.cmd == "trajectories":
         trajectories(Path(a.model), Path(a.data), Path(a.out), a.prompts, a.seed, a.threads)
-    else:
+    elif a.cmd == "finetune":
         finetune(a)
+    elif a.cmd == "export":
+        export_weights(Path(a.run), Path(a.init), Path(a.out))
+    else:
+        print(json.dumps(quick_eval(Path(a.model), Path(a.data), Path(a.work), a.threads)))
 
 
 if __name__ == "__main__":

@@ -323,8 +323,8 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
                         mctx->get_head() * ggml_row_size(conv_states_all->type, row_count))));
     }
     ggml_tensor * conv = ggml_ssm_conv(ctx0, conv_in, layer.ssm_conv1d);                     // [C, n, n_seqs]
-    // ... plus lookahead taps on the next rows of the same block (zero past its end)
-    if (n_look > 0) {
+    // ... plus lookahead taps on the next rows of the same block (zero past its end; none at B = 1)
+    if (n_look > 0 && Bb > 1) {
         ggml_tensor * u_blk = ggml_reshape_4d(ctx0, u, conv_dim, Bb, n_blk, n_seqs);
         ggml_tensor * u_pad = ggml_pad(ctx0, u_blk, 0, (int) n_look, 0, 0);                  // [C, Bb+R, ., .]
         ggml_tensor * taps  = ggml_cont(ctx0, ggml_transpose(ctx0, layer.ssm_conv1d_look));  // [C, R]
@@ -378,28 +378,32 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     cb(o_mem, "o_mem", il);
 
     // block attention, bidirectional inside each block, with the calibrated temperature
-    // tau = exp(theta + phi * ln(B / B0)); per head and block: [d, Bb, Hv, n_blk * n_seqs]
-    if (n_k_heads != n_v_heads) {
-        q = ggml_repeat_4d(ctx0, q, d_state, n_v_heads, n_tok, n_seqs);
-        k = ggml_repeat_4d(ctx0, k, d_state, n_v_heads, n_tok, n_seqs);
+    // tau = exp(theta + phi * ln(B / B0)); per head and block: [d, Bb, Hv, n_blk * n_seqs].
+    // A block of one token attends to itself only: o_blk = v.
+    ggml_tensor * o_blk = v;
+    if (Bb > 1) {
+        if (n_k_heads != n_v_heads) {
+            q = ggml_repeat_4d(ctx0, q, d_state, n_v_heads, n_tok, n_seqs);
+            k = ggml_repeat_4d(ctx0, k, d_state, n_v_heads, n_tok, n_seqs);
+        }
+        auto per_block = [&](ggml_tensor * x) {
+            return ggml_reshape_4d(ctx0, x, d_state, n_v_heads, Bb, n_blk * n_seqs);
+        };
+        ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, per_block(q), 0, 2, 1, 3));
+        ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, per_block(k), 0, 2, 1, 3));
+        ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, per_block(v), 1, 2, 0, 3));     // [Bb, dv, Hv, .]
+
+        const float log_ratio = logf(float(B) / float(hparams.diffusion_block_size));
+        ggml_tensor * theta = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, 0);
+        ggml_tensor * phi   = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, layer.ssm_block_calib->nb[1]);
+        ggml_tensor * tau   = ggml_exp(ctx0, ggml_add(ctx0, theta, ggml_scale(ctx0, phi, log_ratio)));
+        tau = ggml_reshape_4d(ctx0, tau, 1, 1, n_v_heads, 1);
+
+        ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [Bb (keys), Bb (queries), Hv, .]
+        kq = ggml_soft_max(ctx0, kq);
+        o_blk = ggml_mul_mat(ctx0, vt, kq);                                  // [dv, Bb, Hv, .]
+        o_blk = ggml_reshape_4d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, o_blk, 0, 2, 1, 3)), d_state, n_v_heads, n_tok, n_seqs);
     }
-    auto per_block = [&](ggml_tensor * x) {
-        return ggml_reshape_4d(ctx0, x, d_state, n_v_heads, Bb, n_blk * n_seqs);
-    };
-    ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, per_block(q), 0, 2, 1, 3));
-    ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, per_block(k), 0, 2, 1, 3));
-    ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, per_block(v), 1, 2, 0, 3));     // [Bb, dv, Hv, .]
-
-    const float log_ratio = logf(float(B) / float(hparams.diffusion_block_size));
-    ggml_tensor * theta = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, 0);
-    ggml_tensor * phi   = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, layer.ssm_block_calib->nb[1]);
-    ggml_tensor * tau   = ggml_exp(ctx0, ggml_add(ctx0, theta, ggml_scale(ctx0, phi, log_ratio)));
-    tau = ggml_reshape_4d(ctx0, tau, 1, 1, n_v_heads, 1);
-
-    ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [Bb (keys), Bb (queries), Hv, .]
-    kq = ggml_soft_max(ctx0, kq);
-    ggml_tensor * o_blk = ggml_mul_mat(ctx0, vt, kq);                    // [dv, Bb, Hv, .]
-    o_blk = ggml_reshape_4d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, o_blk, 0, 2, 1, 3)), d_state, n_v_heads, n_tok, n_seqs);
     cb(o_blk, "o_blk", il);
 
     // o = lambda * o_mem + (1 - lambda) * o_blk
