@@ -22,7 +22,6 @@ train.export turns the run into an HF checkpoint (models/clover-default).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -135,8 +134,8 @@ def finetune(a: argparse.Namespace) -> list[float]:
 
     from clover_cpp.reference import CloverConfig
     from train.model import CloverTorch
-    from train.train import (AUX_WEIGHT, heldout_loss, heldout_windows, lr_at, make_optimizer, mask_blocks,
-                             masked_loss, parse_block_sizes, save_ckpt)
+    from train.train import (AUX_WEIGHT, heldout_loss, heldout_windows, load_ckpt, lr_at, make_optimizer,
+                             mask_blocks, masked_loss, open_log, parse_block_sizes, save_ckpt)
 
     torch.set_num_threads(a.threads)
     out, data, init = Path(a.out), Path(a.data), Path(a.init)
@@ -150,13 +149,7 @@ def finetune(a: argparse.Namespace) -> list[float]:
     step, elapsed = 0, 0.0
     ck = out / "ckpt.pt"
     if a.resume and ck.is_file():
-        st = torch.load(ck, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        rng.bit_generator.state = st["rng"]
-        torch.set_rng_state(st["torch_rng"])
-        step, elapsed = st["step"], st.get("elapsed", 0.0)
-        print(f"resumed from {ck} at step {step}", flush=True)
+        step, elapsed = load_ckpt(ck, model, opt, rng)
     (out / "config.json").write_text((init / "config.json").read_text())
     (out / "args.json").write_text(json.dumps(vars(a), indent=1) + "\n")
     traj = np.load(Path(a.traj) / "traj.npy").astype(np.int64)
@@ -166,17 +159,8 @@ def finetune(a: argparse.Namespace) -> list[float]:
     if any(T % b for b in sizes):
         raise SystemExit(f"trajectory length {T} must be a multiple of every block size")
     windows = heldout_windows(data, 256, a.eval_windows)
-    log_path = out / "log.csv"
-    new_log = not (a.resume and log_path.is_file())
-    if not new_log:
-        with open(log_path, newline="") as f:
-            rows = list(csv.reader(f))
-        with open(log_path, "w", newline="") as f:
-            csv.writer(f).writerows(r for r in rows if not r[0].isdigit() or int(r[0]) <= step)
-    logf = open(log_path, "w" if new_log else "a", newline="")
-    log = csv.writer(logf)
-    if new_log:
-        log.writerow(["step", "elapsed_s", "block_size", "lr", "loss", "certainty", "aux", "heldout_loss"])
+    logf, log = open_log(out / "log.csv", a.resume, step,
+                         ["step", "elapsed_s", "block_size", "lr", "loss", "certainty", "aux", "heldout_loss"])
     if step == 0:
         h0 = heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id)
         log.writerow([0, "0.0", "", "", "", "", "", f"{h0:.4f}"])
@@ -232,16 +216,9 @@ def export_weights(run: Path, init: Path, out: Path) -> None:
     config / tokenizer / generation config copied from the checkpoint it started from."""
     import shutil
 
-    from clover_convert.safetensors_io import write_safetensors
-    from train.export import is_f32, load_run
+    from train.export import load_run, write_weights
 
-    model, _ = load_run(run)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in model.hf_state_dict().items():
-        arr = t.float().numpy()
-        tensors[name] = (arr, "F32" if is_f32(name, arr) else "BF16")
-    write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+    write_weights(load_run(run)[0], out)
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (init / f).is_file() and init.resolve() != out.resolve():
             shutil.copyfile(init / f, out / f)

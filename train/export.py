@@ -118,15 +118,21 @@ def plot_loss(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
-    model, st = load_run(run)
-    cfg = model.cfg
+def write_weights(model: CloverTorch, out: Path) -> dict:
+    """out/model.safetensors: matrices BF16, norms / conv taps / calibration F32."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in model.hf_state_dict().items():
         arr = t.float().numpy()
         tensors[name] = (arr, "F32" if is_f32(name, arr) else "BF16")
     write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
+    return tensors
+
+
+def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
+    model, st = load_run(run)
+    cfg = model.cfg
+    tensors = write_weights(model, out)
     hfc = hf_config(cfg)
     (out / "config.json").write_text(json.dumps(hfc, indent=2) + "\n")
     gen = {"_from_model_config": False, "bos_token_id": None, "eos_token_id": cfg.eos_token_id,

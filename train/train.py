@@ -135,6 +135,33 @@ def save_ckpt(path: Path, model, opt, step: int, rng: np.random.Generator, a, el
     os.replace(tmp, path)
 
 
+def load_ckpt(path: Path, model, opt, rng: np.random.Generator) -> tuple[int, float]:
+    """Restore save_ckpt's model, optimizer and rng states; (step, elapsed seconds)."""
+    st = torch.load(path, weights_only=False)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    rng.bit_generator.state = st["rng"]
+    torch.set_rng_state(st["torch_rng"])
+    print(f"resumed from {path} at step {st['step']}", flush=True)
+    return st["step"], st.get("elapsed", 0.0)
+
+
+def open_log(path: Path, resume: bool, step: int, header: list[str]):
+    """(file, csv writer) of a run's log; on resume, rows logged after the checkpoint's step
+    by a run that was killed are dropped first."""
+    new = not (resume and path.is_file())
+    if not new:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows(r for r in rows if not r[0].isdigit() or int(r[0]) <= step)
+    logf = open(path, "w" if new else "a", newline="")
+    log = csv.writer(logf)
+    if new:
+        log.writerow(header)
+    return logf, log
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="train/runs/data")
@@ -193,13 +220,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         model.load_state_dict(torch.load(a.init_from, weights_only=False)["model"])
         print(f"weights from {a.init_from}", flush=True)
     if a.resume and ck.is_file():
-        st = torch.load(ck, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        rng.bit_generator.state = st["rng"]
-        torch.set_rng_state(st["torch_rng"])
-        step, elapsed = st["step"], st.get("elapsed", 0.0)
-        print(f"resumed from {ck} at step {step}", flush=True)
+        step, elapsed = load_ckpt(ck, model, opt, rng)
     (out / "config.json").write_text(json.dumps(config_dict(cfg), indent=1) + "\n")
     (out / "args.json").write_text(json.dumps(vars(a), indent=1) + "\n")
     tokens = np.load(data / "train.npy").astype(np.int64)
@@ -208,17 +229,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     if any(T % b for b in sizes):
         raise SystemExit("--seq-len must be a multiple of every block size")
     windows = heldout_windows(data, T, a.eval_windows)
-    log_path = out / "log.csv"
-    new_log = not (a.resume and log_path.is_file())
-    if not new_log:   # drop rows logged after the checkpoint by a run that was killed
-        with open(log_path, newline="") as f:
-            rows = list(csv.reader(f))
-        with open(log_path, "w", newline="") as f:
-            csv.writer(f).writerows(r for r in rows if not r[0].isdigit() or int(r[0]) <= step)
-    logf = open(log_path, "w" if new_log else "a", newline="")
-    log = csv.writer(logf)
-    if new_log:
-        log.writerow(["step", "elapsed_s", "tokens_seen", "block_size", "lr", "loss", "aux", "heldout_loss"])
+    logf, log = open_log(out / "log.csv", a.resume, step,
+                         ["step", "elapsed_s", "tokens_seen", "block_size", "lr", "loss", "aux", "heldout_loss"])
     losses: list[float] = []
     t_last_ck = time.time()
     t_start = time.time() - elapsed
