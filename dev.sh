@@ -29,7 +29,7 @@ setup_python() {
         log "creating virtual environment in .venv"
         python3 -m venv "$VENV"
     fi
-    if ! "$PY" -c "import clover_cpp, clover_convert, pytest, tokenizers, jinja2" 2>/dev/null; then
+    if ! "$PY" -c "import clover_cpp, clover_convert, pytest, tokenizers, jinja2, transformers, openai, fastapi, sse_starlette, uvicorn" 2>/dev/null; then
         log "installing clover-cpp and its Python dependencies"
         "$PY" -m pip install -q --upgrade pip
         "$PY" -m pip install -q -e ".[test]"

@@ -89,6 +89,7 @@ class clover_generate_params(Structure):
         ("step_callback", clover_step_callback),
         ("block_callback", clover_block_callback),
         ("user_data", c_void_p),
+        ("reuse_prefix", c_int32),
     ]
 
 
@@ -109,6 +110,7 @@ class clover_stats(Structure):
         ("block_size", c_int32),
         ("n_block_switches", c_int32),
         ("calibration", c_int32),
+        ("n_reused", c_int32),
     ]
 
 

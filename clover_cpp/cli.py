@@ -166,6 +166,8 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
         click.option("-s", "--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
                      help="Sampling seed."),
         click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
+        click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="TEXT",
+                     help="Stop before TEXT (repeatable; matched across token boundaries)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -191,14 +193,17 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
 
 
 def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
-                top_k: int, top_p: float, seed: int, ignore_eos: bool) -> dict[str, Any]:
+                top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = ()
+                ) -> dict[str, Any]:
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
+                stop=list(reverse_prompt))
 
 
 def _stats_line(stats: Any) -> str:
     sw = f" ({stats.n_block_switches} switches)" if stats.n_block_switches else ""
-    return (f"[clover] B={stats.block_size}{sw} prompt={stats.n_prompt} tok, generated={stats.n_generated} tok, "
+    reused = f" ({stats.n_reused} reused)" if stats.n_reused else ""
+    return (f"[clover] B={stats.block_size}{sw} prompt={stats.n_prompt} tok{reused}, generated={stats.n_generated} tok, "
             f"blocks={stats.n_blocks}, decode passes={stats.n_decode_passes} "
             f"({stats.tokens_per_forward:.2f} tok/forward), forward passes={stats.n_forward}, "
             f"prefill={stats.t_prefill_ms:.1f} ms, decode={stats.t_decode_ms:.1f} ms "
@@ -420,11 +425,12 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int,
-        ignore_eos: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool,
-        visual: bool | None, echo: bool, stats: bool) -> None:
+        ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
+        verbose: bool, visual: bool | None, echo: bool, stats: bool) -> None:
     """Generate text from a prompt with block-diffusion decoding."""
     text = _read_prompt(prompt, file)
-    kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos)
+    kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
+                     reverse_prompt)
     if visual is None:
         visual = sys.stdout.isatty()
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose) as m:
@@ -447,11 +453,13 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
 @click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
-         threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool, visual: bool | None,
-         stats: bool) -> None:
+         reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool,
+         visual: bool | None, stats: bool) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
-    /reset to forget the conversation."""
-    kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos)
+    /reset to forget the conversation. Earlier turns stay in the context's memory and are
+    not read again (prefix reuse)."""
+    kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
+                     reverse_prompt)
     interactive = sys.stdin.isatty()
     if visual is None:
         visual = sys.stdout.isatty()
@@ -500,6 +508,37 @@ def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str
                                 f"({m.n_ctx}); raise -c or lower -n")
             return msgs
         del history[:2]
+
+
+# ----------------------------------------------------------------------------- serve
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@_model_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port.")
+@click.option("-np", "--parallel", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="Requests served at once (one decoding context each, one model).")
+@click.option("--queue-size", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a context; more get 503.")
+@click.option("--api-key", default=None, envvar="CLOVER_API_KEY", metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' (also $CLOVER_API_KEY).")
+@_runtime_options
+def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None,
+          threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool) -> None:
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics. Clover's knobs are extra request fields (block_size, threshold)."""
+    try:
+        from .server import serve as run_server
+    except ImportError as e:
+        raise UserError(str(e)) from None
+    if Path(model).is_dir():
+        raise UserError(f"{model}: is a folder, not a GGUF file")
+    if verbose:
+        from .model import set_verbosity
+        set_verbosity(2)
+    click.echo(f"clover serve: http://{host}:{port}/v1 ({parallel} context(s)); Ctrl-C to stop", err=True)
+    run_server(model, host=host, port=port, parallel=parallel, api_key=api_key, n_ctx=ctx_size, n_threads=threads,
+               n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning")
 
 
 # ----------------------------------------------------------------------------- inspect

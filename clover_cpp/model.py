@@ -11,16 +11,19 @@ committed, each decode block of B positions starts fully masked (except for the 
 trailing partial block) and is denoised step by step, unmasking every position whose
 confidence reaches ``threshold`` (at least one per step), then committed.
 
-Chat templates: ``jinja2`` is not a dependency. :meth:`Clover.chat` renders ChatML-style
-templates (those using ``<|im_start|>`` / ``<|im_end|>``, and models without a template) with
-a small built-in renderer; any other template is rendered with jinja2 when it happens to be
-installed, and raises :class:`CloverError` otherwise.
+Chat templates: :meth:`Clover.chat` renders the GGUF's ``tokenizer.chat_template`` with jinja2
+in a sandbox, as Hugging Face's ``apply_chat_template`` does (ChatML when the model has none).
+
+Prefix reuse: a context keeps its committed memory after a call; when the next prompt starts
+with those tokens, only the new blocks are prefilled (``stats.n_reused``), so a chat does not
+re-read its history every turn.
 """
 
 from __future__ import annotations
 
 import codecs
 import ctypes
+import functools
 import math
 import os
 import queue
@@ -108,6 +111,7 @@ class GenerationStats:
     block_size: int = 0         # B of the last block
     n_block_switches: int = 0   # B changes (block_size="auto")
     calibration: str = ""       # block_size="auto": "measured" or "cached" when this call set the cost curve
+    n_reused: int = 0           # prompt tokens kept committed from the previous call (prefix reuse)
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -117,7 +121,7 @@ class GenerationStats:
                    tokens_per_forward=s.tokens_per_forward, t_prefill_ms=s.t_prefill_ms,
                    t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size,
                    n_block_switches=s.n_block_switches,
-                   calibration={1: "measured", 2: "cached"}.get(getattr(s, "calibration", 0), ""))
+                   calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused)
 
     def format(self) -> str:
         """One line for humans."""
@@ -223,34 +227,93 @@ class GenerationStream:
 
 # ----------------------------------------------------------------------------- chat templates
 
-def _is_chatml(template: str | None) -> bool:
-    return template is None or "<|im_start|>" in template
+#: used when the GGUF has no template (the format the default model is trained on)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def render_chat(messages: Sequence[Mapping[str, str]], template: str | None = None,
-                add_generation_prompt: bool = True) -> str:
-    """Render chat messages ({"role", "content"} dicts). ChatML-like templates (and no template)
-    use the built-in renderer; others need jinja2 (not a dependency)."""
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str) -> Any:
+    """A sandboxed jinja2 template with Hugging Face's chat-template environment
+    (trim_blocks, lstrip_blocks, loop controls, raise_exception, strftime_now, tojson)."""
+    import datetime  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    import jinja2  # noqa: PLC0415
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None = None,
+                add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
+                **template_kwargs: Any) -> str:
+    """Render chat messages ({"role", "content", ...} dicts) with a jinja2 chat template (the
+    model's; ChatML when None), with Hugging Face's semantics: ``messages``,
+    ``add_generation_prompt``, ``bos_token``, ``eos_token`` and any extra keyword arguments
+    are the template's variables, so its own defaults (a default system message, say) apply."""
+    import jinja2  # noqa: PLC0415
+
     msgs = []
     for m in messages:
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise CloverError("each chat message must be a mapping with 'role' and 'content'")
-        msgs.append({"role": str(m["role"]), "content": str(m["content"])})
-    if _is_chatml(template):
-        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        if not isinstance(m["role"], str) or not isinstance(m["content"], (str, type(None))):
+            raise CloverError("a chat message's role and content must be strings")
+        msgs.append(dict(m))
     try:
-        import jinja2  # type: ignore[import-not-found]  # noqa: PLC0415
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # type: ignore[import-not-found]  # noqa: PLC0415
-    except ImportError:
-        raise CloverError("the model's chat template is not ChatML-like and jinja2 is not installed "
-                          "(pip install jinja2) - or pass a formatted prompt to generate()") from None
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    try:
-        return env.from_string(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                                bos_token="", eos_token="")
+        return _compile_template(template or CHATML_TEMPLATE).render(
+            messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+            eos_token=eos_token, **template_kwargs)
     except jinja2.TemplateError as e:
-        raise CloverError(f"chat template: {e}") from e
+        raise CloverError(f"chat template: {' '.join(str(e).split())}") from e
+
+
+class StopMatcher:
+    """Cuts streamed text at the first of some stop strings, which may span pieces: text that
+    could be the start of a stop string is held back until it is known not to be one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [x for x in stops if x]
+        self._held = ""
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        """The part of ``piece`` (after what was held back) that is final; sets ``hit`` when a
+        stop string has been seen (nothing from it on is returned, then or later)."""
+        if self.hit:
+            return ""
+        text = self._held + piece
+        cut = min((i for i in (text.find(x) for x in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self._held = True, ""
+            return text[:cut]
+        keep = 0
+        for x in self.stops:  # the longest tail of text that begins some stop string
+            for k in range(min(len(x) - 1, len(text)), keep, -1):
+                if x.startswith(text[-k:]):
+                    keep = k
+                    break
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self._held = ("" if self.hit else self._held), ""
+        return held
 
 
 # ----------------------------------------------------------------------------- the model
@@ -274,6 +337,31 @@ def _float(name: str, v: Any) -> float:
     return v
 
 
+class _ModelRef:
+    """A loaded clover_model shared by the Clover objects made with :meth:`Clover.new_context`;
+    freed when the last of them closes."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle: int | None = handle
+        self.users = 1
+        self.lock = threading.Lock()
+
+    def acquire(self) -> int:
+        with self.lock:
+            if self.handle is None:
+                raise CloverError("the model is closed")
+            self.users += 1
+            return self.handle
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0 and self.handle is not None:
+                if N._lib is not None:
+                    N._lib.clover_model_free(self.handle)
+                self.handle = None
+
+
 class Clover:
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
@@ -290,10 +378,13 @@ class Clover:
                  n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | None = None,
                  kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False) -> None:
         self._model: int | None = None
+        self._shared: _ModelRef | None = None
         self._ctx: int | None = None
         self._lock = threading.RLock()
         self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
         self.model_path = Path(model_path)
+        self._ctx_args = dict(n_ctx=n_ctx, n_threads=n_threads, block_size=block_size, flash_attn=flash_attn,
+                              kv_f32=kv_f32)
         n_ctx = _int("n_ctx", n_ctx, 1)
         if n_threads is not None:
             n_threads = _int("n_threads", n_threads, 1)
@@ -319,6 +410,13 @@ class Clover:
         if not m:
             _check(N.CLOVER_ERR_LOAD, err)
         self._model = m
+        self._shared = _ModelRef(m)
+        self._make_context(n_ctx, n_threads, block_size, flash_attn, kv_f32)
+
+    def _make_context(self, n_ctx: int, n_threads: int | None, block_size: int | None, flash_attn: bool | None,
+                      kv_f32: bool) -> None:
+        L, m = _lib(), self._model
+        err, n = N.err_buffer()
         cp = L.clover_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_threads = n_threads if n_threads is not None else 0
@@ -330,11 +428,41 @@ class Clover:
             cp.kv_f32 = 1
         c = L.clover_context_new(m, ctypes.byref(cp), err, n)
         if not c:
-            L.clover_model_free(m)
             self._model = None
+            assert self._shared is not None
+            self._shared.release()
             _check(N.CLOVER_ERR_LOAD, err)
         self._ctx = c
         self._eot_cache: list[int] | None = None
+        self._last_chat: tuple[str | None, list[int], list[int], str] | None = None
+
+    def new_context(self, **overrides: Any) -> "Clover":
+        """Another Clover over the same loaded model, with its own context (memory, block
+        size, cost curve), e.g. one per concurrent request. Keyword arguments override this
+        object's n_ctx, n_threads, block_size, flash_attn, kv_f32. The model is freed when
+        the last of the objects sharing it closes. Distinct contexts may run in parallel."""
+        unknown = set(overrides) - set(self._ctx_args)
+        if unknown:
+            raise CloverError(f"new_context: unknown argument(s) {sorted(unknown)}")
+        args = {**self._ctx_args, **overrides}
+        with self._lock:
+            self._m()
+            assert self._shared is not None
+            other = object.__new__(Clover)
+            other._model = self._shared.acquire()
+            other._shared = self._shared
+            other._ctx = None
+            other._lock = threading.RLock()
+            other._streams = weakref.WeakSet()
+            other.model_path = self.model_path
+            other._ctx_args = args
+        n_ctx = _int("n_ctx", args["n_ctx"], 1)
+        n_threads = None if args["n_threads"] is None else _int("n_threads", args["n_threads"], 1)
+        bs = args["block_size"]
+        bs = None if bs in (None, "auto") else _int("block_size", bs, 1, n_ctx)
+        other._default_block_size = bs if bs is not None else "auto"
+        other._make_context(n_ctx, n_threads, bs, args["flash_attn"], bool(args["kv_f32"]))
+        return other
 
     # -- lifetime
     def close(self) -> None:
@@ -348,9 +476,9 @@ class Clover:
                     L.clover_context_free(self._ctx)
                 self._ctx = None
             if self._model:
-                if L is not None:
-                    L.clover_model_free(self._model)
                 self._model = None
+                if self._shared is not None:
+                    self._shared.release()
 
     @property
     def closed(self) -> bool:
@@ -613,7 +741,8 @@ class Clover:
                  threshold: float = 0.9, max_steps: int = 0, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
-                 stop_tokens: Sequence[int] = ()) -> Any:
+                 stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
+                 _chat_text: str | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -627,6 +756,11 @@ class Clover:
         the block's B tokens (masked ones = the mask token); returning True cancels.
         on_block(text, tokens): called with each committed block's text; True cancels.
         stop_tokens: extra token ids that end the output like EOS (the output stops before them).
+        stop: strings that end the output (matched across token boundaries; the text stops
+        before the first one, ``finish_reason`` "stop"; ``tokens`` then run to the token that
+        completed it).
+        reuse_prefix: keep the committed memory when the prompt starts with it (see the module
+        doc; with a fixed block size the result is the same either way).
         A cancelled generation returns what the finished blocks produced (finish_reason
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 
@@ -637,7 +771,12 @@ class Clover:
             block_size = self._default_block_size
         kw = self._gen_params(max_tokens, block_size, threshold, max_steps, temperature, top_k, top_p, seed)
         toks = self._prompt_tokens(prompt)
-        stops = [int(t) for t in stop_tokens]
+        stops = self._tokens(stop_tokens)
+        if isinstance(stop, str):
+            stop = [stop]
+        if not all(isinstance(x, str) for x in stop):
+            raise CloverError("stop must be a string or a list of strings")
+        kw.update(stop_strings=list(stop), reuse_prefix=bool(reuse_prefix), chat_text=_chat_text)
         if not stream:
             return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, None)
 
@@ -679,6 +818,8 @@ class Clover:
         L = _lib()
         state: dict[str, Any] = {"exc": None, "stopped": False, "base": 0, "block": []}
         dec = codecs.getincrementaldecoder("utf-8")("replace")
+        matcher = StopMatcher(kw.get("stop_strings", ()))
+        follow = push is not None or bool(matcher.stops)  # track the canvas's final prefix every step
         pieces: list[str] = []
         got: list[int] = []        # final output tokens so far (what the pieces spell)
         stopset = set(stops)
@@ -705,6 +846,9 @@ class Clover:
                 piece = ""
             if stop or (final and state["stopped"]):
                 piece += dec.decode(b"", final=True)
+            if matcher.stops:
+                piece = matcher.feed(piece)
+                stop = stop or matcher.hit
             if piece:
                 pieces.append(piece)
                 state["block"].append(piece)
@@ -718,7 +862,7 @@ class Clover:
                     return 1
                 if on_step is not None and on_step(list(canvas[:bsz]), int(n_masked), int(block_start)):
                     return 1
-                if push is not None:
+                if follow:
                     first = max(0, n_prompt - block_start)
                     room = budget - state["base"]
                     prefix: list[int] = []
@@ -768,6 +912,7 @@ class Clover:
             gp.stop_at_eos = 1 if stop_at_eos else 0
             gp.step_callback = c_step
             gp.block_callback = c_block
+            gp.reuse_prefix = 1 if kw.get("reuse_prefix", True) else 0
             cap = max(kw["max_tokens"], 1)
             out = (ctypes.c_int32 * cap)()
             n_out = ctypes.c_int32(0)
@@ -792,22 +937,53 @@ class Clover:
             if stats.t_decode_ms > 0:
                 stats.tokens_per_second = len(tokens) / (stats.t_decode_ms / 1000.0)
         tail = dec.decode(b"", final=True)
+        if matcher.stops:
+            tail = matcher.feed(tail) + matcher.flush()
+            if matcher.hit:
+                tokens, state["stopped"] = got, True
+                stats.finish_reason = "stop"
+                stats.n_generated = len(tokens)
         if tail:
             pieces.append(tail)
             if push is not None:
                 push(tail, [])
             if on_block is not None:
                 on_block(tail, [])
-        text = "".join(pieces) if tokens == got else self.detokenize(tokens)
+        text = "".join(pieces) if (tokens == got or matcher.stops) else self.detokenize(tokens)
+        self._last_chat = (kw.get("chat_text"), toks, tokens, text)
         return GenerationResult(text=text, tokens=tokens, stats=stats)
 
     def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
         """Format messages with the model's chat template (see the module doc) and generate the
         assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
-        of :meth:`generate` (stream=True works)."""
+        of :meth:`generate` (stream=True works). The conversation's earlier turns are not
+        re-read when the context still holds them (prefix reuse)."""
         prompt = self.format_chat(messages)
         stops = list(gen_kwargs.pop("stop_tokens", ())) + self._stop_tokens()
-        return self.generate(prompt, stop_tokens=stops, **gen_kwargs)
+        return self.generate(self.chat_tokens(prompt), stop_tokens=stops, _chat_text=prompt, **gen_kwargs)
 
-    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        return render_chat(messages, self.chat_template, add_generation_prompt)
+    def chat_tokens(self, prompt: str) -> list[int]:
+        """The tokens of a rendered chat prompt. When it continues the last chat exchange (that
+        prompt, then the reply as generated), they are that exchange's tokens followed by the
+        new text's: the model reads its own reply's tokens again (as llama.cpp's conversation
+        mode does) rather than a re-tokenization that may differ, so the memory is reused."""
+        last = getattr(self, "_last_chat", None)
+        if last is not None and last[0] is not None:
+            before = last[0] + last[3]
+            if prompt.startswith(before) and self.detokenize(last[2]) == last[3]:
+                return list(last[1]) + list(last[2]) + self.tokenize(prompt[len(before):], add_special=False)
+        return self.tokenize(prompt, add_special=True, parse_special=True)
+
+    def _special_text(self, key: str) -> str:
+        tid = self.metadata(key)
+        try:
+            return self.token_to_piece(int(tid), special=True).decode("utf-8", "replace") if tid else ""
+        except (CloverError, ValueError):
+            return ""
+
+    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The prompt text of messages under the model's chat template (see :func:`render_chat`)."""
+        return render_chat(messages, self.chat_template, add_generation_prompt,
+                           bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
+                           eos_token=self._special_text("tokenizer.ggml.eos_token_id"), **template_kwargs)

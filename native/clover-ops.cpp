@@ -45,6 +45,10 @@ int main(int argc, char ** argv) {
     cp.n_ctx = 256; cp.n_batch = 64; cp.n_ubatch = block; cp.n_seq_max = 2; cp.kv_unified = true;
     cp.cb_eval = collect; cp.cb_eval_user_data = &ops;
     llama_context * ctx = llama_init_from_model(model, cp);
+    if (ctx) { // clover graphs decode block-causally (a plain llama_decode is refused)
+        llama_set_causal_attn(ctx, true);
+        llama_set_block_causal(ctx, block);
+    }
     std::vector<llama_token> toks(block, 1);
     bool ok = ctx && decode(ctx, toks, 0, 0, false);            // commit
     llama_memory_seq_cp(llama_get_memory(ctx), 0, 1, -1, -1);

@@ -166,6 +166,7 @@ struct clover_context {
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
+    std::vector<int32_t> mem_tokens; // the committed tokens (n_committed of them): prefix reuse
     llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)
     // block_size = auto: the cost of a block pass per candidate B (ms; measured by
     // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
@@ -377,6 +378,7 @@ void free_lctx(clover_context * c) {
         c->lctx = nullptr;
     }
     c->n_committed = 0;
+    c->mem_tokens.clear();
 }
 
 // The ubatch size for block size B: whole blocks, at least two (a commit fused with the next
@@ -429,6 +431,7 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
     c->B        = B;
     c->U        = U;
     c->n_committed = 0;
+    c->mem_tokens.clear();
     c->mem_seq     = 0;
     return CLOVER_OK;
 }
@@ -517,6 +520,7 @@ constexpr llama_seq_id SCRATCH_SEQ = 2;
 void clear_memory(clover_context * c) {
     llama_memory_clear(llama_get_memory(c->lctx), true);
     c->n_committed = 0;
+    c->mem_tokens.clear();
     c->mem_seq     = 0;
 }
 
@@ -568,6 +572,7 @@ int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const in
     llama_memory_seq_cp(mem, other, cur, -1, -1);
     llama_memory_seq_rm(mem, other, -1, -1);
     c->n_committed += B;
+    c->mem_tokens.insert(c->mem_tokens.end(), final_tokens, final_tokens + B);
     return read_rows(c, B, B, want, rows, "commit + block pass", msg);
 }
 
@@ -592,6 +597,7 @@ int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::stri
         return decode_status(rc, "commit", msg);
     }
     c->n_committed += n;
+    c->mem_tokens.insert(c->mem_tokens.end(), tokens, tokens + n);
     return CLOVER_OK;
 }
 
@@ -644,6 +650,7 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
         return CLOVER_OK;
     }
     const int32_t        nc = c->n_committed;
+    std::vector<int32_t> toks = c->mem_tokens;
     std::vector<uint8_t> state;
     if (nc > 0) {
         state.resize(llama_state_seq_get_size(c->lctx, c->mem_seq));
@@ -661,6 +668,7 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
         return CLOVER_ERR_INTERNAL;
     }
     c->n_committed = nc;
+    c->mem_tokens  = std::move(toks);
     return CLOVER_OK;
 }
 
@@ -1431,6 +1439,7 @@ clover_generate_params clover_generate_default_params(void) {
     p.step_callback  = nullptr;
     p.block_callback = nullptr;
     p.user_data      = nullptr;
+    p.reuse_prefix   = 1;
     return p;
 }
 
@@ -1532,6 +1541,12 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         // ---- setup
         int rc = CLOVER_OK;
         ctx->last_calibration = 0;
+        // prefix reuse: when the prompt starts with the committed tokens, they stay committed
+        // (block aligned for this call's B) and only the prompt's new blocks are prefilled
+        const int32_t nc     = ctx->n_committed;
+        const bool    prefix = gp.reuse_prefix && ctx->lctx && nc > 0 && nc <= n_prompt &&
+                            (int32_t) ctx->mem_tokens.size() == nc &&
+                            std::equal(ctx->mem_tokens.begin(), ctx->mem_tokens.end(), prompt);
         if (auto_B) {
             if (ctx->auto_sizes.empty()) {
                 rc = calibrate_cached(ctx, msg);
@@ -1539,13 +1554,24 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                     return set_err(err, err_len, rc, "block-size calibration: " + msg);
                 }
             }
-            B = auto_pick(ctx, 0, n_prompt + gp.max_tokens);
+            const int32_t keep = prefix ? auto_pick(ctx, nc, n_prompt - nc + gp.max_tokens) : 0;
+            B = keep > 0 ? keep : auto_pick(ctx, 0, n_prompt + gp.max_tokens);
         }
-        rc = set_block_size_impl(ctx, B, msg);
+        const int32_t reuse = prefix && nc % B == 0 && nc <= n_prompt / B * B ? nc : 0;
+        if (reuse > 0) {
+            rc = switch_block_size_keep(ctx, B, msg);
+        } else {
+            rc = set_block_size_impl(ctx, B, msg);
+            if (rc == CLOVER_OK) {
+                clear_memory(ctx);
+            }
+        }
         if (rc != CLOVER_OK) {
             return set_err(err, err_len, rc, msg);
         }
-        clover_reset(ctx);
+        if (stats) {
+            stats->n_reused = reuse;
+        }
 
         const int32_t  V    = m->n_vocab;
         const int32_t  mask = m->mask;
@@ -1587,6 +1613,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         };
         auto fail = [&](int code, const std::string & what) {
             finish = CLOVER_FINISH_NONE;
+            clear_memory(ctx); // a failed step may leave the memory half written: never reuse it
             finish_stats();
             return set_err(err, err_len, code, what);
         };
@@ -1594,7 +1621,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         // ---- prefill: commit the prompt's complete blocks
         int32_t nb = 0;
         const int32_t n_full = n_prompt / B * B;
-        rc = prefill_impl(ctx, prompt, n_full, nb, n_calls, msg);
+        rc = prefill_impl(ctx, prompt + reuse, n_full - reuse, nb, n_calls, msg);
         n_commits += nb;
         t_prefill = ms_since(t_start);
         if (rc != CLOVER_OK) {

@@ -217,6 +217,9 @@ typedef struct clover_generate_params {
     clover_step_callback  step_callback;  /* may be NULL */
     clover_block_callback block_callback; /* may be NULL */
     void *   user_data;
+    int32_t  reuse_prefix; /* 1 (default): when the prompt starts with the context's committed
+                              tokens (block aligned for this call's B), keep them and prefill only
+                              the rest (stats.n_reused); 0 = always start from an empty memory */
 } clover_generate_params;
 
 CLOVER_API clover_generate_params clover_generate_default_params(void);
@@ -237,6 +240,7 @@ typedef struct clover_stats {
     int32_t block_size;         /* B of the last block */
     int32_t n_block_switches;   /* B changes during the generation (block_size = auto) */
     int32_t calibration;        /* this call's cost curve: 0 = already set, 1 = measured, 2 = disk cache */
+    int32_t n_reused;           /* prompt tokens kept from the previous call's memory (reuse_prefix) */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 0 tokens).
@@ -250,8 +254,14 @@ typedef struct clover_stats {
  * at each block boundary, only to a B that divides the committed length (blocks stay aligned)
  * and only for a gain of at least 10%; a switch keeps the memory (seq state saved, context
  * rebuilt, state restored; usually only the mask's block size changes). The running figures
- * live in the context across calls. The memory is cleared
- * first; afterwards it holds every committed block. Writes at most max_tokens tokens into
+ * live in the context across calls.
+ *
+ * Memory: the memory is cleared first, unless reuse_prefix is set, the prompt starts with
+ * every committed token, and the committed length is a whole number of this call's blocks
+ * (under auto, a B for which it is); then only the prompt's remaining complete blocks are
+ * prefilled. With a fixed B the result equals that of a cleared memory (the same blocks).
+ * Afterwards the memory holds every committed block (the prompt's complete blocks and each
+ * finished decode block but the last); it is cleared after an error. Writes at most max_tokens tokens into
  * out (out_cap must be >= max_tokens), *n_out = their count; stats and n_out may be NULL.
  *
  * Cancellation: when a callback returns nonzero, generation stops and the function returns

@@ -198,20 +198,6 @@ def test_chat(model) -> None:
     assert streamed == r.text
 
 
-def test_render_chat_without_jinja() -> None:
-    from clover_cpp import CloverError, render_chat
-
-    assert render_chat([{"role": "user", "content": "a"}], None, add_generation_prompt=False) == \
-        "<|im_start|>user\na<|im_end|>\n"
-    with pytest.raises(CloverError):
-        render_chat([{"content": "no role"}])
-    try:
-        import jinja2  # noqa: F401
-    except ImportError:
-        with pytest.raises(CloverError, match="jinja2"):
-            render_chat([{"role": "user", "content": "a"}], "{{ messages[0].content }}[INST]")
-
-
 @pytest.mark.parametrize("text", ["hello world", "def fibonacci(n):\n    return n", "  spaces  and\ttabs",
                                   "ünïcödé ✓", "<|im_start|>user\nhi<|im_end|>"])
 def test_tokenize_round_trip(model, text: str) -> None:

@@ -1,0 +1,268 @@
+"""`clover serve` with real clients: the official openai package and plain HTTP (httpx), on the
+tiny preset. Each server is a `clover serve` subprocess on a free port."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.needs_libclover
+
+openai = pytest.importorskip("openai", reason="the test extra installs openai")
+httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
+
+GREEDY = {"temperature": 0, "extra_body": {"block_size": 4}}
+
+
+class Server:
+    def __init__(self, gguf: Path, *args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from clover_cpp.cli import main; main()", "serve", "-m", str(gguf),
+             "--port", str(self.port), "-c", "1024", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"clover serve exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("clover serve did not come up")
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        return {k: float(v) for k, v in (line.split() for line in text.splitlines())}
+
+    def client(self, **kw):
+        kw.setdefault("timeout", 60)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def gguf(tiny_artifacts) -> Path:
+    return tiny_artifacts["f32"]
+
+
+@pytest.fixture(scope="module")
+def server(gguf):
+    s = Server(gguf, "--parallel", "2", "-t", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local(gguf):
+    from clover_cpp import Clover
+
+    with Clover(gguf, n_ctx=1024, n_threads=1) as m:
+        yield m
+
+
+MSGS = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "def add(a, b):"}]
+
+
+def test_chat_matches_clover_chat(server, local) -> None:
+    c = server.client()
+    r = c.chat.completions.create(model="x", messages=MSGS, max_tokens=16, **GREEDY)
+    want = local.chat(MSGS, max_tokens=16, block_size=4, reuse_prefix=False)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("length" if want.finish_reason == "max_tokens" else "stop")
+    n_prompt = len(local.tokenize(local.format_chat(MSGS), add_special=True))
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.usage.total_tokens == n_prompt + len(want.tokens)
+    # streaming gives the same text, in more than one piece
+    chunks = list(c.chat.completions.create(model="x", messages=MSGS, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want.text
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) > 1
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(want.tokens)
+
+
+def test_completions_match_generate(server, local) -> None:
+    c = server.client()
+    prompt = "def fibonacci(n):\n"
+    want = local.generate(prompt, max_tokens=24, block_size=4, stop_at_eos=False)
+    r = c.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0,
+                             extra_body={"block_size": 4, "ignore_eos": True})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="x", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        extra_body={"block_size": 4, "ignore_eos": True}))
+    assert streamed == want.text
+    # token ids as the prompt, and the models list
+    ids = local.tokenize(prompt, add_special=True)
+    assert c.completions.create(model="x", prompt=ids, max_tokens=24, temperature=0,
+                                extra_body={"block_size": 4, "ignore_eos": True}).choices[0].text == want.text
+    assert [m.id for m in c.models.list().data] == [local.metadata("general.name") or Path(local.model_path).stem]
+
+
+def test_stop_strings_and_seeds(server, local) -> None:
+    c = server.client()
+    prompt = "class Point:\n"
+    full = local.generate(prompt, max_tokens=32, block_size=4, stop_at_eos=False).text
+    stop = full[7:10]
+    r = c.completions.create(model="x", prompt=prompt, max_tokens=32, temperature=0, stop=[stop],
+                             extra_body={"block_size": 4, "ignore_eos": True})
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="x", prompt=prompt, max_tokens=32, temperature=0, stop=stop, stream=True,
+        extra_body={"block_size": 4, "ignore_eos": True}))
+    assert streamed == full[:full.index(stop)]
+
+    def sample(seed: int) -> str:
+        return c.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=1.0, seed=seed,
+                                    extra_body={"block_size": 4, "ignore_eos": True}).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(7), sample(8), sample(9)}) > 1
+
+
+def _post(server, path: str, body, headers=None) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=30,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    ({"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "block_size": 0}, "block_size"),
+    ({"prompt": "x", "block_size": "big"}, "block_size"),
+    ({"prompt": "x", "threshold": 2}, "threshold"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": [99999]}, "prompt"),
+    ({"prompt": "hello " * 1100}, None),  # longer than the context
+    ({}, "prompt"),
+])
+def test_errors_are_openai_shaped(server, body, param) -> None:
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_chat_errors(server) -> None:
+    assert _post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
+    assert _post(server, "/v1/chat/completions", {"messages": [{"content": "no role"}]}).status_code == 400
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+def test_disconnect_cancels_and_server_goes_on(server) -> None:
+    before = server.metrics()
+    body = {"prompt": "hello", "max_tokens": 900, "stream": True, "block_size": 1, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data:")
+            if got >= 3:
+                break
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        after = server.metrics()
+        if after["clover_cancelled_total"] > before["clover_cancelled_total"] and after["clover_contexts_busy"] == 0:
+            break
+        time.sleep(0.05)
+    assert after["clover_cancelled_total"] == before["clover_cancelled_total"] + 1
+    assert after["clover_completion_tokens_total"] - before["clover_completion_tokens_total"] < 900
+    r = server.client().completions.create(model="x", prompt="hi", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens > 0
+
+
+def test_concurrent_clients_parallel_2(server) -> None:
+    c = server.client(timeout=120)
+    prompts = [f"def f{i}(x):\n" for i in range(20)]
+
+    def one(p: str) -> str:
+        return c.completions.create(model="x", prompt=p, max_tokens=32, temperature=0,
+                                    extra_body={"block_size": 4, "ignore_eos": True}).choices[0].text
+    serial = [one(p) for p in prompts[:2]]  # warm both contexts' buffers
+    serial += [one(p) for p in prompts[2:]]
+    rss0 = server.rss_kb()
+    out: list[str | None] = [None] * len(prompts)
+
+    def worker(i: int) -> None:
+        out[i] = one(prompts[i])
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == serial
+    assert server.rss_kb() <= 1.10 * rss0
+
+
+def test_api_key_and_queue_full(gguf) -> None:
+    s = Server(gguf, "--api-key", "sekret", "--parallel", "1", "--queue-size", "0", "-t", "1")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+        r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong").completions.create(model="x", prompt="x", max_tokens=2)
+        ok = s.client(api_key="sekret").completions.create(model="x", prompt="x", max_tokens=2)
+        assert ok.usage.completion_tokens >= 0
+        # one context, no queue: a second request while the first streams gets 503
+        # (threshold 1.0 with B = 512: a 512-token pass per token, seconds of work)
+        body = {"prompt": "hello", "max_tokens": 1000, "stream": True, "block_size": 512, "threshold": 1.0,
+                "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30,
+                          headers={"authorization": "Bearer sekret"}) as first:
+            next(first.iter_lines())
+            r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"authorization": "Bearer sekret"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+    finally:
+        s.stop()
+
+
+def test_llama_cpp_python_refuses_a_clover_gguf(gguf) -> None:
+    """llama_cpp.Llama on our libllama: a clear refusal naming the tools, never garbage."""
+    pytest.importorskip("llama_cpp", reason="dev.sh installs llama-cpp-python's Python layer")
+    from clover_cpp import _native
+
+    libdir = _native.find_library().parent
+    code = ("import sys\nfrom llama_cpp import Llama\nllm = Llama(model_path=sys.argv[1], n_ctx=64)\n"
+            "try:\n    print('OUTPUT', llm.create_completion('hello', max_tokens=4))\n"
+            "except Exception as e:\n    print('REFUSED', e)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "LLAMA_CPP_LIB_PATH": str(libdir)})
+    assert "REFUSED" in p.stdout and "OUTPUT" not in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "clover_cpp.Clover" in p.stderr and "clover serve" in p.stderr
