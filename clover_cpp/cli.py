@@ -102,6 +102,7 @@ def cli() -> None:
     clover quantize IN OUT Q4_K_M     quantize a GGUF
     clover run -m MODEL -p PROMPT     block-diffusion generation (live view on a terminal)
     clover chat -m MODEL              interactive chat
+    clover serve -m MODEL             OpenAI-compatible HTTP server
     clover inspect MODEL              what is in a GGUF
     clover bench -m MODEL             tokens/s and tokens per forward vs block size
     """
@@ -310,8 +311,9 @@ def _generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any 
     if visual:
         # tokenize here so that the view knows which canvas positions hold the prompt
         if chat_messages is not None:
-            toks = m.tokenize(m.format_chat(chat_messages), add_special=True, parse_special=True)
-            kw = dict(kw, stop_tokens=list(kw.get("stop_tokens", ())) + m._stop_tokens())
+            text = m.format_chat(chat_messages)
+            toks = m.chat_tokens(text)  # the earlier turns' tokens, so the memory is reused
+            kw = dict(kw, stop_tokens=list(kw.get("stop_tokens", ())) + m._stop_tokens(), _chat_text=text)
         else:
             toks = m.tokenize(prompt, add_special=True, parse_special=True)
         view = LiveView(m, color=True, n_prompt=len(toks))
