@@ -116,7 +116,7 @@ def _model_option(f: Any) -> Any:
 
 def _runtime_options(f: Any) -> Any:
     opts = [
-        click.option("-t", "--threads", "threads", type=click.IntRange(min=1), default=None,
+        click.option("-t", "--threads", "threads", type=click.IntRange(1, 512), default=None,
                      help="CPU threads (default: from the hardware)."),
         click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=1), default=4096, show_default=True,
                      help="Context size (prompt + generation) in tokens."),
@@ -487,7 +487,12 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
             if not line.strip():
                 continue
             history.append({"role": "user", "content": line})
-            msgs = _fit_history(m, base, history, kw["max_tokens"])
+            try:
+                msgs = _fit_history(m, base, history, kw["max_tokens"])
+            except UserError as e:  # this message does not fit: say so, keep the session and its history
+                history.pop()
+                click.echo(f"error: {e.format_message()}", err=True)
+                continue
             r = _generate_to_terminal(m, None, visual, chat_messages=msgs, **kw)
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -654,7 +659,12 @@ def default_cache_dir() -> Path:
 def bundled_model_dir() -> Path | None:
     """The trained default checkpoint shipped in the repository (models/clover-default/), if any."""
     env = os.environ.get("CLOVER_DEMO_MODEL")
-    cands = [Path(env)] if env else []
+    if env:  # an explicit choice must not silently fall back to another model
+        d = Path(env)
+        if (d.is_file() and d.suffix == ".gguf") or (d / "config.json").is_file():
+            return d
+        raise UserError(f"CLOVER_DEMO_MODEL={env}: not a .gguf file or a checkpoint folder with config.json")
+    cands: list[Path] = []
     cands += [_lib.repo_root() / "models" / "clover-default", Path(__file__).resolve().parent / "models" / "clover-default"]
     for d in cands:
         if d.is_file() and d.suffix == ".gguf":

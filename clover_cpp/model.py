@@ -21,6 +21,7 @@ re-read its history every turn.
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import ctypes
 import functools
@@ -160,14 +161,19 @@ class GenerationStream:
             self._q.put(("piece", piece))
             return self._cancel.is_set()
 
+        self._finished = threading.Event()
+
         def worker() -> None:
             try:
                 res = run(on_piece, self._cancel)
                 self._q.put(("done", res))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 self._q.put(("error", e))
+            finally:
+                self._finished.set()
 
         self._thread = threading.Thread(target=worker, name="clover-generate", daemon=True)
+        _LIVE_STREAMS.add(self)
         self._thread.start()
 
     def __iter__(self) -> "GenerationStream":
@@ -184,7 +190,6 @@ class GenerationStream:
                     return val
                 continue
             self._done = True
-            self._thread.join()
             if kind == "error":
                 raise val
             self.result = val
@@ -193,8 +198,9 @@ class GenerationStream:
     def close(self) -> None:
         """Cancel (if still running) and wait for the worker thread."""
         self._cancel.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._thread is not threading.current_thread():
+            while not self._finished.wait(0.25):  # (an Event: see _interruptible)
+                pass
         if not self._done:
             self._done = True
             while True:
@@ -318,6 +324,10 @@ class StopMatcher:
 
 # ----------------------------------------------------------------------------- the model
 
+INT32_MAX = 2**31 - 1  # libclover's counts are int32: larger values must not wrap through ctypes
+MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
+
+
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise CloverError(f"{name} must be an integer, got {v!r}")
@@ -335,6 +345,45 @@ def _float(name: str, v: Any) -> float:
     if math.isnan(v):
         raise CloverError(f"{name} must not be NaN")
     return v
+
+
+_LIVE_STREAMS: "weakref.WeakSet[GenerationStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _join_streams_at_exit() -> None:
+    # a worker thread still inside libclover when the interpreter finalizes would be torn down
+    # mid-C++ (abort: "exception not rethrown"): cancel and join every live stream first
+    for st in list(_LIVE_STREAMS):
+        st.close()
+
+
+def _interruptible(fn: Callable[[], Any], cancel: threading.Event) -> Any:
+    """fn() in a worker thread; KeyboardInterrupt (or any exception) in the caller sets cancel,
+    waits for the worker and propagates."""
+    box: dict[str, Any] = {}
+    done = threading.Event()  # (not Thread.join: a join cut short by Ctrl-C can wrongly report the end)
+
+    def work() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="clover-generate", daemon=True).start()
+    try:
+        while not done.wait(0.25):
+            pass
+    except BaseException:
+        cancel.set()
+        while not done.wait(0.25):
+            pass
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class _ModelRef:
@@ -385,10 +434,10 @@ class Clover:
         self.model_path = Path(model_path)
         self._ctx_args = dict(n_ctx=n_ctx, n_threads=n_threads, block_size=block_size, flash_attn=flash_attn,
                               kv_f32=kv_f32)
-        n_ctx = _int("n_ctx", n_ctx, 1)
+        n_ctx = _int("n_ctx", n_ctx, 1, INT32_MAX)
         if n_threads is not None:
-            n_threads = _int("n_threads", n_threads, 1)
-        n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1)
+            n_threads = _int("n_threads", n_threads, 1, MAX_THREADS)
+        n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, INT32_MAX)
         if isinstance(block_size, str) and block_size == "auto":
             block_size = None
         if block_size is not None:
@@ -456,8 +505,8 @@ class Clover:
             other._streams = weakref.WeakSet()
             other.model_path = self.model_path
             other._ctx_args = args
-        n_ctx = _int("n_ctx", args["n_ctx"], 1)
-        n_threads = None if args["n_threads"] is None else _int("n_threads", args["n_threads"], 1)
+        n_ctx = _int("n_ctx", args["n_ctx"], 1, INT32_MAX)
+        n_threads = None if args["n_threads"] is None else _int("n_threads", args["n_threads"], 1, MAX_THREADS)
         bs = args["block_size"]
         bs = None if bs in (None, "auto") else _int("block_size", bs, 1, n_ctx)
         other._default_block_size = bs if bs is not None else "auto"
@@ -467,8 +516,8 @@ class Clover:
     # -- lifetime
     def close(self) -> None:
         """Free the context and the model. Safe to call more than once."""
-        for s in list(self._streams):
-            s.close()
+        self._not_in_callback()
+        self._cancel_streams()
         with self._lock:
             L = N._lib
             if self._ctx:
@@ -507,8 +556,23 @@ class Clover:
 
     def _c(self) -> int:
         self._m()
+        self._not_in_callback()
         assert self._ctx is not None
         return self._ctx
+
+    def _not_in_callback(self) -> None:
+        # a callback runs inside the native decode loop: touching the context from there
+        # (close, reset, block_size, another generate) would pull it out from under the loop
+        if getattr(self, "_owner", None) == threading.get_ident():
+            raise CloverError("this Clover object cannot be used from inside one of its own callbacks "
+                              "(on_step/on_block); return True from the callback to stop instead")
+
+    def _cancel_streams(self) -> None:
+        """Cancel and join the streams of this object that were left unfinished."""
+        me = threading.current_thread()
+        for st in list(self._streams):
+            if st._thread is not me:
+                st.close()
 
     # -- properties
     @property
@@ -546,7 +610,7 @@ class Clover:
 
     @block_size.setter
     def block_size(self, value: int) -> None:
-        value = _int("block_size", value, 1)
+        value = _int("block_size", value, 1, self.n_ctx)
         with self._lock:
             err, n = N.err_buffer()
             _check(_lib().clover_set_block_size(self._c(), value, err, n), err)
@@ -581,7 +645,7 @@ class Clover:
 
     def set_n_threads(self, n_threads: int) -> None:
         with self._lock:
-            _check(_lib().clover_set_n_threads(self._c(), _int("n_threads", n_threads)), None)
+            _check(_lib().clover_set_n_threads(self._c(), _int("n_threads", n_threads, 1, MAX_THREADS)), None)
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None if absent."""
@@ -605,7 +669,15 @@ class Clover:
     def tokenize(self, text: str | bytes, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of text. add_special: BOS/EOS as the model asks; parse_special: recognise
         special-token text such as ``<|im_start|>``."""
-        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        if isinstance(text, str):
+            try:
+                data = text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise CloverError(f"text is not valid Unicode: {e.reason} at index {e.start}") from None
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            data = bytes(text)
+        else:
+            raise CloverError(f"expected text (str or bytes), got {type(text).__name__}")
         L, m = _lib(), self._m()
         cap = len(data) + 16
         for _ in range(2):
@@ -777,8 +849,16 @@ class Clover:
         if not all(isinstance(x, str) for x in stop):
             raise CloverError("stop must be a string or a list of strings")
         kw.update(stop_strings=list(stop), reuse_prefix=bool(reuse_prefix), chat_text=_chat_text)
+        self._not_in_callback()
+        self._cancel_streams()  # a stream left unfinished must not keep decoding (or hold the lock)
         if not stream:
-            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, None)
+            if threading.current_thread() is not threading.main_thread():
+                return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, None)
+            # on the main thread the decode runs in a worker, so that Ctrl-C reaches Python at
+            # once: it cancels the decode (at the next step) and is raised here
+            cancel = threading.Event()
+            return _interruptible(
+                lambda: self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, cancel), cancel)
 
         def run(push: Callable[[str, list[int]], bool], cancel: threading.Event) -> GenerationResult:
             return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, push, cancel)
@@ -789,14 +869,14 @@ class Clover:
 
     def _gen_params(self, max_tokens: Any, block_size: Any, threshold: Any, max_steps: Any, temperature: Any,
                     top_k: Any, top_p: Any, seed: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(max_tokens=_int("max_tokens", max_tokens, 0),
-                                  max_steps=_int("max_steps", max_steps, 0),
-                                  top_k=_int("top_k", top_k, 0),
+        kw: dict[str, Any] = dict(max_tokens=_int("max_tokens", max_tokens, 0, INT32_MAX),
+                                  max_steps=_int("max_steps", max_steps, 0, INT32_MAX),
+                                  top_k=_int("top_k", top_k, 0, INT32_MAX),
                                   seed=_int("seed", seed, 0, 2**64 - 1))
         if isinstance(block_size, str) and block_size == "auto":
             kw["block_size"] = N.CLOVER_BLOCK_SIZE_AUTO
         elif block_size is not None:
-            kw["block_size"] = _int("block_size", block_size, 1)
+            kw["block_size"] = _int("block_size", block_size, 1, INT32_MAX)
         th = _float("threshold", threshold)
         if not 0.0 <= th <= 1.0:
             raise CloverError(f"threshold must be in [0, 1], got {th}")
@@ -896,6 +976,9 @@ class Clover:
                 state["exc"] = e
                 return 1
 
+        if n_prompt + budget > self.n_ctx:  # before allocating an output buffer of max_tokens
+            raise CloverError(f"prompt ({n_prompt} tokens) + max_tokens ({budget}) exceeds n_ctx={self.n_ctx}",
+                              N.CLOVER_ERR_CONTEXT_FULL)
         c_step = N.clover_step_callback(step_cb)
         c_block = N.clover_block_callback(block_cb)
         with self._lock:
@@ -919,8 +1002,12 @@ class Clover:
             st = N.clover_stats()
             err, n = N.err_buffer()
             arr = N.as_int32_array(toks)
-            rc = L.clover_generate(c, arr, len(toks), ctypes.byref(gp), out, cap, ctypes.byref(n_out),
-                                   ctypes.byref(st), err, n)
+            self._owner = threading.get_ident()
+            try:
+                rc = L.clover_generate(c, arr, len(toks), ctypes.byref(gp), out, cap, ctypes.byref(n_out),
+                                       ctypes.byref(st), err, n)
+            finally:
+                self._owner = None
             B = int(st.block_size) or int(L.clover_block_size(c))
         if state["exc"] is not None:
             raise state["exc"]

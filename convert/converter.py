@@ -211,6 +211,8 @@ def _virtual_inventory(folder: Path) -> dict[str, tuple[tuple[int, ...] | None, 
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict):
             raise ConversionError(f"{p}: no 'weight_map' object")
+        if not all(isinstance(v, str) for v in wm.values()):
+            raise ConversionError(f"{p}: every 'weight_map' value must be a shard file name")
         meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
         headers: dict[str, dict | None] = {}
         for fname in set(wm.values()):

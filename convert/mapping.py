@@ -201,6 +201,10 @@ def _is_num(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
+MAX_INT = 2**31 - 1  # GGUF stores sizes as u32 and llama.cpp reads them into int32
+MAX_F32 = 3.4e38
+
+
 def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     """Validate config.json (a dict) and return a :class:`CloverConfig`.
 
@@ -216,25 +220,25 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         if key not in cfg or cfg[key] is None:
             raise _err(key, "is missing", show=False)
         v = cfg[key]
-        if not _is_int(v) or v < minimum:
+        if not _is_int(v) or v < minimum or v > MAX_INT:
             what = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
-            raise _err(key, what, v)
+            raise _err(key, f"{what} (at most {MAX_INT})", v)
         return v
 
     def opt_int(key: str, default: int | None, minimum: int = 1) -> int | None:
         v = cfg.get(key, default)
         if v is None:
             return None
-        if not _is_int(v) or v < minimum:
+        if not _is_int(v) or v < minimum or v > MAX_INT:
             what = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
-            raise _err(key, what, v)
+            raise _err(key, f"{what} (at most {MAX_INT})", v)
         return v
 
     def opt_pos_float(key: str, default: float, src: dict[str, Any] | None = None) -> float:
         d = cfg if src is None else src
         v = d.get(key, default)
-        if not _is_num(v) or v <= 0:
-            raise _err(key, "must be a positive number", v)
+        if not _is_num(v) or not 0 < v <= MAX_F32:
+            raise _err(key, "must be a positive number that fits a 32-bit float", v)
         return float(v)
 
     def opt_bool(key: str, default: bool) -> bool:
@@ -289,6 +293,8 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     if int(dh * prf) < 2 or int(dh * prf) % 2:
         raise _err("partial_rotary_factor", f"must give an even number >= 2 of rotary dims of head_dim {dh}", prf)
     eps = opt_pos_float("rms_norm_eps", 1e-6)
+    if eps >= 1:
+        raise _err("rms_norm_eps", "must be below 1", eps)
     norm_topk = opt_bool("norm_topk_prob", True)
     tied = opt_bool("tie_word_embeddings", False)
 

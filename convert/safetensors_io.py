@@ -179,6 +179,11 @@ class SafetensorsFile:
         self._entries: dict[str, _Entry] = {}
         for name, info in header.items():
             self._entries[name] = self._parse_entry(name, info)
+        # tensors must not share bytes (the official library refuses overlapping data too)
+        spans = sorted((e.begin, e.end, n) for n, e in self._entries.items() if e.end > e.begin)
+        for (_, end0, n0), (begin1, _, n1) in zip(spans, spans[1:]):
+            if begin1 < end0:
+                raise _err(f"{self.path}: tensors {n0!r} and {n1!r} overlap in the data section")
         self._mm: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
 
@@ -190,7 +195,7 @@ class SafetensorsFile:
             if key not in info:
                 raise _err(f"{where}: header entry lacks {key!r}")
         dtype = info["dtype"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise _err(f"{where}: unknown dtype {dtype!r}")
         shape = info["shape"]
         if not isinstance(shape, list) or not all(
@@ -334,6 +339,8 @@ class CheckpointReader:
             raise _err(f"{index_path}: not valid JSON: {e}") from None
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise _err(f"{index_path}: no 'weight_map' object")
+        if not all(isinstance(v, str) for v in index["weight_map"].values()):
+            raise _err(f"{index_path}: every 'weight_map' value must be a shard file name")
         self.index = index
         weight_map: dict[str, str] = index["weight_map"]
         for fname in sorted(set(weight_map.values())):

@@ -77,7 +77,12 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
             raise ConversionError(f"{tj_path}: token {tok!r} has a bad id {i!r}")
         id_to_tok[i] = tok
         types[i] = int(TokenType.NORMAL)
-    for at in tj.get("added_tokens") or []:
+    added = tj.get("added_tokens") or []
+    if not isinstance(added, list):
+        raise ConversionError(f"{tj_path}: added_tokens must be a list")
+    for at in added:
+        if not isinstance(at, dict):
+            raise ConversionError(f"{tj_path}: bad added token {at!r}")
         i, content = at.get("id"), at.get("content")
         if not isinstance(i, int) or i < 0 or not isinstance(content, str):
             raise ConversionError(f"{tj_path}: bad added token {at!r}")
@@ -101,7 +106,10 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
             ttypes.append(int(TokenType.UNUSED))
 
     merges: list[str] = []
-    for m in model.get("merges") or []:
+    raw_merges = model.get("merges") or []
+    if not isinstance(raw_merges, list):
+        raise ConversionError(f"{tj_path}: model.merges must be a list")
+    for m in raw_merges:
         if isinstance(m, str):
             merges.append(m)
         elif isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m):
@@ -140,14 +148,18 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
     if pad is None:
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else first(gc.get("pad_token_id"))
     bos = cfg.bos_token_id if cfg.bos_token_id is not None else by_name("bos_token")
-    add_bos = bool(tc.get("add_bos_token", False))
+    add_bos = tc.get("add_bos_token", False)
+    if not isinstance(add_bos, bool):  # "false" (a string) must not read as true
+        raise ConversionError(f"{tc_path}: add_bos_token must be true or false, got {add_bos!r}")
 
     template = tc.get("chat_template")
     jinja = folder / "chat_template.jinja"
     if template is None and jinja.exists():
         template = jinja.read_text(encoding="utf-8")
-    if template is not None and not isinstance(template, (str, list)):
-        raise ConversionError(f"{tc_path}: chat_template must be a string or a list")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+    if template is not None and not (isinstance(template, str) or named):
+        raise ConversionError(f"{tc_path}: chat_template must be a string or a list of {{name, template}} objects")
 
     for name, v in (("eos", eos), ("padding", pad), ("bos", bos)):
         if v is not None and not (0 <= v < V):

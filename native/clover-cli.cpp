@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -198,7 +199,7 @@ int main(int argc, char ** argv) {
         } else if (a == "-n" || a == "--n-predict") {
             gp.max_tokens = (int32_t) parse_int(a, val(), 0, 1 << 24);
         } else if (a == "-t" || a == "--threads") {
-            cp.n_threads = (int32_t) parse_int(a, val(), 1, 1024);
+            cp.n_threads = (int32_t) parse_int(a, val(), 1, 512);
         } else if (a == "-c" || a == "--ctx-size") {
             cp.n_ctx = (int32_t) parse_int(a, val(), 1, 1 << 24);
         } else if (a == "-ngl" || a == "--n-gpu-layers") {
@@ -252,6 +253,10 @@ int main(int argc, char ** argv) {
     if (!prompt_file.empty()) {
         if (have_prompt) {
             die("give either -p or -f, not both");
+        }
+        std::error_code ec;
+        if (std::filesystem::is_directory(prompt_file, ec)) {
+            die("prompt file '" + prompt_file + "' is a folder");
         }
         std::ifstream f(prompt_file, std::ios::binary);
         if (!f) {

@@ -100,6 +100,58 @@ std::string check_hparams(const gguf_context * g) {
     if (!get_u32("clover.expert_used_count", n_used) || n_used < 1 || n_used > n_expert) {
         return "clover.expert_used_count must be a u32 in [1, clover.expert_count]";
     }
+    // values llama.cpp asserts on (or loops forever on) must be refused here, with a message
+    const struct { const char * key; int64_t lo, hi; } sizes[] = {
+        {"clover.embedding_length", 1, 1 << 20},        {"clover.attention.head_count", 1, 4096},
+        {"clover.attention.head_count_kv", 1, 4096},     {"clover.attention.key_length", 1, 65536},
+        {"clover.attention.value_length", 1, 65536},     {"clover.ssm.conv_kernel", 1, 64},
+        {"clover.ssm.state_size", 1, 65536},            {"clover.ssm.group_count", 1, 65536},
+        {"clover.ssm.time_step_rank", 1, 65536},        {"clover.ssm.inner_size", 1, 1 << 24},
+        {"clover.context_length", 1, 1 << 24},
+    };
+    for (const auto & sz : sizes) {
+        int64_t v = 0;
+        if (gguf_find_key(g, sz.key) >= 0 && (!get_u32(sz.key, v) || v < sz.lo || v > sz.hi)) {
+            return std::string(sz.key) + " must be a u32 in [" + std::to_string(sz.lo) + ", " + std::to_string(sz.hi) + "]";
+        }
+    }
+    int64_t n_head = 0, n_head_kv = 0, n_rot = 0, head_k = 0;
+    if (get_u32("clover.attention.head_count", n_head) && get_u32("clover.attention.head_count_kv", n_head_kv) &&
+        n_head % n_head_kv != 0) {
+        return "clover.attention.head_count must be a multiple of clover.attention.head_count_kv";
+    }
+    if (gguf_find_key(g, "clover.rope.dimension_count") >= 0) {
+        get_u32("clover.attention.key_length", head_k);
+        if (!get_u32("clover.rope.dimension_count", n_rot) || n_rot < 2 || n_rot % 2 != 0 ||
+            (head_k > 0 && n_rot > head_k)) {
+            return "clover.rope.dimension_count must be an even u32 in [2, clover.attention.key_length]";
+        }
+    }
+    for (const char * key : {"clover.attention.layer_norm_rms_epsilon", "clover.rope.freq_base"}) {
+        const int64_t id = gguf_find_key(g, key);
+        if (id < 0) {
+            continue;
+        }
+        const bool  f32 = gguf_get_kv_type(g, id) == GGUF_TYPE_FLOAT32;
+        const float v   = f32 ? gguf_get_val_f32(g, id) : 0.0f;
+        const bool  eps = strstr(key, "epsilon") != nullptr;
+        if (!f32 || !std::isfinite(v) || v <= 0.0f || (eps && v >= 1.0f)) {
+            return std::string(key) + (eps ? " must be an f32 in (0, 1)" : " must be a finite f32 > 0");
+        }
+    }
+    // the graph reads these as F32 (ggml's norm, ssm_conv and elementwise ops assert on others)
+    for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+        const std::string name = gguf_get_tensor_name(g, i);
+        auto ends = [&](const char * suffix) {
+            const size_t n = strlen(suffix);
+            return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+        };
+        const bool must_f32 = ends("norm.weight") || ends("ssm_conv1d.weight") || ends("ssm_conv1d_look.weight") ||
+                              ends("ssm_dt.bias") || ends("ssm_a") || ends("ssm_block_calib");
+        if (must_f32 && gguf_get_tensor_type(g, i) != GGML_TYPE_F32) {
+            return "tensor '" + name + "' must be F32, not " + ggml_type_name(gguf_get_tensor_type(g, i));
+        }
+    }
     return "";
 }
 
@@ -1007,6 +1059,14 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model path is NULL");
         }
         const clover_model_params mp = params ? *params : clover_model_default_params();
+        {
+            // a FIFO or a device would block or stream forever: only regular files are models
+            struct stat st;
+            if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+                return set_err(err, err_len, CLOVER_ERR_LOAD,
+                               std::string("'") + path + "' is not a regular file");
+            }
+        }
         {
             FILE * f = fopen(path, "rb");
             if (!f) {
