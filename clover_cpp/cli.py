@@ -390,8 +390,23 @@ def quantize(inp: str, out: str, qtype: str, threads: int, force: bool, allow_re
 
         set_verbosity(2)
     t0 = time.monotonic()
-    dst = do_quantize(inp, out, name, n_threads=threads, force=force, allow_requantize=allow_requantize,
-                      leave_output_tensor=leave_output_tensor, pure=pure)
+    bar = None
+
+    def progress(i: int, n: int, tensor: str) -> None:
+        nonlocal bar
+        if verbose or not sys.stderr.isatty():
+            return
+        if bar is None:
+            from tqdm import tqdm
+            bar = tqdm(total=n, unit="tensor", desc="Quantizing", leave=False)
+        bar.set_postfix_str(tensor, refresh=False)
+        bar.update(i - bar.n)
+    try:
+        dst = do_quantize(inp, out, name, n_threads=threads, force=force, allow_requantize=allow_requantize,
+                          leave_output_tensor=leave_output_tensor, pure=pure, progress=progress, verbose=verbose)
+    finally:
+        if bar is not None:
+            bar.close()
     click.echo(f"quantized {inp} ({human_bytes(Path(inp).stat().st_size)}) -> {dst} "
                f"({human_bytes(dst.stat().st_size)}, {name}) in {time.monotonic() - t0:.1f} s", err=True)
 

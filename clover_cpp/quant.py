@@ -4,8 +4,12 @@ low-level ``llama_cpp`` module, loaded against our patched libllama; see :mod:`c
 from __future__ import annotations
 
 import ctypes
+import json
 import os
-import uuid
+import re
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ._lib import import_llama_cpp
@@ -47,43 +51,90 @@ def parse_quant_type(name: str | int) -> tuple[str, int]:
 
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str | int, *,
              n_threads: int = 0, force: bool = False, allow_requantize: bool = False,
-             leave_output_tensor: bool = False, pure: bool = False) -> Path:
-    """Quantize the Clover GGUF src into dst (type by name, e.g. "Q4_K_M"). Writes to a temporary
-    file next to dst and renames it; refuses to overwrite dst unless force. Returns dst."""
+             leave_output_tensor: bool = False, pure: bool = False,
+             progress: Callable[[int, int, str], None] | None = None, verbose: bool = False) -> Path:
+    """Quantize the Clover GGUF src into dst (type by name, e.g. "Q4_K_M").
+
+    llama.cpp's quantizer runs in a child process, so that Ctrl-C (or SIGTERM) stops it at once:
+    the child is terminated and its temporary file removed. ``progress(i, n, tensor)`` is called
+    per tensor. The result is written to a temporary file next to dst, read back, and renamed
+    into place; dst is replaced only with force, and never when it is not a regular file or is
+    src. Returns dst."""
+    from clover_convert.outputs import check_output, clean_stale_temps, temp_path
+
     src, dst = Path(src), Path(dst)
     name, ftype = parse_quant_type(qtype)
     if name in NEEDS_IMATRIX:
         raise QuantizeError(f"{name} needs an importance matrix, which this command does not support")
     try:
-        check_clover_gguf(src)
+        info = check_clover_gguf(src)
     except GGUFInfoError as e:
         raise QuantizeError(str(e)) from None
     if dst.is_dir():
-        raise QuantizeError(f"{dst}: is a folder")
-    if dst.exists() and not force:
-        raise QuantizeError(f"{dst} already exists (use --force to overwrite)")
-    if src.resolve() == dst.resolve():
-        raise QuantizeError("input and output are the same file")
-    if not dst.parent.is_dir():
-        raise QuantizeError(f"{dst.parent}: output folder does not exist")
+        dst = dst / f"{src.stem.rsplit('-', 1)[0]}-{name.lower()}.gguf"  # like gguf tools: OUT may be a folder
+    check_output(dst, [src], force, QuantizeError)
+    src_type = info.metadata.get("general.file_type")
+    if isinstance(src_type, int) and src_type not in UNQUANTIZED_FTYPES and not allow_requantize:
+        have = next((k for k, v in QUANT_TYPES.items() if v == src_type), str(src_type))
+        raise QuantizeError(f"{src} is already quantized ({have}); requantizing loses quality - "
+                            f"pass --allow-requantize to do it anyway")
+    clean_stale_temps(dst)
+    tmp = temp_path(dst)
+    args = json.dumps(dict(src=str(src), dst=str(tmp), ftype=ftype, n_threads=int(n_threads),
+                           allow_requantize=bool(allow_requantize), leave_output_tensor=bool(leave_output_tensor),
+                           pure=bool(pure)))
+    child = subprocess.Popen([sys.executable, "-c", "from clover_cpp.quant import _child_main; _child_main()", args],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             errors="replace", start_new_session=True)  # Ctrl-C reaches us, not the child
+    tail: list[str] = []
     try:
-        llama_cpp = import_llama_cpp()
-    except ImportError as e:
-        raise QuantizeError(str(e)) from None
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = int(n_threads)
-    params.allow_requantize = bool(allow_requantize)
-    params.quantize_output_tensor = not leave_output_tensor
-    params.pure = bool(pure)
-    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        rc = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(tmp), ctypes.byref(params))
+        assert child.stderr is not None
+        for line in child.stderr:
+            m = _PROGRESS.match(line)
+            if m and progress is not None:
+                progress(int(m.group(1)), int(m.group(2)), m.group(3))
+            if verbose:
+                sys.stderr.write(line)
+            tail = (tail + [line.strip()])[-20:]
+        rc = child.wait()
         if rc != 0 or not tmp.is_file():
-            raise QuantizeError(f"llama_model_quantize failed for {src} -> {name} (status {rc}); "
-                                f"run with --verbose for llama.cpp's log")
+            why = next((t for t in reversed(tail) if "error" in t.lower() or "failed" in t.lower()), "")
+            raise QuantizeError(f"llama.cpp could not quantize {src} to {name}" + (f": {why}" if why else
+                                f" (exit status {rc}); run with --verbose for its log"))
+        try:
+            check_clover_gguf(tmp)  # what inspect and run will read: never hand out a file they refuse
+        except GGUFInfoError as e:
+            raise QuantizeError(f"llama.cpp wrote {name}, but the result cannot be read back ({str(e).split(': ', 1)[-1]}); "
+                                f"choose another type") from None
         os.replace(tmp, dst)
+    except BaseException:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
     return dst
+
+
+_PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
+UNQUANTIZED_FTYPES = {0, 1, 32}  # F32, F16, BF16
+
+
+def _child_main() -> None:
+    """The quantizer process: llama_model_quantize with llama.cpp's log on stderr (progress)."""
+    a = json.loads(sys.argv[1])
+    from .model import set_verbosity
+
+    set_verbosity(2)
+    llama_cpp = import_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = a["ftype"]
+    params.nthread = a["n_threads"]
+    params.allow_requantize = a["allow_requantize"]
+    params.quantize_output_tensor = not a["leave_output_tensor"]
+    params.pure = a["pure"]
+    rc = llama_cpp.llama_model_quantize(os.fsencode(a["src"]), os.fsencode(a["dst"]), ctypes.byref(params))
+    sys.stderr.flush()
+    os._exit(0 if rc == 0 else 1)

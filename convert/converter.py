@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -43,6 +42,7 @@ from .mapping import (
     rule_applies,
 )
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, bf16_to_f32, f32_to_bf16
+from .outputs import check_output, clean_stale_temps, temp_path
 from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
 
 __all__ = [
@@ -592,6 +592,8 @@ def plan_conversion(
         out_p = Path.cwd() / _default_out_name(folder, src_s, resolved)
     else:
         out_p = Path(out).expanduser()
+        if str(out).endswith(("/", os.sep)) and not out_p.is_dir():
+            raise ConversionError(f"{out}: output folder does not exist")
         if out_p.is_dir():
             out_p = out_p / _default_out_name(folder, src_s, resolved)
     model_name = folder.resolve().name if Path(src_s).exists() else src_s.split("/")[-1]
@@ -723,23 +725,17 @@ def convert(
         return plan
 
     out_dir = plan.out.parent
-    if not out_dir.is_dir():
-        raise ConversionError(f"{out_dir}: output folder does not exist")
-    if not force:
-        existing = [p for p in plan.shard_paths if p.exists()]
-        if existing:
-            raise ConversionError(f"{existing[0]} already exists (use --force to overwrite)")
+    inputs = [p for p in plan.folder.rglob("*") if p.is_file()] if plan.folder.is_dir() else []
     for p in plan.shard_paths:
-        if p.exists() and p.is_dir():
-            raise ConversionError(f"{p} is a folder")
+        check_output(Path(p), inputs, force, ConversionError)
+        clean_stale_temps(Path(p))
     _check_disk(plan)
 
     reader = CheckpointReader(plan.folder)
     cfg = plan.config
     w = _build_writer(plan.tensors, cfg, plan.tokenizer, plan.outtype,
                       plan.src if not Path(plan.src).exists() else plan.folder.resolve().name, plan.split_max_size)
-    tag = uuid.uuid4().hex[:8]
-    tmps = [out_dir / f".{p.name}.{tag}.tmp" for p in plan.shard_paths]
+    tmps = [temp_path(Path(p)) for p in plan.shard_paths]
     bar = None
     try:
         w.fout = []

@@ -222,7 +222,7 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         v = cfg[key]
         if not _is_int(v) or v < minimum or v > MAX_INT:
             what = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
-            raise _err(key, f"{what} (at most {MAX_INT})", v)
+            raise _err(key, what if not _is_int(v) or v <= MAX_INT else f"must be at most {MAX_INT}", v)
         return v
 
     def opt_int(key: str, default: int | None, minimum: int = 1) -> int | None:
@@ -231,14 +231,16 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
             return None
         if not _is_int(v) or v < minimum or v > MAX_INT:
             what = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
-            raise _err(key, f"{what} (at most {MAX_INT})", v)
+            raise _err(key, what if not _is_int(v) or v <= MAX_INT else f"must be at most {MAX_INT}", v)
         return v
 
     def opt_pos_float(key: str, default: float, src: dict[str, Any] | None = None) -> float:
         d = cfg if src is None else src
         v = d.get(key, default)
-        if not _is_num(v) or not 0 < v <= MAX_F32:
-            raise _err(key, "must be a positive number that fits a 32-bit float", v)
+        if not _is_num(v) or v <= 0:
+            raise _err(key, "must be a positive number", v)
+        if v > MAX_F32:
+            raise _err(key, f"must be at most {MAX_F32:g} (a 32-bit float)", v)
         return float(v)
 
     def opt_bool(key: str, default: bool) -> bool:

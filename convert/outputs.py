@@ -1,0 +1,72 @@
+"""Output files that cannot lose data: the rules every writer here (convert, quantize) follows.
+
+- An output is written to a hidden temporary file next to it and renamed into place, so a
+  reader sees the old file or the new one, never a partial one.
+- An existing output is replaced only with ``force``, and never when it is not a regular file
+  (a device node, a FIFO, a folder, a link to one) or when it is one of the inputs.
+- Temporary files are named ``.NAME.<pid>.<tag>.tmp``; one whose process is gone (a run that
+  was killed) is removed by the next write of NAME, with a note.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def check_output(out: Path, inputs: Iterable[Path], force: bool, error: type[Exception]) -> None:
+    """Raise ``error`` (one line) when writing ``out`` could destroy something."""
+    if str(out).endswith(os.sep) or (out.exists() and out.is_dir()):
+        raise error(f"{out}: is a folder" if out.exists() else f"{out}: output folder does not exist")
+    if not out.parent.is_dir():
+        raise error(f"{out.parent}: output folder does not exist")
+    for p in inputs:
+        try:
+            same = p.exists() and out.exists() and os.path.samefile(p, out)
+        except OSError:
+            same = False
+        if same or out.resolve() == p.resolve():
+            raise error(f"{out} is one of the inputs ({p}); choose another output path")
+    if out.exists() or out.is_symlink():
+        try:
+            mode = os.stat(out).st_mode
+        except OSError:
+            mode = 0
+        if not stat.S_ISREG(mode):
+            raise error(f"{out} exists and is not a regular file; refusing to replace it")
+        if not force:
+            raise error(f"{out} already exists (use --force to overwrite)")
+
+
+def temp_path(out: Path) -> Path:
+    """A fresh temporary path next to out (same file system, so the rename is atomic)."""
+    return out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def clean_stale_temps(out: Path, log=None) -> list[Path]:
+    """Remove the temporary files of out left by runs whose process no longer exists."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.*.tmp"):
+        parts = p.name[len(out.name) + 2:].split(".")
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        pid = int(parts[0])
+        try:
+            os.kill(pid, 0)
+            continue  # still running (another writer)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+            (log or (lambda s: print(s, file=sys.stderr)))(
+                f"note: removed {p.name}, left by an interrupted run (pid {pid})")
+        except OSError:
+            pass
+    return removed

@@ -1,0 +1,146 @@
+"""Output files never lose data: convert and quantize refuse to overwrite their inputs or
+non-regular files, leave the old output or the new one after any signal or a full disk, and
+clean up the temporary files of killed runs. Everything happens inside tmp_path."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clover_convert import convert
+from clover_convert.mapping import ConversionError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_convert_refuses_to_overwrite_its_input(tiny_artifacts, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    import shutil
+    shutil.copytree(tiny_artifacts["ckpt"], ck)
+    before = _sha(ck / "model.safetensors")
+    with pytest.raises(ConversionError, match="one of the inputs"):
+        convert(ck, ck / "model.safetensors", outtype="f16", force=True, progress=False)
+    assert _sha(ck / "model.safetensors") == before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo"])
+def test_force_never_replaces_a_non_regular_file(tiny_artifacts, tmp_path: Path, kind: str) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out = fifo
+    if kind == "link-to-fifo":
+        out = tmp_path / "out.gguf"
+        out.symlink_to(fifo)
+    with pytest.raises(ConversionError, match="not a regular file"):
+        convert(tiny_artifacts["ckpt"], out, outtype="f16", force=True, progress=False)
+    from clover_cpp.quant import QuantizeError, quantize
+    with pytest.raises(QuantizeError, match="not a regular file"):
+        quantize(tiny_artifacts["f32"], out, "Q8_0", force=True)
+    assert fifo.is_fifo()
+
+
+def test_missing_output_folder(tiny_artifacts, tmp_path: Path) -> None:
+    with pytest.raises(ConversionError, match="does not exist"):
+        convert(tiny_artifacts["ckpt"], str(tmp_path / "nope") + "/", outtype="f16", progress=False)
+    assert not (tmp_path / "nope").exists()
+
+
+def test_stale_temp_files_are_cleaned(tiny_artifacts, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "m.gguf"
+    stale = tmp_path / f".m.gguf.{_dead_pid()}.deadbeef.tmp"
+    stale.write_bytes(b"x" * 1000)
+    live = tmp_path / f".m.gguf.{os.getpid()}.cafef00d.tmp"  # a writer that is still running: kept
+    live.write_bytes(b"y")
+    convert(tiny_artifacts["ckpt"], out, outtype="f16", progress=False)
+    assert not stale.exists() and live.exists() and out.is_file()
+    assert "interrupted run" in capsys.readouterr().err
+
+
+@pytest.mark.needs_libclover
+def test_quantize_messages_and_read_back(tiny_artifacts, tmp_path: Path) -> None:
+    from clover_cpp.quant import QuantizeError, quantize
+
+    with pytest.raises(QuantizeError, match="--allow-requantize"):
+        quantize(tiny_artifacts["q8_0"], tmp_path / "q4.gguf", "Q4_K_M")
+    with pytest.raises(QuantizeError, match="cannot be read back"):  # llama.cpp writes it, nothing reads it
+        quantize(tiny_artifacts["f32"], tmp_path / "q2.gguf", "Q2_0")
+    assert not (tmp_path / "q2.gguf").exists() and not list(tmp_path.glob(".*.tmp"))
+    seen: list[tuple[int, int]] = []
+    out = quantize(tiny_artifacts["f32"], tmp_path, "Q8_0", progress=lambda i, n, t: seen.append((i, n)))
+    assert out.parent == tmp_path and out.name.endswith("q8_0.gguf")  # a folder as OUT, as gguf tools do
+    assert seen and seen[-1][0] == seen[-1][1] and len(seen) == seen[-1][1]
+
+
+# ----------------------------------------------------------------------------- faults
+
+def _convert_cmd(src: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "clover_convert", str(src), str(out), "--outtype", "f32", "--force",
+            "--no-progress"]
+
+
+def _quantize_cmd(src: Path, out: Path) -> list[str]:
+    return [sys.executable, "-c", "from clover_cpp.cli import main; main()", "quantize", str(src), str(out),
+            "Q8_0", "--force"]
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("tool", ["convert", "quantize"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_signals_leave_old_or_new_output(tiny_artifacts, tmp_path: Path, tool: str, sig: int) -> None:
+    out = tmp_path / "out.gguf"
+    old = b"OLD OUTPUT" * 100
+    rng = random.Random(sig * 7 + len(tool))
+    cmd = _convert_cmd(tiny_artifacts["ckpt"], out) if tool == "convert" else _quantize_cmd(tiny_artifacts["f32"], out)
+    new_sha = None
+    for trial in range(3):
+        out.write_bytes(old)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(0.2, 1.6))
+        p.send_signal(sig)
+        p.wait(60)
+        data = out.read_bytes()
+        if data != old:  # then it is the whole new file, the same every time
+            assert data[:4] == b"GGUF"
+            new_sha = new_sha or hashlib.sha256(data).hexdigest()
+            assert hashlib.sha256(data).hexdigest() == new_sha
+        if sig != signal.SIGKILL:  # a killed run cannot clean up; the next one does
+            assert not list(tmp_path.glob(".*.tmp")), f"trial {trial}: temporary files left"
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    assert not list(tmp_path.glob(".*.tmp")) and out.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("tool", ["convert", "quantize"])
+def test_full_disk_leaves_nothing_partial(tiny_artifacts, tmp_path: Path, tool: str) -> None:
+    """A write failure mid-file (RLIMIT_FSIZE: the write fails as on a full disk)."""
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"OLD")
+    cmd = _convert_cmd(tiny_artifacts["ckpt"], out) if tool == "convert" else _quantize_cmd(tiny_artifacts["f32"], out)
+
+    def limit() -> None:
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+    assert out.read_bytes() == b"OLD" and not list(tmp_path.glob(".*.tmp"))
