@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -614,6 +615,7 @@ class _Filler:
     """Converts source slabs into a preallocated output array, chunk by chunk."""
 
     def __init__(self, reader: CheckpointReader):
+        self.nonfinite: dict[str, int] = {}  # tensor -> NaN/Inf values seen in the source
         self.reader = reader
         self.touched = 0
         self.read_bytes = 0
@@ -660,11 +662,23 @@ class _Filler:
             if t.col_perm is not None:
                 block = block[:, t.col_perm]
             dst2[r0:r1] = _convert_block(block, sdt, t.qtype, t.rule.fn)
+            bad = _count_nonfinite(block, sdt)
+            if bad:
+                self.nonfinite[t.name] = self.nonfinite.get(t.name, 0) + bad
             nb = block.nbytes
             del block
             if self._count(nb):
                 src = None
                 self._release()
+
+
+def _count_nonfinite(block: np.ndarray, sdt: str) -> int:
+    """NaN / Inf values in a source block (bf16 as its bits: exponent all ones)."""
+    if sdt == "BF16":
+        return int(np.count_nonzero((block & 0x7F80) == 0x7F80))
+    if block.dtype.kind == "f":
+        return int(block.size - np.count_nonzero(np.isfinite(block)))
+    return 0
 
 
 def _convert_block(block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> np.ndarray:
@@ -766,6 +780,8 @@ def convert(
         reader.close()
         for tp, final in zip(tmps, plan.shard_paths):
             os.replace(tp, final)
+        for name, n in filler.nonfinite.items():  # converted as they are, but the user should know
+            print(f"warning: {name}: {n} NaN/Inf value(s) in the checkpoint", file=sys.stderr)
     except BaseException:
         try:
             w.close()

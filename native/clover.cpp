@@ -219,6 +219,7 @@ struct clover_context {
     int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
     std::vector<int32_t> mem_tokens; // the committed tokens (n_committed of them): prefix reuse
+    int32_t              mem_B = -1; // the block size of every committed block (-1: none committed, 0: mixed)
     llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)
     // block_size = auto: the cost of a block pass per candidate B (ms; measured by
     // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
@@ -431,6 +432,7 @@ void free_lctx(clover_context * c) {
     }
     c->n_committed = 0;
     c->mem_tokens.clear();
+    c->mem_B = -1;
 }
 
 // The ubatch size for block size B: whole blocks, at least two (a commit fused with the next
@@ -484,6 +486,7 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
     c->U        = U;
     c->n_committed = 0;
     c->mem_tokens.clear();
+    c->mem_B = -1;
     c->mem_seq     = 0;
     return CLOVER_OK;
 }
@@ -569,10 +572,16 @@ int decode_status(int rc, const char * what, std::string & msg) {
 
 constexpr llama_seq_id SCRATCH_SEQ = 2;
 
+// after a commit: the block size all committed blocks share (-1 while empty, 0 when mixed)
+void note_blocks(clover_context * c) {
+    c->mem_B = c->mem_B == -1 || c->mem_B == c->B ? c->B : 0;
+}
+
 void clear_memory(clover_context * c) {
     llama_memory_clear(llama_get_memory(c->lctx), true);
     c->n_committed = 0;
     c->mem_tokens.clear();
+    c->mem_B = -1;
     c->mem_seq     = 0;
 }
 
@@ -625,6 +634,7 @@ int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const in
     llama_memory_seq_rm(mem, other, -1, -1);
     c->n_committed += B;
     c->mem_tokens.insert(c->mem_tokens.end(), final_tokens, final_tokens + B);
+    note_blocks(c);
     return read_rows(c, B, B, want, rows, "commit + block pass", msg);
 }
 
@@ -650,6 +660,7 @@ int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::stri
     }
     c->n_committed += n;
     c->mem_tokens.insert(c->mem_tokens.end(), tokens, tokens + n);
+    note_blocks(c);
     return CLOVER_OK;
 }
 
@@ -703,6 +714,7 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
     }
     const int32_t        nc = c->n_committed;
     std::vector<int32_t> toks = c->mem_tokens;
+    const int32_t        mem_B = c->mem_B;
     std::vector<uint8_t> state;
     if (nc > 0) {
         state.resize(llama_state_seq_get_size(c->lctx, c->mem_seq));
@@ -721,6 +733,7 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
     }
     c->n_committed = nc;
     c->mem_tokens  = std::move(toks);
+    c->mem_B       = mem_B;
     return CLOVER_OK;
 }
 
@@ -1617,7 +1630,10 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             const int32_t keep = prefix ? auto_pick(ctx, nc, n_prompt - nc + gp.max_tokens) : 0;
             B = keep > 0 ? keep : auto_pick(ctx, 0, n_prompt + gp.max_tokens);
         }
-        const int32_t reuse = prefix && nc % B == 0 && nc <= n_prompt / B * B ? nc : 0;
+        // a fixed B reuses only blocks of that B (then the result is that of a cleared memory);
+        // auto, whose blocks depend on its history anyway, reuses any block-aligned memory
+        const int32_t reuse =
+            prefix && nc % B == 0 && nc <= n_prompt / B * B && (auto_B || ctx->mem_B == B) ? nc : 0;
         if (reuse > 0) {
             rc = switch_block_size_keep(ctx, B, msg);
         } else {

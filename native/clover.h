@@ -257,9 +257,10 @@ typedef struct clover_stats {
  * live in the context across calls.
  *
  * Memory: the memory is cleared first, unless reuse_prefix is set, the prompt starts with
- * every committed token, and the committed length is a whole number of this call's blocks
- * (under auto, a B for which it is); then only the prompt's remaining complete blocks are
- * prefilled. With a fixed B the result equals that of a cleared memory (the same blocks).
+ * every committed token, the committed length is a whole number of this call's blocks, and,
+ * for a fixed B, every committed block was made with that B (under auto: any aligned memory,
+ * B chosen among the sizes that divide it); then only the prompt's remaining complete blocks
+ * are prefilled. With a fixed B the result equals that of a cleared memory (the same blocks).
  * Afterwards the memory holds every committed block (the prompt's complete blocks and each
  * finished decode block but the last); it is cleared after an error. Writes at most max_tokens tokens into
  * out (out_cap must be >= max_tokens), *n_out = their count; stats and n_out may be NULL.

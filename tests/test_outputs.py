@@ -144,3 +144,22 @@ def test_full_disk_leaves_nothing_partial(tiny_artifacts, tmp_path: Path, tool: 
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
     assert out.read_bytes() == b"OLD" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_nan_weights_are_reported(tiny_artifacts, tmp_path: Path, capsys) -> None:
+    import json
+    import shutil
+    import struct
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_artifacts["ckpt"], ck)
+    st = ck / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    at = 8 + n + header[name]["data_offsets"][0]
+    raw[at:at + 8] = struct.pack("<ff", float("nan"), float("inf"))
+    st.write_bytes(bytes(raw))
+    convert(ck, tmp_path / "m.gguf", outtype="f16", progress=False)
+    assert "2 NaN/Inf value(s)" in capsys.readouterr().err
