@@ -68,24 +68,36 @@ configure() {
 build_native() {
     configure "$BUILD" -DCMAKE_BUILD_TYPE=Release
     log "building libllama (clover), libclover and clover-cli"
-    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops "$@"
+    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops clover-fuzz-load "$@"
 }
 
 setup() { setup_python; setup_llama; build_native "$@"; }
 
-# The native decoding tests once more, on an AddressSanitizer build of libllama + libclover.
+# The native decoding tests, the fuzz corpus and the hardening tests once more, on an
+# AddressSanitizer + UndefinedBehaviorSanitizer build of libllama + libclover + clover-cli.
 # Python itself is not instrumented, so the ASan runtime (and libstdc++, for its __cxa_throw
-# interceptor) is preloaded.
+# interceptor) is preloaded. Any sanitizer report fails the run.
 asan() {
-    local asan_build=$ROOT/build-asan flags="-fsanitize=address -fno-omit-frame-pointer"
+    local asan_build=$ROOT/build-asan flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
     configure "$asan_build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
-    log "building libllama + libclover with AddressSanitizer"
-    cmake --build "$asan_build" -j "$JOBS" --target llama clover
-    log "decoding tests under AddressSanitizer"
+    log "building libllama + libclover + clover-cli with AddressSanitizer + UBSan"
+    cmake --build "$asan_build" -j "$JOBS" --target llama clover clover-cli clover-fuzz-load
+    log "replaying a fuzz corpus of damaged GGUFs through the loader under the sanitizers"
+    local corpus; corpus=$(mktemp -d)
+    "$PY" -c "import sys; from clover_cpp.checkpoints import write_checkpoint; from clover_convert import convert; \
+write_checkpoint(sys.argv[1] + '/ck', preset='tiny', dtype='f32'); \
+convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress=False)" "$corpus"
+    "$PY" tests/fuzz.py gguf "$corpus/tiny.gguf" "$corpus/cases" "${CLOVER_FUZZ_CASES:-300}" >/dev/null
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        "$asan_build/bin/clover-fuzz-load" "$corpus/cases"
+    rm -rf "$corpus"
+    log "decoding, fuzz and hardening tests under AddressSanitizer + UBSan"
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
-    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 CLOVER_LIB_PATH="$asan_build/bin/libclover.so" \
-        "$PY" -m pytest -q tests/test_native_api.py tests/test_block_auto.py \
-            -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate or prefill or budget or disk_cache"
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    CLOVER_LIB_PATH="$asan_build/bin/libclover.so" CLOVER_CLI_PATH="$asan_build/bin/clover-cli" \
+        "$PY" -m pytest -q tests/test_native_api.py tests/test_block_auto.py tests/test_fuzz.py \
+            tests/test_hardening.py tests/test_prefix_reuse.py \
+            -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate or prefill or budget or disk_cache or fuzz or llama_cpp_asserts or fifo or reentrant or values or prefill or reuse or new_context"
 }
 
 case "${1:-}" in

@@ -372,14 +372,16 @@ def _interruptible(fn: Callable[[], Any], cancel: threading.Event) -> Any:
         finally:
             done.set()
 
-    threading.Thread(target=work, name="clover-generate", daemon=True).start()
+    t = threading.Thread(target=work, name="clover-generate", daemon=True)
     try:
+        t.start()
         while not done.wait(0.25):
             pass
     except BaseException:
         cancel.set()
-        while not done.wait(0.25):
-            pass
+        if t.ident is not None:  # started: never leave it decoding on its own
+            while not done.wait(0.25):
+                pass
         raise
     if "error" in box:
         raise box["error"]

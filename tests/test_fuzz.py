@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fuzz  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = ROOT / "build" / "bin" / "clover-cli"
+CLI = Path(os.environ.get("CLOVER_CLI_PATH", ROOT / "build" / "bin" / "clover-cli"))
 N_CASES = int(os.environ.get("CLOVER_FUZZ_CASES", "48"))
 SEED = int(os.environ.get("CLOVER_FUZZ_SEED", "1"))
 TOTALS: dict[str, dict[str, int]] = {}

@@ -80,12 +80,13 @@ def test_abandoned_stream_stops_decoding(model) -> None:
 
 
 def test_ctrl_c_during_generate_raises(gguf) -> None:
-    code = ("import sys, threading, os, signal, time\nfrom clover_cpp import Clover\n"
-            "m = Clover(sys.argv[1], n_ctx=2048, n_threads=1)\n"
-            "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
-            "t0 = time.time()\n"
-            "try:\n    m.generate('hello', max_tokens=1900, block_size=512, threshold=1.0)\n    print('RETURNED')\n"
-            "except KeyboardInterrupt:\n    print('INTERRUPTED', round(time.time() - t0, 1))\n")
+    # Ctrl-C arrives while the decode is running (sent from the first step's callback)
+    code = ("import sys, os, signal, time\nfrom clover_cpp import Clover\n"
+            "m = Clover(sys.argv[1], n_ctx=2048, n_threads=1)\nt = []\n"
+            "def step(*a):\n    if not t:\n        t.append(time.time()); os.kill(os.getpid(), signal.SIGINT)\n"
+            "try:\n    m.generate('hello', max_tokens=1900, block_size=512, threshold=1.0, on_step=step)\n"
+            "    print('RETURNED')\n"
+            "except KeyboardInterrupt:\n    print('INTERRUPTED', round(time.time() - t[0], 1))\n")
     p = _python(code, str(gguf))
     assert p.returncode == 0 and p.stdout.startswith("INTERRUPTED"), (p.stdout, p.stderr[-500:])
     assert float(p.stdout.split()[1]) < 5
