@@ -79,13 +79,13 @@ def _free_port() -> int:
 def server_load(model_path: Path, threads: int, requests: int) -> list[str]:
     import httpx
 
-    lines = ["", f"## 2. clover serve: 64-token completions (greedy, ignore_eos), {requests} requests per cell",
+    lines = ["", f"## 2. clover serve: 64-token completions (greedy, ignore_eos), {requests} requests per cell, "
+             "server threads by default (cores - 1, shared by the contexts)",
              "", "| --parallel | clients | req/s | p50 ms | p95 ms | tok/s |", "|---:|---:|---:|---:|---:|---:|"]
     for parallel in (1, 2):
         port = _free_port()
         proc = subprocess.Popen([sys.executable, "-c", "from clover_cpp.cli import main; main()", "serve", "-m",
-                                 str(model_path), "--port", str(port), "--parallel", str(parallel),
-                                 "-t", str(max(1, threads // parallel)), "-c", "2048"],
+                                 str(model_path), "--port", str(port), "--parallel", str(parallel), "-c", "2048"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:

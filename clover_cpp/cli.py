@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -57,6 +58,27 @@ def _fail(msg: object, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
+def _refuse_unknown_multi_letter_flags(group: click.Group, args: list[str]) -> None:
+    """llama.cpp users type -fa, -ngl, -ctk, -sys: click would split an unknown one into a short
+    option and its value (-ctk -> -c tk) and complain about another option. Say "no such
+    option" instead."""
+    cmd = group.commands.get(args[0]) if args else None
+    if cmd is None:
+        return
+    opts = {n: p for p in cmd.params if isinstance(p, click.Option) for n in p.opts + p.secondary_opts}
+    skip = False
+    for tok in args[1:]:
+        if tok == "--":
+            return
+        if skip:
+            skip = False
+            continue
+        p = opts.get(tok.split("=", 1)[0])
+        if p is None and re.fullmatch(r"-[A-Za-z]{2,}", tok):
+            raise click.NoSuchOption(tok)
+        skip = p is not None and not p.is_flag and not p.count and "=" not in tok
+
+
 class CloverGroup(click.Group):
     """A group whose errors (click's usage errors included) are one line and exit 1."""
 
@@ -67,6 +89,7 @@ class CloverGroup(click.Group):
         except ValueError:  # not the main thread
             pass
         try:
+            _refuse_unknown_multi_letter_flags(self, list(sys.argv[1:] if args is None else args))
             rv = super().main(args=args, prog_name=prog_name or "clover", complete_var=complete_var,
                               standalone_mode=False, **extra)
         except click.exceptions.Abort:
@@ -122,6 +145,8 @@ def _runtime_options(f: Any) -> Any:
                      help="Context size (prompt + generation) in tokens."),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0,
                      show_default=True, help="Layers to offload to the GPU (-1 = all)."),
+        click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                     show_default=True, help="Flash attention (as llama.cpp's -fa)."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's log."),
     ]
     for o in reversed(opts):
@@ -150,22 +175,22 @@ BLOCK_SIZE = BlockSizeType()
 
 def _sampling_options(f: Any, n_default: int = 128) -> Any:
     opts = [
-        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=n_default,
+        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(0, 2**31 - 1), default=n_default,
                      show_default=True, help="Tokens to generate at most."),
-        click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
+        click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
                      help="Block size B (1 = autoregressive; auto = chosen per block from the pass cost, "
                           "measured once per model and machine and cached, and the tokens per pass)."),
         click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
                      help="Unmask every position whose confidence is at least this."),
-        click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Denoising steps per block at most (0 = no cap)."),
+        click.option("--step-cap", "--max-steps", "max_steps", type=click.IntRange(0, 2**31 - 1), default=0,
+                     show_default=True, help="Denoising steps per block at most (0 = no cap)."),
         click.option("--temp", "temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
                      help="Sampling temperature (0 = greedy)."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k (0 = off)."),
         click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
                      help="Top-p (1 = off)."),
-        click.option("-s", "--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True,
-                     help="Sampling seed."),
+        click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=0, show_default=True,
+                     help="Sampling seed (-1 = random)."),
         click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
         click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="TEXT",
                      help="Stop before TEXT (repeatable; matched across token boundaries)."),
@@ -176,7 +201,7 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
 
 
 def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
-                verbose: bool) -> Any:
+                verbose: bool, flash_attn: str = "auto") -> Any:
     from .model import Clover, CloverError, set_verbosity
 
     # libclover checks the file (missing, not a GGUF, wrong architecture, bad metadata) with
@@ -188,7 +213,8 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
         set_verbosity(2)
     try:
         return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
-                      block_size=None if block_size == "auto" else block_size)
+                      block_size=None if block_size == "auto" else block_size,
+                      flash_attn={"on": True, "off": False}.get(flash_attn))
     except CloverError as e:
         raise UserError(e.message) from None
 
@@ -196,6 +222,9 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
 def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
                 top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = ()
                 ) -> dict[str, Any]:
+    if seed == -1:  # as in llama.cpp: a random seed
+        import secrets
+        seed = secrets.randbits(63)
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
                 stop=list(reverse_prompt))
@@ -443,14 +472,14 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
-        verbose: bool, visual: bool | None, echo: bool, stats: bool) -> None:
+        flash_attn: str, verbose: bool, visual: bool | None, echo: bool, stats: bool) -> None:
     """Generate text from a prompt with block-diffusion decoding."""
     text = _read_prompt(prompt, file)
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                      reverse_prompt)
     if visual is None:
         visual = sys.stdout.isatty()
-    with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose) as m:
+    with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn) as m:
         r = _generate_to_terminal(m, text, visual, prefix=text if echo else "", **kw)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -470,7 +499,8 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
 @click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
-         reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool,
+         reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
+         verbose: bool,
          visual: bool | None, stats: bool) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
     /reset to forget the conversation. Earlier turns stay in the context's memory and are
@@ -481,7 +511,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     if visual is None:
         visual = sys.stdout.isatty()
     base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose) as m:
+    with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn) as m:
         m.format_chat([{"role": "user", "content": "x"}])  # template problems show up now, not later
         history: list[dict[str, str]] = []
         if interactive:
@@ -546,7 +576,7 @@ def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str
               help="Require 'Authorization: Bearer KEY' (also $CLOVER_API_KEY).")
 @_runtime_options
 def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None,
-          threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool) -> None:
+          threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, verbose: bool) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics. Clover's knobs are extra request fields (block_size, threshold)."""
     try:
@@ -560,7 +590,8 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
         set_verbosity(2)
     click.echo(f"clover serve: http://{host}:{port}/v1 ({parallel} context(s)); Ctrl-C to stop", err=True)
     run_server(model, host=host, port=port, parallel=parallel, api_key=api_key, n_ctx=ctx_size, n_threads=threads,
-               n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning")
+               n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
+               flash_attn={"on": True, "off": False}.get(flash_attn))
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -607,13 +638,15 @@ def _parse_block_sizes(s: str) -> list[Any]:
               help="Tokens to generate per run.")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
               help="Confidence threshold.")
-@click.option("--max-steps", type=click.IntRange(min=0), default=0, show_default=True, help="Step cap per block.")
+@click.option("--step-cap", "--max-steps", "max_steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Step cap per block.")
 @click.option("-r", "--repetitions", type=click.IntRange(min=2), default=3, show_default=True,
               help="Rounds; each round runs every block size once (rotated order), so that the "
                    "comparisons are paired.")
 @_runtime_options
 def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: float, max_steps: int,
-          repetitions: int, threads: int | None, ctx_size: int, n_gpu_layers: int, verbose: bool) -> None:
+          repetitions: int, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
+          verbose: bool) -> None:
     """Tokens/s and tokens per forward pass for each block size, against B = 1 (autoregressive).
 
     Paired and repeated: every round runs each setting once, in a rotated order; the table
@@ -622,7 +655,7 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     sizes = _parse_block_sizes(block_sizes)
     if 1 not in sizes:
         sizes = [1] + sizes
-    with _open_model(model, threads, ctx_size, n_gpu_layers, None, verbose) as m:
+    with _open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn) as m:
         m.generate(prompt, max_tokens=min(n_predict, 8), block_size="auto", stop_at_eos=False)  # warm-up + curve
         runs = paired_runs(lambda B: m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
                                                 max_steps=max_steps, stop_at_eos=False).stats,
@@ -734,7 +767,7 @@ def demo_model(cache_dir: Path, log: Any = None) -> tuple[Path, str]:
 @click.option("-p", "--prompt", default=DEFAULT_DEMO_PROMPT, show_default=True, help="Prompt text.")
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=64, show_default=True,
               help="Tokens to generate.")
-@click.option("-b", "--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
+@click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
               help="Block size, or auto (chosen per block from the measured cost and tokens per pass).")
 @click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
               help="Confidence threshold.")

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -36,18 +37,19 @@ void usage(const char * argv0) {
             "  -p, --prompt TEXT      prompt\n"
             "  -f, --file FILE        read the prompt from a file\n"
             "  -n, --n-predict N      max tokens to generate (default 128)\n"
-            "  -t, --threads N        CPU threads (default 4)\n"
+            "  -t, --threads N        CPU threads (default: from the hardware, as clover)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
             "  -ngl, --n-gpu-layers N layers to offload to the GPU (default 0)\n"
             "  --block-size N|auto    block size B (default auto: B per block from the pass cost,\n"
             "                         measured once per model and machine and cached, and tokens/pass)\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
-            "  --max-steps N          denoising steps cap per block (default 0 = none)\n"
+            "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
             "  --temp X               temperature (default 0 = greedy)\n"
             "  --top-k N              top-k (default 0 = off)\n"
             "  --top-p X              top-p in (0,1] (default 1 = off)\n"
-            "  -s, --seed N           sampling seed (default 0)\n"
-            "  --no-stop-at-eos       keep generating after EOS\n"
+            "  -s, --seed N           sampling seed (default 0; -1 = random)\n"
+            "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
+            "  -fa, --flash-attn X    flash attention: on, off or auto (default auto)\n"
             "  --visual               show every denoising step of the current block\n"
             "  --no-special           do not parse special tokens in the prompt\n"
             "  -v, --verbose          llama.cpp log output to stderr (-v -v: everything)\n"
@@ -213,7 +215,7 @@ int main(int argc, char ** argv) {
             if (gp.threshold < 0.0 || gp.threshold > 1.0) {
                 die("--threshold must be in [0, 1]");
             }
-        } else if (a == "--max-steps") {
+        } else if (a == "--step-cap" || a == "--max-steps") {
             gp.max_steps = (int32_t) parse_int(a, val(), 0, 1 << 20);
         } else if (a == "--temp") {
             gp.temperature = parse_double(a, val());
@@ -231,11 +233,21 @@ int main(int argc, char ** argv) {
             const char * v   = val();
             char *       end = nullptr;
             errno            = 0;
-            gp.seed          = strtoull(v, &end, 10);
-            if (errno || !end || *end || end == v || v[0] == '-') {
-                die("option " + a + " expects a non-negative integer, got '" + v + "'");
+            if (std::string(v) == "-1") { // as in llama.cpp: a random seed
+                gp.seed = std::random_device{}() | ((uint64_t) std::random_device{}() << 32);
+            } else {
+                gp.seed = strtoull(v, &end, 10);
+                if (errno || !end || *end || end == v || v[0] == '-') {
+                    die("option " + a + " expects a non-negative integer or -1, got '" + v + "'");
+                }
             }
-        } else if (a == "--no-stop-at-eos") {
+        } else if (a == "-fa" || a == "--flash-attn") {
+            const std::string v = val();
+            if (v != "on" && v != "off" && v != "auto") {
+                die("option " + a + " expects on, off or auto, got '" + v + "'");
+            }
+            cp.flash_attn = v == "on" ? 1 : v == "off" ? 0 : -1;
+        } else if (a == "--ignore-eos" || a == "--no-stop-at-eos") {
             gp.stop_at_eos = 0;
         } else if (a == "--visual") {
             st.visual = true;

@@ -93,12 +93,12 @@ def test_bad_cost_curve(model, curve) -> None:
 
 def test_cli_block_size_auto(tiny_artifacts) -> None:
     r = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "run", "-m", str(tiny_artifacts["f16"]), "-p",
-                        "hello", "-n", "12", "-b", "auto", "--ignore-eos", "--stats"],
+                        "hello", "-n", "12", "--block-size", "auto", "--ignore-eos", "--stats"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "[clover] B=" in r.stderr and "generated=12 tok" in r.stderr
     bad = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "run", "-m", str(tiny_artifacts["f16"]), "-p",
-                          "hello", "-b", "often"], capture_output=True, text=True, timeout=120)
+                          "hello", "--block-size", "often"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "'often'" in bad.stderr
 
 

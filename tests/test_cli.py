@@ -109,7 +109,7 @@ def test_run_plain(files) -> None:
 @needs_lib
 def test_run_visual(files) -> None:
     res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1", "--visual",
-                  "--echo", "-b", "4", "--threshold", "0.5"])
+                  "--echo", "--block-size", "4", "--threshold", "0.5"])
     assert res.exit_code == 0, res.output
     assert "\u2591" in res.stdout and "\x1b[" in res.stdout  # masked cells, ANSI redraws
     assert "B=4" in res.stderr
@@ -163,7 +163,7 @@ def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "tiny" in res.stderr and "block size auto" in res.stderr and "[clover] B=" in res.stderr
     assert "speed-up" in res.stderr and "paired rounds" in res.stderr
     # second run reuses the cache
-    res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "-b", "8"])
+    res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "--block-size", "8"])
     assert res.exit_code == 0 and "writing the tiny preset" not in res.stderr
     assert "[clover] B=8" in res.stderr
 
@@ -198,7 +198,7 @@ def test_bad_model_files(files, tmp_path: Path, case: str, cmd: str) -> None:
 @pytest.mark.parametrize("args,needle", [
     (["--threshold", "2"], "--threshold"),
     (["--threshold", "-0.5"], "--threshold"),
-    (["-b", "0"], "--block-size"),
+    (["--block-size", "0"], "--block-size"),
     (["--block-size", "zero"], "--block-size"),
     (["--temp", "-1"], "--temp"),
     (["--top-p", "0"], "--top-p"),
@@ -253,3 +253,41 @@ def test_subprocess_errors(files) -> None:
     assert "Traceback" not in p.stderr
     p = _sub(["run", "-m", files["model"], "-p", "x", "--threshold", "2"])
     assert p.returncode == 1 and "Traceback" not in p.stderr and p.stderr.startswith("error: ")
+
+
+# ----------------------------------------------------------------------------- llama.cpp conventions
+
+CLI_BIN = Path(__file__).resolve().parents[1] / "build" / "bin" / "clover-cli"
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("flag", ["-ctk", "-sys", "-hf", "-fax"])
+def test_unknown_multi_letter_flags(files, flag: str) -> None:
+    res = CliRunner().invoke(cli, ["run", "-m", str(files["model"]), "-p", "hi", flag, "x"])
+    assert res.exit_code == 1 and f"No such option '{flag}'" in res.output, res.output
+    # a value that looks like a flag is still a value
+    res = invoke(["run", "-m", files["model"], "-p", "-abc", "-n", "2", "-t", "1", "--no-stats", "--no-visual"])
+    assert res.exit_code == 0
+
+
+@pytest.mark.needs_libclover
+def test_same_flags_same_effect_on_both_tools(files) -> None:
+    """--block-size, --threshold, --step-cap, -s, --temp, --ignore-eos, -fa, -n on clover and clover-cli."""
+    import subprocess
+    common = ["-p", "hello", "-n", "16", "--block-size", "4", "--threshold", "0.7", "--step-cap", "3", "-s", "5",
+              "--temp", "0.8", "--ignore-eos", "-fa", "off", "-t", "1", "-c", "256"]
+    res = invoke(["run", "-m", files["model"], *common, "--no-stats", "--no-visual"])
+    assert res.exit_code == 0
+    p = subprocess.run([str(CLI_BIN), "-m", str(files["model"]), *common], capture_output=True, text=True,
+                       errors="replace", timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.rstrip("\n") == res.output.rstrip("\n")
+    # -1 = a random seed on both
+    outs = {invoke(["run", "-m", files["model"], "-p", "hello", "-n", "16", "--block-size", "4", "-t", "1",
+                    "--temp", "1.5", "-s", "-1", "--no-stats", "--no-visual"]).output for _ in range(4)}
+    assert len(outs) > 1
+    p = subprocess.run([str(CLI_BIN), "-m", str(files["model"]), "-p", "hi", "-n", "2", "-s", "-1"],
+                       capture_output=True, text=True, errors="replace", timeout=60)
+    assert p.returncode == 0, p.stderr
+    res = invoke(["run", "-m", files["model"], "-p", "hi", "-b", "4"])
+    assert res.exit_code != 0  # -b is llama.cpp's batch size: Clover's block size is --block-size only
