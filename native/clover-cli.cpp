@@ -178,6 +178,7 @@ int main(int argc, char ** argv) {
     clover_context_params  cp = clover_context_default_params();
     clover_generate_params gp = clover_generate_default_params();
     bool                   auto_block = true;
+    cp.n_threads = 0; // from the hardware, as `clover run` does
     cli_state              st;
 
     for (int i = 1; i < argc; ++i) {
