@@ -151,7 +151,8 @@ class GenerationStream:
     worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
     ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation."""
 
-    def __init__(self, run: Callable[[Callable[[str, list[int]], bool], threading.Event], GenerationResult]) -> None:
+    def __init__(self, run: Callable[[Callable[[str, list[int]], bool], threading.Event], GenerationResult],
+                 decoder: "_DecodeThread | None" = None) -> None:
         self.result: GenerationResult | None = None
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._cancel = threading.Event()
@@ -172,9 +173,13 @@ class GenerationStream:
             finally:
                 self._finished.set()
 
-        self._thread = threading.Thread(target=worker, name="clover-generate", daemon=True)
         _LIVE_STREAMS.add(self)
-        self._thread.start()
+        if decoder is not None:
+            self._thread = decoder.thread
+            decoder.submit(worker)
+        else:
+            self._thread = threading.Thread(target=worker, name="clover-generate", daemon=True)
+            self._thread.start()
 
     def __iter__(self) -> "GenerationStream":
         return self
@@ -356,36 +361,69 @@ def _join_streams_at_exit() -> None:
     # mid-C++ (abort: "exception not rethrown"): cancel and join every live stream first
     for st in list(_LIVE_STREAMS):
         st.close()
+    for d in list(_DECODERS):
+        d.stop()
 
 
-def _interruptible(fn: Callable[[], Any], cancel: threading.Event) -> Any:
-    """fn() in a worker thread; KeyboardInterrupt (or any exception) in the caller sets cancel,
-    waits for the worker and propagates."""
-    box: dict[str, Any] = {}
-    done = threading.Event()  # (not Thread.join: a join cut short by Ctrl-C can wrongly report the end)
+class _DecodeThread:
+    """The one thread that runs every decoding call of a Clover object.
 
-    def work() -> None:
+    ggml's CPU backend runs its threads with OpenMP, which keeps one thread team per calling
+    thread. Decoding from several threads (a new one per call, the caller's, a server's pool)
+    leaves several teams alive, more threads than cores, and libgomp then makes its threads
+    sleep instead of spin between graph nodes: decoding ran up to 10x slower (measured: B = 1
+    on the default model, 1,500 -> 150-250 tok/s). One thread per object keeps one team.
+    The caller waits interruptibly: Ctrl-C sets ``cancel`` (the decode stops at the next step),
+    waits for the thread and is raised."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="clover-decode", daemon=True)
+        self.thread.start()
+        _DECODERS.add(self)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def call(self, fn: Callable[[], Any], cancel: threading.Event | None = None) -> Any:
+        if threading.current_thread() is self.thread:
+            return fn()
+        box: dict[str, Any] = {}
+        done = threading.Event()  # (not a join: a wait cut short by Ctrl-C can misreport the end)
+
+        def job() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        self.submit(job)
         try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["error"] = e
-        finally:
-            done.set()
-
-    t = threading.Thread(target=work, name="clover-generate", daemon=True)
-    try:
-        t.start()
-        while not done.wait(0.25):
-            pass
-    except BaseException:
-        cancel.set()
-        if t.ident is not None:  # started: never leave it decoding on its own
             while not done.wait(0.25):
                 pass
-        raise
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+        except BaseException:
+            if cancel is not None:
+                cancel.set()
+            while not done.wait(0.25):
+                pass
+            raise
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def stop(self) -> None:
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self._jobs.put(None)
+            self.thread.join()
+
+
+_DECODERS: "weakref.WeakSet[_DecodeThread]" = weakref.WeakSet()
 
 
 class _ModelRef:
@@ -484,6 +522,7 @@ class Clover:
             self._shared.release()
             _check(N.CLOVER_ERR_LOAD, err)
         self._ctx = c
+        self._decoder = _DecodeThread()
         self._eot_cache: list[int] | None = None
         self._last_chat: tuple[str | None, list[int], list[int], str] | None = None
 
@@ -523,6 +562,7 @@ class Clover:
         with self._lock:
             L = N._lib
             if self._ctx:
+                self._decoder.stop()
                 if L is not None:
                     L.clover_context_free(self._ctx)
                 self._ctx = None
@@ -625,7 +665,9 @@ class Clover:
             L, err, n = _lib(), *N.err_buffer()
             sizes, cnt = (ctypes.c_int32 * 32)(), ctypes.c_int32(0)
             ms, msf = (ctypes.c_double * 32)(), (ctypes.c_double * 32)()
-            _check(L.clover_calibrate(self._c(), sizes, ms, msf, 32, ctypes.byref(cnt), err, n), err)
+            c = self._c()
+            _check(self._decoder.call(lambda: L.clover_calibrate(c, sizes, ms, msf, 32, ctypes.byref(cnt), err, n)),
+                   err)
             k = min(cnt.value, 32)
             if fused:
                 return {int(sizes[i]): (float(ms[i]), float(msf[i])) for i in range(k)}
@@ -760,7 +802,8 @@ class Clover:
         toks = self._tokens(tokens)
         with self._lock:
             err, n = N.err_buffer()
-            _check(_lib().clover_commit(self._c(), N.as_int32_array(toks), len(toks), err, n), err)
+            c, arr = self._c(), N.as_int32_array(toks)
+            _check(self._decoder.call(lambda: _lib().clover_commit(c, arr, len(toks), err, n)), err)
 
     def prefill(self, tokens: Sequence[int]) -> list[int]:
         """Commit every complete block of tokens; returns the trailing tokens left uncommitted."""
@@ -768,8 +811,9 @@ class Clover:
         with self._lock:
             err, n = N.err_buffer()
             rest = ctypes.c_int32(0)
-            _check(_lib().clover_prefill(self._c(), N.as_int32_array(toks), len(toks), ctypes.byref(rest),
-                                         err, n), err)
+            c, arr = self._c(), N.as_int32_array(toks)
+            _check(self._decoder.call(lambda: _lib().clover_prefill(c, arr, len(toks), ctypes.byref(rest), err, n)),
+                   err)
             return toks[len(toks) - rest.value:] if rest.value else []
 
     def block_logits(self, tokens: Sequence[int], commit_before: Sequence[int] | None = None) -> np.ndarray:
@@ -791,8 +835,8 @@ class Clover:
             nv = self.n_vocab
             out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
             err, n = N.err_buffer()
-            st = _lib().clover_block_pass(c, N.as_int32_array(toks), len(toks),
-                                          out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), err, n)
+            arr, ptr = N.as_int32_array(toks), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            st = self._decoder.call(lambda: _lib().clover_block_pass(c, arr, len(toks), ptr, err, n))
             _check(st, err)
             return out[: len(toks)]
 
@@ -854,18 +898,16 @@ class Clover:
         self._not_in_callback()
         self._cancel_streams()  # a stream left unfinished must not keep decoding (or hold the lock)
         if not stream:
-            if threading.current_thread() is not threading.main_thread():
-                return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, None)
-            # on the main thread the decode runs in a worker, so that Ctrl-C reaches Python at
-            # once: it cancels the decode (at the next step) and is raised here
+            # on the object's decode thread (see _DecodeThread); Ctrl-C here cancels it at the
+            # next denoising step and is raised
             cancel = threading.Event()
-            return _interruptible(
+            return self._decoder.call(
                 lambda: self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, cancel), cancel)
 
         def run(push: Callable[[str, list[int]], bool], cancel: threading.Event) -> GenerationResult:
             return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, push, cancel)
 
-        s = GenerationStream(run)
+        s = GenerationStream(run, self._decoder)
         self._streams.add(s)
         return s
 
