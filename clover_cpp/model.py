@@ -366,13 +366,16 @@ def _join_streams_at_exit() -> None:
 
 
 class _DecodeThread:
-    """The one thread that runs every decoding call of a Clover object.
+    """A thread that runs decoding calls.
 
     ggml's CPU backend runs its threads with OpenMP, which keeps one thread team per calling
-    thread. Decoding from several threads (a new one per call, the caller's, a server's pool)
-    leaves several teams alive, more threads than cores, and libgomp then makes its threads
-    sleep instead of spin between graph nodes: decoding ran up to 10x slower (measured: B = 1
-    on the default model, 1,500 -> 150-250 tok/s). One thread per object keeps one team.
+    thread. Decoding from several threads (a new one per call, the caller's, a server's pool,
+    one per object) leaves several teams alive, more threads than cores, and libgomp then makes
+    its threads sleep instead of spin between graph nodes: decoding ran up to 10x slower
+    (measured: B = 1 on the default model, 1,500 -> 150-250 tok/s). So every Clover object
+    decodes on one process-wide thread, except contexts made to run in parallel
+    (:meth:`Clover.new_context`), which get a thread each (give them n_threads that add up to
+    at most the cores).
     The caller waits interruptibly: Ctrl-C sets ``cancel`` (the decode stops at the next step),
     waits for the thread and is raised."""
 
@@ -424,6 +427,16 @@ class _DecodeThread:
 
 
 _DECODERS: "weakref.WeakSet[_DecodeThread]" = weakref.WeakSet()
+_SHARED_DECODER: _DecodeThread | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_decoder() -> _DecodeThread:
+    global _SHARED_DECODER
+    with _SHARED_LOCK:
+        if _SHARED_DECODER is None or not _SHARED_DECODER.thread.is_alive():
+            _SHARED_DECODER = _DecodeThread()
+        return _SHARED_DECODER
 
 
 class _ModelRef:
@@ -503,7 +516,7 @@ class Clover:
         self._make_context(n_ctx, n_threads, block_size, flash_attn, kv_f32)
 
     def _make_context(self, n_ctx: int, n_threads: int | None, block_size: int | None, flash_attn: bool | None,
-                      kv_f32: bool) -> None:
+                      kv_f32: bool, own_thread: bool = False) -> None:
         L, m = _lib(), self._model
         err, n = N.err_buffer()
         cp = L.clover_context_default_params()
@@ -522,7 +535,8 @@ class Clover:
             self._shared.release()
             _check(N.CLOVER_ERR_LOAD, err)
         self._ctx = c
-        self._decoder = _DecodeThread()
+        self._own_decoder = own_thread
+        self._decoder = _DecodeThread() if own_thread else _shared_decoder()
         self._eot_cache: list[int] | None = None
         self._last_chat: tuple[str | None, list[int], list[int], str] | None = None
 
@@ -530,7 +544,9 @@ class Clover:
         """Another Clover over the same loaded model, with its own context (memory, block
         size, cost curve), e.g. one per concurrent request. Keyword arguments override this
         object's n_ctx, n_threads, block_size, flash_attn, kv_f32. The model is freed when
-        the last of the objects sharing it closes. Distinct contexts may run in parallel."""
+        the last of the objects sharing it closes. The new context decodes on a thread of its own,
+        so distinct contexts may run in parallel (give them n_threads that add up to at most the
+        cores: OpenMP slows down sharply when its threads outnumber them)."""
         unknown = set(overrides) - set(self._ctx_args)
         if unknown:
             raise CloverError(f"new_context: unknown argument(s) {sorted(unknown)}")
@@ -551,7 +567,7 @@ class Clover:
         bs = args["block_size"]
         bs = None if bs in (None, "auto") else _int("block_size", bs, 1, n_ctx)
         other._default_block_size = bs if bs is not None else "auto"
-        other._make_context(n_ctx, n_threads, bs, args["flash_attn"], bool(args["kv_f32"]))
+        other._make_context(n_ctx, n_threads, bs, args["flash_attn"], bool(args["kv_f32"]), own_thread=True)
         return other
 
     # -- lifetime
@@ -562,7 +578,8 @@ class Clover:
         with self._lock:
             L = N._lib
             if self._ctx:
-                self._decoder.stop()
+                if self._own_decoder:
+                    self._decoder.stop()
                 if L is not None:
                     L.clover_context_free(self._ctx)
                 self._ctx = None

@@ -85,7 +85,8 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
                            pure=bool(pure)))
     child = subprocess.Popen([sys.executable, "-c", "from clover_cpp.quant import _child_main; _child_main()", args],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             errors="replace", start_new_session=True)  # Ctrl-C reaches us, not the child
+                             errors="replace", start_new_session=True,  # Ctrl-C reaches us, not the child
+                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     tail: list[str] = []
     try:
         assert child.stderr is not None
@@ -116,6 +117,13 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
         if tmp.exists():
             tmp.unlink()
     return dst
+
+
+def _die_with_parent() -> None:
+    """In the quantizer child (Linux): SIGKILL when the parent dies, so a killed `clover quantize`
+    leaves no orphan writing its temporary file."""
+    import signal as _signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(_signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 _PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
