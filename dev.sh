@@ -53,22 +53,25 @@ setup_llama() {
     fi
 }
 
-# configure DIR [cmake args...]: once per build folder; Ninja and ccache when present
+# configure DIR [cmake args...]: Ninja and ccache when present; again whenever the arguments
+# (CLOVER_CMAKE_ARGS included) differ from the ones the folder was configured with
 configure() {
     local dir=$1; shift
-    [ -f "$dir/CMakeCache.txt" ] && return 0
     local gen=() launcher=()
     command -v ninja >/dev/null && gen=(-G Ninja)
     command -v ccache >/dev/null && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    local args="$* ${CLOVER_CMAKE_ARGS:-}"
+    [ -f "$dir/CMakeCache.txt" ] && [ "$(cat "$dir/.clover-cmake-args" 2>/dev/null)" = "$args" ] && return 0
     log "configuring $dir"
     # shellcheck disable=SC2086
     cmake -S . -B "$dir" "${gen[@]}" "${launcher[@]}" "$@" ${CLOVER_CMAKE_ARGS:-} >/dev/null
+    printf '%s' "$args" > "$dir/.clover-cmake-args"
 }
 
 build_native() {
-    configure "$BUILD" -DCMAKE_BUILD_TYPE=Release
+    configure "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON
     log "building libllama (clover), libclover and clover-cli"
-    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops clover-fuzz-load "$@"
+    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops clover-fuzz-load ggml-rpc-server "$@"
 }
 
 setup() { setup_python; setup_llama; build_native "$@"; }
@@ -79,9 +82,9 @@ setup() { setup_python; setup_llama; build_native "$@"; }
 # interceptor) is preloaded. Any sanitizer report fails the run.
 asan() {
     local asan_build=$ROOT/build-asan flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-    configure "$asan_build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
+    configure "$asan_build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGGML_RPC=ON -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
     log "building libllama + libclover + clover-cli with AddressSanitizer + UBSan"
-    cmake --build "$asan_build" -j "$JOBS" --target llama clover clover-cli clover-fuzz-load
+    cmake --build "$asan_build" -j "$JOBS" --target llama clover clover-cli clover-fuzz-load ggml-rpc-server
     log "replaying a fuzz corpus of damaged GGUFs through the loader under the sanitizers"
     local corpus; corpus=$(mktemp -d)
     "$PY" -c "import sys; from clover_cpp.checkpoints import write_checkpoint; from clover_convert import convert; \
@@ -98,6 +101,11 @@ convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress
         "$PY" -m pytest -q tests/test_native_api.py tests/test_block_auto.py tests/test_fuzz.py \
             tests/test_hardening.py tests/test_prefix_reuse.py \
             -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate or prefill or budget or disk_cache or fuzz or llama_cpp_asserts or fifo or reentrant or values or prefill or reuse or new_context"
+    log "RPC tests (client and servers) under AddressSanitizer + UBSan"
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
+    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    CLOVER_LIB_PATH="$asan_build/bin/libclover.so" CLOVER_CLI_PATH="$asan_build/bin/clover-cli" \
+    CLOVER_RPC_SERVER_PATH="$asan_build/bin/ggml-rpc-server" "$PY" -m pytest -q tests/test_rpc.py
 }
 
 case "${1:-}" in

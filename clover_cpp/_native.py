@@ -55,6 +55,9 @@ class clover_model_params(Structure):
         ("n_gpu_layers", c_int32),
         ("use_mmap", c_int32),
         ("use_mlock", c_int32),
+        ("rpc_servers", c_char_p),
+        ("tensor_split", POINTER(c_float)),
+        ("n_tensor_split", c_int32),
     ]
 
 

@@ -472,13 +472,19 @@ class Clover:
     once per model file, backend, build and thread count and kept in a disk cache, see
     ``clover.h``); an integer fixes it. ``flash_attn``: None = llama.cpp's automatic choice, False
     off, True on. ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
-    exact parity runs against the numpy reference). Use as a context manager or call
-    :meth:`close` (idempotent). A Clover object must not be used from two threads at once
+    exact parity runs against the numpy reference). ``rpc_servers``: llama.cpp RPC servers
+    ("HOST:PORT", a list or a comma-separated string, each running ``ggml-rpc-server``) that
+    hold the offloaded layers (``n_gpu_layers``; the rest stays on this machine's CPU), split by
+    ``tensor_split`` (one share per device, RPC servers first) or by their free memory. A lost
+    server makes calls raise :class:`CloverError`; :meth:`reload` loads the model again. Use
+    as a context manager or call :meth:`close` (idempotent). A Clover object must not be used from two threads at once
     (calls are serialised by a lock); distinct objects are independent."""
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | None = None,
-                 kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False) -> None:
+                 kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False,
+                 rpc_servers: str | Sequence[str] | None = None,
+                 tensor_split: Sequence[float] | None = None) -> None:
         self._model: int | None = None
         self._shared: _ModelRef | None = None
         self._ctx: int | None = None
@@ -491,6 +497,13 @@ class Clover:
         if n_threads is not None:
             n_threads = _int("n_threads", n_threads, 1, MAX_THREADS)
         n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, INT32_MAX)
+        if isinstance(rpc_servers, (list, tuple)):
+            rpc_servers = ",".join(str(x) for x in rpc_servers)
+        if rpc_servers is not None and not isinstance(rpc_servers, str):
+            raise CloverError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
+        split = [_float("tensor_split", x) for x in tensor_split] if tensor_split is not None else []
+        self._load_args = dict(n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, rpc_servers=rpc_servers or None,
+                               tensor_split=split)
         if isinstance(block_size, str) and block_size == "auto":
             block_size = None
         if block_size is not None:
@@ -500,20 +513,40 @@ class Clover:
             raise CloverError(f"{self.model_path}: no such file", N.CLOVER_ERR_LOAD)
         if self.model_path.is_dir():
             raise CloverError(f"{self.model_path}: is a folder, not a GGUF file", N.CLOVER_ERR_LOAD)
-        L = _lib()
         if verbose:
             set_verbosity(max(_verbosity, 1))
+        self._load_model()
+        self._make_context(n_ctx, n_threads, block_size, flash_attn, kv_f32)
+
+    def _load_model(self) -> None:
+        L, a = _lib(), self._load_args
         mp = L.clover_model_default_params()
-        mp.n_gpu_layers = n_gpu_layers
-        if use_mmap is not None:
-            mp.use_mmap = 1 if use_mmap else 0
+        mp.n_gpu_layers = a["n_gpu_layers"]
+        if a["use_mmap"] is not None:
+            mp.use_mmap = 1 if a["use_mmap"] else 0
+        if a["rpc_servers"]:
+            mp.rpc_servers = a["rpc_servers"].encode()
+        split = (ctypes.c_float * max(1, len(a["tensor_split"])))(*a["tensor_split"])
+        mp.tensor_split = split
+        mp.n_tensor_split = len(a["tensor_split"])
         err, n = N.err_buffer()
         m = L.clover_model_load(os.fsencode(self.model_path), ctypes.byref(mp), err, n)
         if not m:
             _check(N.CLOVER_ERR_LOAD, err)
         self._model = m
         self._shared = _ModelRef(m)
-        self._make_context(n_ctx, n_threads, block_size, flash_attn, kv_f32)
+
+    def reload(self) -> None:
+        """Free the model and context and load them again with the same arguments: after a
+        lost RPC server, once it (or a replacement at the same address) is back."""
+        self.close()
+        a = self._ctx_args
+        n_ctx = _int("n_ctx", a["n_ctx"], 1, INT32_MAX)
+        bs = a["block_size"]
+        bs = None if bs in (None, "auto") else _int("block_size", bs, 1, n_ctx)
+        with self._lock:
+            self._load_model()
+            self._make_context(n_ctx, a["n_threads"], bs, a["flash_attn"], bool(a["kv_f32"]))
 
     def _make_context(self, n_ctx: int, n_threads: int | None, block_size: int | None, flash_attn: bool | None,
                       kv_f32: bool, own_thread: bool = False) -> None:
@@ -561,6 +594,7 @@ class Clover:
             other._lock = threading.RLock()
             other._streams = weakref.WeakSet()
             other.model_path = self.model_path
+            other._load_args = self._load_args
             other._ctx_args = args
         n_ctx = _int("n_ctx", args["n_ctx"], 1, INT32_MAX)
         n_threads = None if args["n_threads"] is None else _int("n_threads", args["n_threads"], 1, MAX_THREADS)

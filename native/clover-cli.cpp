@@ -39,7 +39,9 @@ void usage(const char * argv0) {
             "  -n, --n-predict N      max tokens to generate (default 128)\n"
             "  -t, --threads N        CPU threads (default: from the hardware, as clover)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
-            "  -ngl, --n-gpu-layers N layers to offload to the GPU (default 0)\n"
+            "  -ngl, --n-gpu-layers N layers to offload to the GPU or RPC servers (default 0)\n"
+            "  --rpc HOST:PORT,...    llama.cpp RPC servers (ggml-rpc-server) for the offloaded layers\n"
+            "  -ts, --tensor-split A,B,...  share of the offloaded layers per device (RPC first)\n"
             "  --block-size N|auto    block size B (default auto: B per block from the pass cost,\n"
             "                         measured once per model and machine and cached, and tokens/pass)\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
@@ -178,6 +180,8 @@ int main(int argc, char ** argv) {
     clover_context_params  cp = clover_context_default_params();
     clover_generate_params gp = clover_generate_default_params();
     bool                   auto_block = true;
+    std::string            rpc_servers;
+    std::vector<float>     split;
     cp.n_threads = 0; // from the hardware, as `clover run` does
     cli_state              st;
 
@@ -207,6 +211,25 @@ int main(int argc, char ** argv) {
             cp.n_ctx = (int32_t) parse_int(a, val(), 1, 1 << 24);
         } else if (a == "-ngl" || a == "--n-gpu-layers") {
             mp.n_gpu_layers = (int32_t) parse_int(a, val(), -1, 100000);
+        } else if (a == "--rpc") {
+            rpc_servers = val();
+        } else if (a == "-ts" || a == "--tensor-split") {
+            const std::string v = val();
+            split.clear();
+            size_t start = 0;
+            while (start <= v.size()) {
+                const size_t end = v.find_first_of(",/", start);
+                const std::string part = v.substr(start, end == std::string::npos ? std::string::npos : end - start);
+                const double x = parse_double(a, part.c_str());
+                if (!(x >= 0.0) || !std::isfinite(x)) {
+                    die("option " + a + ": shares must be finite and >= 0, got '" + part + "'");
+                }
+                split.push_back((float) x);
+                if (end == std::string::npos) {
+                    break;
+                }
+                start = end + 1;
+            }
         } else if (a == "--block-size") {
             const std::string v = val();
             auto_block        = v == "auto";
@@ -286,6 +309,11 @@ int main(int argc, char ** argv) {
     clover_set_verbosity(verbose);
 
     char err[1024];
+    if (!rpc_servers.empty()) {
+        mp.rpc_servers = rpc_servers.c_str();
+    }
+    mp.tensor_split   = split.empty() ? nullptr : split.data();
+    mp.n_tensor_split = (int32_t) split.size();
     st.model = clover_model_load(model_path.c_str(), &mp, err, sizeof(err));
     if (!st.model) {
         die(err);

@@ -34,11 +34,25 @@ namespace {
 std::atomic<int> g_verbosity{0};
 thread_local std::string g_last_log_error; // last llama.cpp/ggml error line(s) on this thread
 thread_local int g_last_level = GGML_LOG_LEVEL_NONE;
+std::mutex       g_rpc_error_mutex;
+std::string      g_rpc_error; // the RPC backend logs a lost server from its own thread
+
+std::string rpc_error() {
+    std::lock_guard<std::mutex> lock(g_rpc_error_mutex);
+    return g_rpc_error;
+}
 
 void log_callback(ggml_log_level level, const char * text, void * /*user*/) {
     int eff = level == GGML_LOG_LEVEL_CONT ? g_last_level : (int) level;
     if (level != GGML_LOG_LEVEL_CONT) {
         g_last_level = level;
+    }
+    if (eff == GGML_LOG_LEVEL_ERROR && text && strncmp(text, "RPC server ", 11) == 0) {
+        std::lock_guard<std::mutex> lock(g_rpc_error_mutex);
+        g_rpc_error = text;
+        while (!g_rpc_error.empty() && isspace((unsigned char) g_rpc_error.back())) {
+            g_rpc_error.pop_back();
+        }
     }
     if (eff == GGML_LOG_LEVEL_ERROR && text) {
         // keep every error line since the last clear: the first one usually names the cause
@@ -192,6 +206,23 @@ struct status_error {
     std::string msg;
 };
 
+// llama.cpp's RPC backend, when built in (GGML_RPC). The patched backend (0005) counts lost
+// connections instead of aborting the process; a model on RPC devices checks the count.
+ggml_backend_reg_t rpc_backend() {
+    return ggml_backend_reg_by_name("RPC");
+}
+
+uint64_t rpc_failures() {
+    static uint64_t (*n_failures)(void) = nullptr;
+    static std::once_flag once;
+    std::call_once(once, [] {
+        if (ggml_backend_reg_t reg = rpc_backend()) {
+            n_failures = (uint64_t (*)(void)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_n_failures");
+        }
+    });
+    return n_failures ? n_failures() : 0;
+}
+
 } // namespace
 
 // ------------------------------------------------------------------ objects
@@ -204,6 +235,8 @@ struct clover_model {
     int32_t mask        = -1;
     int32_t eos         = -1;
     int32_t train_block = 0;
+    bool     on_rpc           = false; // some layers live on RPC servers
+    uint64_t rpc_failures_now = 0;     // rpc_failures() when loaded: more = a server was lost
 };
 
 struct clover_context {
@@ -570,6 +603,27 @@ int decode_status(int rc, const char * what, std::string & msg) {
     return rc == 1 ? CLOVER_ERR_CONTEXT_FULL : CLOVER_ERR_DECODE;
 }
 
+// A server lost mid-decode leaves zeros where its results should be: the decode fails, and so
+// does every later one on this model (its layers are gone with the server) until a reload.
+int rpc_lost(const clover_context * c, const char * what, std::string & msg) {
+    if (!c->model->on_rpc || rpc_failures() == c->model->rpc_failures_now) {
+        return CLOVER_OK;
+    }
+    const std::string le = rpc_error(); // "RPC server HOST:PORT: connection lost"
+    msg = std::string(what) + ": " + (le.empty() ? "an RPC server was lost" : le) + "; reload the model";
+    return CLOVER_ERR_DECODE;
+}
+
+int run_decode(clover_context * c, const char * what, std::string & msg) {
+    g_last_log_error.clear();
+    const int rc = llama_decode(c->lctx, c->batch);
+    const int lost = rpc_lost(c, what, msg);
+    if (lost != CLOVER_OK) {
+        return lost;
+    }
+    return rc == 0 ? CLOVER_OK : decode_status(rc, what, msg);
+}
+
 constexpr llama_seq_id SCRATCH_SEQ = 2;
 
 // after a commit: the block size all committed blocks share (-1 while empty, 0 when mixed)
@@ -595,11 +649,10 @@ int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const
     llama_memory_seq_cp(mem, c->mem_seq, SCRATCH_SEQ, -1, -1);
     c->batch.n_tokens = 0;
     add_to_batch(c, tokens, n, c->n_committed, SCRATCH_SEQ, want, true);
-    g_last_log_error.clear();
-    const int rc = llama_decode(c->lctx, c->batch);
+    const int rc = run_decode(c, "block pass", msg);
     llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1);
-    if (rc != 0) {
-        return decode_status(rc, "block pass", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
     }
     return read_rows(c, 0, n, want, rows, "block pass", msg);
 }
@@ -620,10 +673,9 @@ int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const in
     c->batch.n_tokens = 0;
     add_to_batch(c, final_tokens, B, P, cur, nullptr, false);
     add_to_batch(c, canvas, B, P + B, cur, want, true);
-    g_last_log_error.clear();
-    const int rc = llama_decode(c->lctx, c->batch);
-    if (rc != 0) {
-        return decode_status(rc, "commit + block pass", msg);
+    const int rc = run_decode(c, "commit + block pass", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
     }
     llama_memory_seq_rm(mem, other, -1, -1);
     llama_memory_seq_cp(mem, cur, other, -1, P + B);
@@ -653,10 +705,9 @@ int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float
 
 int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
     fill_batch(c, tokens, n, false);
-    g_last_log_error.clear();
-    const int rc = llama_decode(c->lctx, c->batch);
-    if (rc != 0) {
-        return decode_status(rc, "commit", msg);
+    const int rc = run_decode(c, "commit", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
     }
     c->n_committed += n;
     c->mem_tokens.insert(c->mem_tokens.end(), tokens, tokens + n);
@@ -730,6 +781,10 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
     if (nc > 0 && llama_state_seq_set_data(c->lctx, state.data(), state.size(), 0) != state.size()) {
         msg = "block-size switch: could not restore the memory";
         return CLOVER_ERR_INTERNAL;
+    }
+    rc = rpc_lost(c, "block-size switch", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
     }
     c->n_committed = nc;
     c->mem_tokens  = std::move(toks);
@@ -1057,10 +1112,62 @@ void clover_set_verbosity(int level) {
 
 clover_model_params clover_model_default_params(void) {
     clover_model_params p;
-    p.n_gpu_layers = 0;
-    p.use_mmap     = -1;
-    p.use_mlock    = 0;
+    p.n_gpu_layers   = 0;
+    p.use_mmap       = -1;
+    p.use_mlock      = 0;
+    p.rpc_servers    = nullptr;
+    p.tensor_split   = nullptr;
+    p.n_tensor_split = 0;
     return p;
+}
+
+// The devices of the comma-separated RPC endpoints, then the local GPUs (llama.cpp's own order:
+// RPC servers first), NULL-terminated for llama_model_params.devices.
+static int rpc_devices(const char * servers, std::vector<ggml_backend_dev_t> & devices, std::string & msg) {
+    ggml_backend_reg_t reg = rpc_backend();
+    auto add_server = reg ? (ggml_backend_reg_t (*)(const char *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server")
+                          : nullptr;
+    if (!add_server) {
+        msg = "this libclover was built without llama.cpp's RPC backend (GGML_RPC=OFF)";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    std::stringstream ss(servers);
+    std::string       ep;
+    while (std::getline(ss, ep, ',')) {
+        ep = trim(ep);
+        const size_t colon = ep.rfind(':');
+        char *       end   = nullptr;
+        const long   port  = colon == std::string::npos ? 0 : strtol(ep.c_str() + colon + 1, &end, 10);
+        if (colon == 0 || colon == std::string::npos || !end || *end || port < 1 || port > 65535) {
+            msg = "RPC server '" + ep + "' is not HOST:PORT";
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        g_last_log_error.clear();
+        const uint64_t     before = rpc_failures();
+        ggml_backend_reg_t server = add_server(ep.c_str());
+        if (!server || rpc_failures() != before) {
+            const std::string le = rpc_error(); // "RPC server HOST:PORT: cannot connect"
+            msg = le.empty() || rpc_failures() == before ? "RPC server " + ep + " offers no device" : le;
+            return CLOVER_ERR_LOAD;
+        }
+        for (size_t i = 0; i < ggml_backend_reg_dev_count(server); ++i) {
+            devices.push_back(ggml_backend_reg_dev_get(server, i));
+        }
+    }
+    if (devices.empty()) {
+        msg = "no RPC server given";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const auto         t   = ggml_backend_dev_type(dev);
+        if ((t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU) &&
+            ggml_backend_dev_backend_reg(dev) != reg) {
+            devices.push_back(dev);
+        }
+    }
+    devices.push_back(nullptr);
+    return CLOVER_OK;
 }
 
 clover_model * clover_model_load(const char * path, const clover_model_params * params, char * err, size_t err_len) {
@@ -1130,6 +1237,32 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
         }
         llama_model_params lp = llama_model_default_params();
         lp.n_gpu_layers       = mp.n_gpu_layers;
+        std::vector<ggml_backend_dev_t> devices;
+        std::vector<float>              split;
+        if (mp.rpc_servers && *mp.rpc_servers) {
+            std::string bad;
+            const int rc = rpc_devices(mp.rpc_servers, devices, bad);
+            if (rc != CLOVER_OK) {
+                return set_err(err, err_len, rc, bad);
+            }
+            lp.devices = devices.data();
+        }
+        if (mp.n_tensor_split < 0 || mp.n_tensor_split > (int32_t) llama_max_devices() ||
+            (mp.n_tensor_split > 0 && !mp.tensor_split)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "tensor_split: 0.." + std::to_string(llama_max_devices()) + " values expected");
+        }
+        if (mp.n_tensor_split > 0) {
+            split.assign(llama_max_devices(), 0.0f);
+            for (int32_t i = 0; i < mp.n_tensor_split; ++i) {
+                if (!std::isfinite(mp.tensor_split[i]) || mp.tensor_split[i] < 0) {
+                    return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "tensor_split values must be finite and >= 0");
+                }
+                split[i] = mp.tensor_split[i];
+            }
+            lp.tensor_split = split.data();
+        }
+        const uint64_t rpc_failures_before = rpc_failures();
         if (mp.use_mmap < 0 && !mp.use_mlock) {
             lp.load_mode = LLAMA_LOAD_MODE_AUTO;
         } else if (mp.use_mmap != 0) {
@@ -1149,6 +1282,12 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
         }
         auto * cm        = new clover_model();
         cm->lm           = lm;
+        cm->on_rpc           = !devices.empty();
+        cm->rpc_failures_now = rpc_failures();
+        if (cm->on_rpc && cm->rpc_failures_now != rpc_failures_before) {
+            clover_model_free(cm);
+            return set_err(err, err_len, CLOVER_ERR_LOAD, "while loading: " + rpc_error());
+        }
         {
             std::error_code ec;
             const auto abs = std::filesystem::canonical(path, ec);

@@ -83,6 +83,14 @@ typedef struct clover_model_params {
     int32_t n_gpu_layers; /* layers to offload (0 = CPU only, -1 = all); default 0 */
     int32_t use_mmap;     /* -1 = llama.cpp's automatic choice (default), 0 = read, 1 = mmap */
     int32_t use_mlock;    /* lock the weights in RAM; default 0 */
+    /* llama.cpp RPC servers ("HOST:PORT[,HOST:PORT...]", each running ggml-rpc-server) whose
+     * devices hold layers, before any local GPU; NULL or "" = none. Offloaded layers
+     * (n_gpu_layers) are split over these devices; the rest stays on the local CPU. */
+    const char *  rpc_servers;
+    /* share of the offloaded layers per device (RPC devices first, then local GPUs), as
+     * llama.cpp's --tensor-split; n_tensor_split = 0: by each device's free memory */
+    const float * tensor_split;
+    int32_t       n_tensor_split;
 } clover_model_params;
 
 CLOVER_API clover_model_params clover_model_default_params(void);

@@ -1,0 +1,157 @@
+"""Clover over llama.cpp's RPC backend: local vs split over two localhost ggml-rpc-servers.
+
+    .venv/bin/python benchmarks/rpc_bench.py [--model models/clover-default] [--rounds 3] [-n 128]
+
+Prints, side by side in one run:
+* tokens/s of the local run and of the split run (every layer and the output head on the two
+  servers, half each) for B = 1 and B = 32, paired and repeated (median of per-round ratios);
+* the bytes that cross the network per forward (the kernel's counters of the servers'
+  TCP connections, ss -ti) and per block pass of n = 1 and n = 32 tokens, split into a fixed part
+  (graph, control) and a per-token part (logits + hidden states at device boundaries);
+* from those, the network time per step of Clover-35B-A3B on a 1 Gb/s and a 10 Gb/s link,
+  with the output head on the last server (llama.cpp's placement for any -ngl > 0) or on the
+  client, and the tokens/s that bounds at the measured tokens per pass and at a full block.
+
+On this 2-core box client and servers share the cores, so the split tokens/s measures the
+protocol's overhead, not a cluster's speed.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from clover_cpp import Clover  # noqa: E402
+from clover_cpp.cli import paired_runs  # noqa: E402
+
+RPC_SERVER = REPO / "build" / "bin" / "ggml-rpc-server"
+# Clover-35B-A3B (shared/clover-architecture.md): hidden size, vocabulary
+BIG = {"hidden": 2048, "vocab": 248320}
+RTT_S = 100e-6  # one request/response on a LAN (assumed, not measured here)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    p = subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return p, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    p.kill()
+    raise SystemExit("ggml-rpc-server did not start")
+
+
+def io_of(endpoints: list[str]) -> tuple[int, int]:
+    """(bytes both ways, data segments the servers sent) on the servers' connections so far,
+    from the kernel's TCP counters (ss -ti)."""
+    b = n = 0
+    for ep in endpoints:
+        port = ep.rsplit(":", 1)[1]
+        out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, check=True).stdout
+        for key, val in re.findall(r"\b(bytes_sent|bytes_received|data_segs_out):(\d+)", out):
+            if key == "data_segs_out":
+                n += int(val)
+            else:
+                b += int(val)
+    return b, n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(REPO / "models" / "clover-default"), help="HF folder or GGUF")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not RPC_SERVER.exists():
+        raise SystemExit(f"{RPC_SERVER} is not built: ./dev.sh setup")
+    tmp = Path(tempfile.mkdtemp(prefix="clover-rpc-bench-"))
+    gguf = Path(args.model)
+    if gguf.is_dir():
+        from clover_convert import convert
+
+        convert(gguf, tmp / "model-f16.gguf", outtype="f16", progress=False)
+        gguf = tmp / "model-f16.gguf"
+    servers = [start_server(), start_server()]
+    procs = [p for p, _ in servers]
+    eps = [e for _, e in servers]
+    try:
+        local = Clover(gguf, n_threads=args.threads)
+        split = Clover(gguf, n_threads=args.threads, n_gpu_layers=-1, tensor_split=[1.0, 1.0],
+                       rpc_servers=[e for _, e in servers])
+        H, V = int(local.metadata("clover.embedding_length")), local.n_vocab
+        prompt = "def fibonacci(n):\n    "
+        rows = []
+        for B in (1, 32):
+            runs = paired_runs(lambda m: m.generate(prompt, max_tokens=args.n_predict, block_size=B,
+                                                    stop_at_eos=False).stats, [local, split], args.rounds)
+            b0, n0 = io_of(eps)
+            st = split.generate(prompt, max_tokens=args.n_predict, block_size=B, stop_at_eos=False).stats
+            b1, n1 = io_of(eps)
+            steps = st.n_forward
+            rows.append(dict(B=B, local=statistics.median(r.tokens_per_second for r in runs[local]),
+                             split=statistics.median(r.tokens_per_second for r in runs[split]),
+                             ratio=statistics.median(s.tokens_per_second / lo.tokens_per_second
+                                                     for lo, s in zip(runs[local], runs[split])),
+                             tpf=st.tokens_per_forward, bytes_step=(b1 - b0) / steps, calls_step=(n1 - n0) / steps))
+        local.close()
+        split.close()
+    finally:
+        for p in procs:
+            p.kill()
+
+    print(f"model {gguf.name} (hidden {H}, vocabulary {V}), -n {args.n_predict}, "
+          f"{args.rounds} paired rounds, {args.threads} client threads, servers 1 thread each, all on this machine")
+    print(f"{'B':>3} {'local tok/s':>12} {'split tok/s':>12} {'split/local':>12} {'tok/forward':>12} "
+          f"{'KB/step':>9} {'replies/step':>13}")
+    for r in rows:
+        print(f"{r['B']:>3} {r['local']:>12.1f} {r['split']:>12.1f} {r['ratio']:>11.2f}x {r['tpf']:>12.2f} "
+              f"{r['bytes_step'] / 1024:>9.1f} {r['calls_step']:>13.1f}")
+    # Per step the client gets the logits of the canvas rows (B rows x 4 bytes x vocabulary,
+    # from the last device, which holds the output head) and moves hidden states, positions and
+    # masks across device boundaries (the rest). For Clover-35B-A3B the logits scale with the
+    # vocabulary and the rest with the hidden size (an estimate: masks scale with the context).
+    print(f"projection for Clover-35B-A3B (hidden {BIG['hidden']}, vocabulary {BIG['vocab']}), network time "
+          f"per step only, {RTT_S * 1e6:.0f} us per reply assumed:")
+    for r in rows:
+        logits = r["B"] * 4 * V
+        rest = max(0.0, r["bytes_step"] - logits)
+        r["big"] = {"remote": r["B"] * 4 * BIG["vocab"] + rest * BIG["hidden"] / H,
+                    "local": rest * BIG["hidden"] / H}
+        print(f"  B={r['B']}: measured {r['bytes_step'] / 1024:.1f} KB/step = logits {logits / 1024:.1f} KB + "
+              f"{rest / 1024:.1f} KB other -> 35B-A3B: {r['big']['remote'] / 2**20:.2f} MB/step with the output "
+              f"head on the last server, {r['big']['local'] / 2**20:.3f} MB/step with it on the client")
+    for head in ("remote", "local"):
+        for gbps in (1, 10):
+            bw = gbps * 1e9 / 8
+            cells = []
+            for r in rows:
+                t = r["big"][head] / bw + r["calls_step"] * RTT_S
+                cells.append(f"B={r['B']}: {t * 1e3:6.2f} ms/step, <= {r['tpf'] / t:6.0f} tok/s at "
+                             f"{r['tpf']:.2f} tok/step, <= {r['B'] / t:6.0f} at B tok/step")
+            print(f"  head {head:<6} {gbps:>2} Gb/s: " + "; ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
