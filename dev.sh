@@ -3,13 +3,14 @@
 #
 #   ./dev.sh demo    set up everything, then convert + generate on the embedded default model
 #   ./dev.sh test    set up everything, then run the whole test suite
-#   ./dev.sh setup   only the set-up (venv, pinned llama.cpp + our patches, native build)
+#   ./dev.sh setup   only the set-up (venv, pip install -e .: pinned llama.cpp + our patches, native build)
 #   ./dev.sh bench   set up, build the benchmark tools, run the benchmarks
 #   ./dev.sh asan    build libllama + libclover with AddressSanitizer, run the decoding tests on it
 #
 # Needs only python3 (>= 3.11), gcc/g++, cmake and the package registries. Re-running
 # reuses the venv, the patched tree and the build. Environment knobs:
-#   CLOVER_CMAKE_ARGS  extra CMake arguments, e.g. "-DGGML_CUDA=ON"
+#   CLOVER_CMAKE_ARGS  extra CMake arguments, e.g. "-DGGML_CUDA=ON" (CMAKE_ARGS too); a change
+#                      configures build/ afresh
 #   CLOVER_JOBS        parallel build jobs (default: number of cores)
 #   CLOVER_WITH_TRAIN  1 = also install the training extra (torch) so tests/test_train.py runs
 set -euo pipefail
@@ -29,22 +30,22 @@ setup_python() {
         log "creating virtual environment in .venv"
         python3 -m venv "$VENV"
     fi
-    if ! "$PY" -c "import clover_cpp, clover_convert, pytest, tokenizers, jinja2, transformers, openai, fastapi, sse_starlette, uvicorn" 2>/dev/null; then
-        log "installing clover-cpp and its Python dependencies"
+    if ! "$PY" -c "import scikit_build_core" 2>/dev/null; then
+        log "installing the build backend (scikit-build-core)"
         "$PY" -m pip install -q --upgrade pip
-        "$PY" -m pip install -q -e ".[test]"
+        "$PY" -m pip install -q "scikit-build-core>=0.10"
     fi
     # the training code's tests need torch (CI sets CLOVER_WITH_TRAIN=1); the product never does.
     # torch 2.13.0 is the CPU build this machine kind keeps on local disk.
     if [ "${CLOVER_WITH_TRAIN:-0}" = 1 ] && ! "$PY" -c "import torch, matplotlib" 2>/dev/null; then
         log "installing the training extra (torch, CPU build)"
-        "$PY" -m pip install -q "torch==2.13.0" && "$PY" -m pip install -q -e ".[train]"
+        "$PY" -m pip install -q "torch==2.13.0" "matplotlib>=3.7"
     fi
 }
 
-setup_llama() {
-    log "pinned llama.cpp + native/ patch series"
-    "$PY" native/setup_llama.py
+# llama-cpp-python's Python layer (clover quantize uses its llama_model_quantize binding); the
+# pinned sdist is the one native/setup_llama.py fetched for the build
+setup_llama_cpp_python() {
     # (importing llama_cpp would try to load a native lib: only look for the package)
     if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llama_cpp') is None)"; then
         # the Python low-level layer only: it loads OUR libllama (LLAMA_CPP_LIB_PATH)
@@ -68,13 +69,27 @@ configure() {
     printf '%s' "$args" > "$dir/.clover-cmake-args"
 }
 
+# The package build (pyproject.toml, scikit-build-core) compiles the patched llama.cpp, libclover,
+# clover-cli and ggml-rpc-server in build/ (incremental) and installs clover-cpp with its test
+# dependencies in editable mode: the path `pip install .` takes. Extra targets: built after it.
 build_native() {
-    configure "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON
-    log "building libllama (clover), libclover and clover-cli"
-    cmake --build "$BUILD" -j "$JOBS" --target llama clover clover-cli clover-ops clover-fuzz-load ggml-rpc-server "$@"
+    local launcher="" args
+    command -v ccache >/dev/null && launcher="-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
+    args="-DGGML_RPC=ON $launcher ${CLOVER_CMAKE_ARGS:-} ${CMAKE_ARGS:-}"
+    # changed arguments configure afresh: a cache entry from the old ones must not survive
+    if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$BUILD/.clover-cmake-args" 2>/dev/null)" != "$args" ]; then
+        log "CMake arguments changed: configuring build/ afresh"
+        rm -f "$BUILD/CMakeCache.txt"
+    fi
+    log "building and installing clover-cpp (pip install -e .: llama.cpp + libclover + tools in build/)"
+    CMAKE_ARGS="$args" "$PY" -m pip install -q --no-build-isolation -e ".[test]"
+    printf '%s' "$args" > "$BUILD/.clover-cmake-args"
+    if [ $# -gt 0 ]; then
+        cmake --build "$BUILD" -j "$JOBS" --target "$@"
+    fi
 }
 
-setup() { setup_python; setup_llama; build_native "$@"; }
+setup() { setup_python; build_native "$@"; setup_llama_cpp_python; }
 
 # The native decoding tests, the fuzz corpus and the hardening tests once more, on an
 # AddressSanitizer + UndefinedBehaviorSanitizer build of libllama + libclover + clover-cli.

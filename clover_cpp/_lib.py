@@ -132,6 +132,13 @@ def import_llama_cpp() -> ModuleType:
             saved = None
         try:
             import llama_cpp  # noqa: PLC0415
+        except ModuleNotFoundError as e:
+            if e.name != "llama_cpp":
+                raise
+            # its Python layer only: it loads clover's libllama, so skip its own native build
+            raise ImportError("llama-cpp-python is not installed; install its Python layer with "
+                              "CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install 'clover-cpp[quantize]' "
+                              "(it then uses clover's libllama)") from e
         except (ImportError, OSError, FileNotFoundError, RuntimeError) as e:
             raise ImportError(
                 f"cannot import llama_cpp (llama-cpp-python) with LLAMA_CPP_LIB_PATH="

@@ -165,11 +165,12 @@ def find_library() -> Path:
     for p in tried:
         if p.is_file():
             return p
+    checkout = Path(__file__).resolve().parent.parent
+    how = ("build it with `./dev.sh setup` (or `pip install -e .`)" if (checkout / "native" / "clover.h").is_file()
+           else "reinstall clover-cpp (`pip install --force-reinstall clover-cpp`), whose wheel carries it")
     raise CloverLibraryNotFound(
-        "libclover not found (tried: " + ", ".join(map(str, tried)) + "). Build it with "
-        "`cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release && "
-        "cmake --build build --target clover`, or set CLOVER_LIB_PATH to the library file "
-        "or its directory.")
+        "libclover not found (tried: " + ", ".join(map(str, tried)) + f"): {how}, or set CLOVER_LIB_PATH "
+        "to the library file or its directory.")
 
 
 def _declare(L: ctypes.CDLL) -> ctypes.CDLL:

@@ -1,6 +1,6 @@
 """The Clover HF -> GGUF mapping: config validation and THE tensor table.
 
-This module is the single source of truth in code for ``convert/LAYOUT.md``. Another
+This module is the single source of truth in code for ``clover_convert/LAYOUT.md``. Another
 published checkpoint layout should be a change of ``TENSOR_TABLE`` (and perhaps a
 transform), not of the converter.
 
