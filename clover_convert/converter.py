@@ -483,18 +483,29 @@ def _default_out_name(folder: Path, src: str, outtype: str) -> str:
 
 
 def _build_writer(plan_rows: list[TensorPlan], cfg: CloverConfig, tok: TokenizerInfo, outtype: str,
-                  model_name: str, split_max_size: int | None) -> GGUFWriter:
+                  model_name: str, split_max_size: int | None, folder: Path | None = None) -> GGUFWriter:
     w = GGUFWriter(None, ARCH, split_max_size=split_max_size or 0)
-    add_metadata(w, cfg, tok, outtype, model_name)
     for t in plan_rows:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+    add_identity(w, folder, model_name)
+    add_metadata(w, cfg, tok, outtype)
     return w
 
 
-def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: str, model_name: str) -> None:
-    """Every key of LAYOUT.md, with its exact key string."""
+def add_identity(w: GGUFWriter, folder: Path | None, model_name: str) -> None:
+    """general.name, basename, size_label, finetune, version, license, ... as the hub and
+    llama.cpp's own converter fill them: gguf-py's Metadata reads the model card (README.md
+    front matter), config.json and the name; the size label counts the tensors (MoE: 8x1.2M)."""
+    total, shared, expert, n_expert = w.get_total_parameter_count()
+    meta = gguf.Metadata.load(None, folder if folder and folder.is_dir() else None, model_name, total)
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, n_expert)
+    meta.set_gguf_meta_model(w)
+
+
+def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: str) -> None:
+    """Every key of LAYOUT.md but the identity ones (add_identity), with its exact key string."""
     a = ARCH
-    w.add_string("general.name", model_name)
     w.add_uint32("general.file_type", int(_FILE_TYPES[outtype]))
     w.add_uint32("general.quantization_version", GGML_QUANT_VERSION)
     w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
@@ -598,7 +609,7 @@ def plan_conversion(
         if out_p.is_dir():
             out_p = out_p / _default_out_name(folder, src_s, resolved)
     model_name = folder.resolve().name if Path(src_s).exists() else src_s.split("/")[-1]
-    w = _build_writer(tensors, cfg, tok, resolved, model_name, split)
+    w = _build_writer(tensors, cfg, tok, resolved, model_name, split, folder)
     shard_paths = w.format_shard_names(out_p)
     return ConversionPlan(
         src=src_s, folder=folder, out=out_p, outtype=resolved, config=cfg, tokenizer=tok, tensors=tensors,
@@ -748,7 +759,8 @@ def convert(
     reader = CheckpointReader(plan.folder)
     cfg = plan.config
     w = _build_writer(plan.tensors, cfg, plan.tokenizer, plan.outtype,
-                      plan.src if not Path(plan.src).exists() else plan.folder.resolve().name, plan.split_max_size)
+                      plan.src if not Path(plan.src).exists() else plan.folder.resolve().name, plan.split_max_size,
+                      plan.folder)
     tmps = [temp_path(Path(p)) for p in plan.shard_paths]
     bar = None
     try:

@@ -352,6 +352,35 @@ def test_metadata_every_key(fx):
         assert "tokenizer.ggml.bos_token_id" not in fields
 
 
+def test_identity_keys_from_model_card_and_tensors(fx, tmp_path):
+    """general.* identity as the hub and llama.cpp's converter fill them: the model card's front
+    matter (license, basename, finetune, version, tags) and an MoE size label counted from the
+    tensors (experts x parameters per expert path)."""
+    import shutil
+
+    from clover_convert import convert
+
+    src = tmp_path / "Clover-Tiny-v2"
+    shutil.copytree(fx.ckpt("bf16"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    plain = tmp_path / "plain.gguf"
+    convert(src, plain, outtype="f16", progress=False)
+    fields, _, _ = read_gguf(plain)
+    assert _field(fields, "general.name") == "Clover-Tiny-v2"
+    label = _field(fields, "general.size_label")
+    assert label.startswith(f"{cfg['num_experts']}x"), label
+    assert "general.license" not in fields
+    (src / "README.md").write_text("---\nlicense: apache-2.0\nbasename: clover\nfinetune: instruct\n"
+                                   "version: v2\ntags:\n- block-diffusion\n---\n\n# a card\n")
+    carded = tmp_path / "carded.gguf"
+    convert(src, carded, outtype="f16", progress=False)
+    fields, _, _ = read_gguf(carded)
+    for key, want in {"general.license": "apache-2.0", "general.basename": "clover", "general.finetune": "instruct",
+                      "general.version": "v2", "general.size_label": label}.items():
+        assert _field(fields, key) == want, key
+    assert "block-diffusion" in _field(fields, "general.tags")
+
+
 def test_tokenizer_reproduces_tokenizer_json(fx):
     src = fx.ckpt("bf16")
     path, _ = fx.gguf("bf16", "bf16")

@@ -187,7 +187,21 @@ def model_card(hfc: dict, args: dict, meta: dict, info: dict, extra: str, stages
     hl = f"{info['heldout_loss']:.3f}" if info["heldout_loss"] is not None else "n/a"
     partial = ("" if info["step"] >= info["steps_planned"] else
                f" (exported from an intermediate checkpoint: {info['step']} of {info['steps_planned']} planned steps)")
-    return f"""# clover-default
+    # YAML front matter: what the hub shows, and what the converter turns into general.* keys
+    return f"""---
+license: mit
+basename: clover
+finetune: default
+language:
+- en
+tags:
+- clover
+- block-diffusion
+pipeline_tag: text-generation
+library_name: clover-cpp
+---
+
+# clover-default
 
 A small **Clover** block-diffusion MoE language model trained from scratch on CPU, shipped
 with clover-cpp as the default model of `clover demo`. It is a toy: it has learned the
