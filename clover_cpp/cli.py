@@ -422,9 +422,11 @@ def convert(src: str, out: str, outtype: str, split_max_size: str | None, dry_ru
 @click.option("--allow-requantize", is_flag=True, help="Allow requantizing already quantized tensors.")
 @click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight unquantized.")
 @click.option("--pure", is_flag=True, help="Use TYPE for all tensors (no mixtures).")
+@click.option("--imatrix", default=None, metavar="FILE",
+              help="Importance matrix (llama.cpp's GGUF imatrix format), as llama-quantize --imatrix.")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's log.")
 def quantize(inp: str, out: str, qtype: str, threads: int, force: bool, allow_requantize: bool,
-             leave_output_tensor: bool, pure: bool, verbose: bool) -> None:
+             leave_output_tensor: bool, pure: bool, imatrix: str | None, verbose: bool) -> None:
     """Quantize the Clover GGUF IN to TYPE (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, F16, BF16, ...) at OUT.
 
     Runs llama.cpp's llama_model_quantize; writes a temporary file and renames it."""
@@ -451,7 +453,8 @@ def quantize(inp: str, out: str, qtype: str, threads: int, force: bool, allow_re
         bar.update(i - bar.n)
     try:
         dst = do_quantize(inp, out, name, n_threads=threads, force=force, allow_requantize=allow_requantize,
-                          leave_output_tensor=leave_output_tensor, pure=pure, progress=progress, verbose=verbose)
+                          leave_output_tensor=leave_output_tensor, pure=pure, imatrix=imatrix, progress=progress,
+                          verbose=verbose)
     finally:
         if bar is not None:
             bar.close()

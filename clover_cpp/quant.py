@@ -1,5 +1,11 @@
 """Quantizing a Clover GGUF with libllama's ``llama_model_quantize`` (through llama-cpp-python's
-low-level ``llama_cpp`` module, loaded against our patched libllama; see :mod:`clover_cpp._lib`)."""
+low-level ``llama_cpp`` module, loaded against our patched libllama; see :mod:`clover_cpp._lib`).
+
+An importance matrix (``imatrix=``, llama.cpp's GGUF imatrix format as ``llama-imatrix``
+writes it) is read with gguf-py and handed to the quantizer as llama-quantize does. Computing
+one *on* Clover is not built: ``llama-imatrix`` decodes causally token by token, which a clover
+model refuses (patch 0003: that is not how it runs), and a collector over Clover's block passes
+does not exist yet."""
 
 from __future__ import annotations
 
@@ -10,7 +16,11 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from ._lib import import_llama_cpp
 from .gguf_info import GGUFInfoError, check_clover_gguf
@@ -28,7 +38,7 @@ QUANT_TYPES: dict[str, int] = {
 }
 _ALIASES = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q3_K": "Q3_K_M", "FP16": "F16",
             "FP32": "F32", "Q8": "Q8_0"}
-#: types that llama.cpp only produces well with an importance matrix (refused here: no imatrix support)
+#: types that llama.cpp only produces well with an importance matrix (refused without one)
 NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "Q2_K_S"}
 
 
@@ -51,7 +61,7 @@ def parse_quant_type(name: str | int) -> tuple[str, int]:
 
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str | int, *,
              n_threads: int = 0, force: bool = False, allow_requantize: bool = False,
-             leave_output_tensor: bool = False, pure: bool = False,
+             leave_output_tensor: bool = False, pure: bool = False, imatrix: str | os.PathLike[str] | None = None,
              progress: Callable[[int, int, str], None] | None = None, verbose: bool = False) -> Path:
     """Quantize the Clover GGUF src into dst (type by name, e.g. "Q4_K_M").
 
@@ -64,8 +74,10 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
 
     src, dst = Path(src), Path(dst)
     name, ftype = parse_quant_type(qtype)
-    if name in NEEDS_IMATRIX:
-        raise QuantizeError(f"{name} needs an importance matrix, which this command does not support")
+    if name in NEEDS_IMATRIX and imatrix is None:
+        raise QuantizeError(f"{name} needs an importance matrix: pass --imatrix FILE")
+    if imatrix is not None:
+        load_imatrix(imatrix)  # a bad file fails here, with its own message, before any work
     try:
         info = check_clover_gguf(src)
     except GGUFInfoError as e:
@@ -82,7 +94,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
     tmp = temp_path(dst)
     args = json.dumps(dict(src=str(src), dst=str(tmp), ftype=ftype, n_threads=int(n_threads),
                            allow_requantize=bool(allow_requantize), leave_output_tensor=bool(leave_output_tensor),
-                           pure=bool(pure)))
+                           pure=bool(pure), imatrix=None if imatrix is None else str(imatrix)))
     child = subprocess.Popen([sys.executable, "-c", "from clover_cpp.quant import _child_main; _child_main()", args],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              errors="replace", start_new_session=True,  # Ctrl-C reaches us, not the child
@@ -119,6 +131,54 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
     return dst
 
 
+@dataclass
+class ImportanceMatrix:
+    """Per weight tensor, the mean squared activation of each input column (one slice per expert)."""
+    entries: dict[str, np.ndarray]
+    datasets: list[str]
+    chunk_count: int
+
+
+def load_imatrix(path: str | os.PathLike[str]) -> ImportanceMatrix:
+    """Read a GGUF imatrix (NAME.in_sum2 and NAME.counts per weight, as llama-imatrix writes) and
+    normalise it as llama-quantize does: the sums over each expert's count, 1 where unseen."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise QuantizeError(f"{path}: no such importance matrix file")
+    try:
+        r = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - any failure is the file's
+        raise QuantizeError(f"{path}: not a GGUF importance matrix ({e}); the legacy .dat format is not read: "
+                            f"convert it with llama-imatrix --in-file {path.name} -o NEW.gguf") from None
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        for suffix, into in ((".in_sum2", sums), (".counts", counts)):
+            if t.name.endswith(suffix):
+                if t.tensor_type != gguf.GGMLQuantizationType.F32:
+                    raise QuantizeError(f"{path}: {t.name} must be F32")
+                into[t.name[: -len(suffix)]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if not sums or set(sums) != set(counts):
+        odd = sorted(set(sums) ^ set(counts))
+        raise QuantizeError(f"{path}: " + (f"sums without counts or counts without sums: {odd[:3]}" if odd
+                                           else "no importance data (NAME.in_sum2 / NAME.counts tensors)"))
+    entries = {}
+    for name, s in sums.items():
+        c = counts[name]
+        if c.size == 0 or s.size % c.size:
+            raise QuantizeError(f"{path}: {name}: {s.size} sums do not split into {c.size} experts")
+        per = s.reshape(c.size, -1)
+        entries[name] = np.where(c[:, None] > 0, per / np.maximum(c[:, None], 1), 1.0).astype(np.float32).reshape(-1)
+
+    def field(key: str) -> Any:
+        f = r.fields.get(key)
+        return f.contents() if f is not None else None
+
+    return ImportanceMatrix(entries, list(field("imatrix.datasets") or []), int(field("imatrix.chunk_count") or 0))
+
+
 def _die_with_parent() -> None:
     """In the quantizer child (Linux): SIGKILL when the parent dies, so a killed `clover quantize`
     leaves no orphan writing its temporary file."""
@@ -143,6 +203,32 @@ def _child_main() -> None:
     params.allow_requantize = a["allow_requantize"]
     params.quantize_output_tensor = not a["leave_output_tensor"]
     params.pure = a["pure"]
+    keep: list[Any] = []  # what the pointers in params refer to, alive until the call returns
+    if a["imatrix"]:
+        im = load_imatrix(a["imatrix"])
+        rows = (llama_cpp.llama_model_imatrix_data * (len(im.entries) + 1))()  # ends with a NULL name
+        for i, (name, data) in enumerate(im.entries.items()):
+            keep.append(data)
+            rows[i].name = name.encode()
+            rows[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            rows[i].size = data.size
+        # provenance in the output, under llama-quantize's keys
+        kv = (llama_cpp.llama_model_kv_override * 5)()
+        meta = [("quantize.imatrix.file", Path(a["imatrix"]).name), ("quantize.imatrix.entries_count", len(im.entries)),
+                ("quantize.imatrix.chunks_count", im.chunk_count)]
+        if im.datasets:
+            meta.append(("quantize.imatrix.dataset", im.datasets[0][:127]))
+        for o, (key, val) in zip(kv, meta):
+            o.key = key.encode()
+            if isinstance(val, int):
+                o.tag, o.value.val_i64 = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, val
+            else:
+                o.tag, o.value.val_str = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR, val.encode()[:127]
+        keep += [rows, kv]
+        params.imatrix = rows
+        params.kv_overrides = kv
+        print(f"clover: importance matrix {a['imatrix']}: {len(im.entries)} entries, {im.chunk_count} chunks",
+              file=sys.stderr)
     rc = llama_cpp.llama_model_quantize(os.fsencode(a["src"]), os.fsencode(a["dst"]), ctypes.byref(params))
     sys.stderr.flush()
     os._exit(0 if rc == 0 else 1)

@@ -439,6 +439,9 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
                    rpc_servers=rpc_servers, tensor_split=tensor_split)
     app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        # uvicorn.Server, not uvicorn.run (which swallows it): after the graceful shutdown, the
+        # Ctrl-C comes back as KeyboardInterrupt and the command exits 130 as the others do
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                      timeout_graceful_shutdown=5)).run()
     finally:
         model.close()

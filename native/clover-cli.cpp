@@ -7,6 +7,7 @@
 #include "clover.h"
 
 #include <cerrno>
+#include <csignal>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -133,8 +134,22 @@ std::string render_block(cli_state & st, const int32_t * canvas, int32_t n, int3
     return r;
 }
 
+// Ctrl-C: the generation stops at the next denoising step (the callbacks return "cancel") and
+// the tool exits 130 with one line, as `clover` does; a second Ctrl-C exits at once.
+volatile sig_atomic_t g_interrupted = 0;
+
+void on_sigint(int) {
+    if (g_interrupted) {
+        _exit(130);
+    }
+    g_interrupted = 1;
+}
+
 int on_step(int32_t block_start, const int32_t * canvas, int32_t block_size, int32_t n_masked, void * ud) {
     auto & st = *static_cast<cli_state *>(ud);
+    if (g_interrupted) {
+        return 1;
+    }
     if (!st.visual) {
         return 0;
     }
@@ -167,12 +182,14 @@ int on_block(int32_t /*block_start*/, const int32_t * tokens, int32_t n, void * 
     }
     fwrite(text.data(), 1, text.size(), stdout);
     fflush(stdout);
-    return 0;
+    return g_interrupted ? 1 : 0;
 }
 
 } // namespace
 
 int main(int argc, char ** argv) {
+    signal(SIGINT, on_sigint);
+    signal(SIGPIPE, SIG_IGN); // a closed pipe or a lost RPC server is an error return, not a kill
     std::string model_path, prompt, prompt_file;
     bool        have_prompt = false, parse_special = true;
     int         verbose     = 0;
@@ -327,6 +344,11 @@ int main(int argc, char ** argv) {
         clover_model_free(st.model);
         die("block size " + std::to_string(cp.block_size) + " exceeds the context size " + std::to_string(cp.n_ctx));
     }
+    if (g_interrupted) {
+        clover_model_free(st.model);
+        fputs("error: interrupted\n", stderr);
+        return 130;
+    }
     clover_context * ctx = clover_context_new(st.model, &cp, err, sizeof(err));
     if (!ctx) {
         clover_model_free(st.model);
@@ -363,6 +385,12 @@ int main(int argc, char ** argv) {
                          sizeof(err));
     fputs("\n", stdout);
     fflush(stdout);
+    if (g_interrupted) {
+        clover_context_free(ctx);
+        clover_model_free(st.model);
+        fputs("error: interrupted\n", stderr);
+        return 130;
+    }
     if (rc != CLOVER_OK) {
         clover_context_free(ctx);
         clover_model_free(st.model);

@@ -291,3 +291,40 @@ def test_same_flags_same_effect_on_both_tools(files) -> None:
     assert p.returncode == 0, p.stderr
     res = invoke(["run", "-m", files["model"], "-p", "hi", "-b", "4"])
     assert res.exit_code != 0  # -b is llama.cpp's batch size: Clover's block size is --block-size only
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+@needs_lib
+def test_ctrl_c_exits_130_with_one_line(files, tmp_path) -> None:
+    """Ctrl-C while each tool is busy (generating, waiting for a chat line, serving, benchmarking):
+    exit status 130 and the single line 'error: interrupted', no traceback, no ctypes noise."""
+    import select
+    import signal
+    import time
+
+    g = str(files["model"])
+    py = [sys.executable, "-m", "clover_cpp.cli"]
+    long_run = ["-m", g, "-p", "hi", "-n", "4000", "-c", "8192", "--ignore-eos", "--block-size", "1", "-t", "1"]
+    cmds = {
+        "run": py + ["run", "--no-stats"] + long_run,
+        "run --visual": py + ["run", "--visual", "--no-stats"] + long_run,
+        "clover-cli": [str(REPO / "build" / "bin" / "clover-cli")] + long_run,
+        "chat": py + ["chat", "-m", g, "-t", "1"],
+        "serve": py + ["serve", "-m", g, "--port", "0", "-t", "1"],
+        "bench": py + ["bench", "-m", g, "-n", "3000", "-t", "1"],
+    }
+    procs = {k: subprocess.Popen(c, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+             for k, c in cmds.items()}
+    for k, p in procs.items():  # busy: the generators have printed text, the others had time to load
+        if k in ("run", "clover-cli"):
+            assert select.select([p.stdout], [], [], 60)[0], k
+        else:
+            time.sleep(1.0)
+    for p in procs.values():
+        p.send_signal(signal.SIGINT)
+    for k, p in procs.items():
+        _, err = p.communicate(timeout=60)
+        text = err.decode(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("clover serve:", "[block"))]
+        assert p.returncode == 130, (k, p.returncode, text[-500:])
+        assert lines == ["error: interrupted"], (k, text[-500:])

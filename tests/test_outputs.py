@@ -163,3 +163,65 @@ def test_nan_weights_are_reported(tiny_artifacts, tmp_path: Path, capsys) -> Non
     st.write_bytes(bytes(raw))
     convert(ck, tmp_path / "m.gguf", outtype="f16", progress=False)
     assert "2 NaN/Inf value(s)" in capsys.readouterr().err
+
+
+def _clover(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "clover_cpp.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _write_imatrix(path: Path, model: Path, seed: int = 0) -> int:
+    """A GGUF importance matrix (llama-imatrix's format) for every 2D/3D weight of model."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "imatrix")
+    w.add_type("imatrix")
+    w.add_array("imatrix.datasets", ["clover-test"])
+    w.add_uint32("imatrix.chunk_count", 4)
+    w.add_uint32("imatrix.chunk_size", 64)
+    n = 0
+    for t in gguf.GGUFReader(model).tensors:
+        if t.name.endswith(".weight") and len(t.shape) >= 2 and "norm" not in t.name:
+            n_per_row, n_mat = int(t.shape[0]), int(np.prod(t.shape[2:])) if len(t.shape) > 2 else 1
+            w.add_tensor(f"{t.name}.in_sum2", rng.uniform(0.01, 10, (n_mat, n_per_row)).astype(np.float32))
+            w.add_tensor(f"{t.name}.counts", np.full((n_mat, 1), 256.0, np.float32))
+            n += 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return n
+
+
+@pytest.mark.needs_libclover
+def test_quantize_with_an_importance_matrix(tiny_artifacts, tmp_path: Path) -> None:
+    """--imatrix reaches llama.cpp's quantizer: other bytes than without it, the provenance keys
+    llama-quantize writes, a model that loads and generates; a bad file is one line."""
+    import gguf
+
+    from clover_cpp import Clover
+
+    src = tiny_artifacts["f32"]
+    im = tmp_path / "clover.imatrix.gguf"
+    n = _write_imatrix(im, src)
+    plain = tmp_path / "plain.gguf"
+    weighted = tmp_path / "weighted.gguf"
+    assert _clover("quantize", src, plain, "Q4_0").returncode == 0
+    r = _clover("quantize", src, weighted, "Q4_0", "--imatrix", im)
+    assert r.returncode == 0, r.stderr
+    assert plain.read_bytes() != weighted.read_bytes()
+    fields = gguf.GGUFReader(weighted).fields
+    assert fields["quantize.imatrix.file"].contents() == im.name
+    assert fields["quantize.imatrix.entries_count"].contents() == n
+    assert fields["quantize.imatrix.chunks_count"].contents() == 4
+    with Clover(weighted, n_threads=1) as m:
+        assert len(m.generate("hello", max_tokens=4, stop_at_eos=False).tokens) == 4
+    bad = tmp_path / "bad.imatrix"
+    bad.write_bytes(b"not an imatrix")
+    for args in (["Q4_0", "--imatrix", bad], ["Q4_0", "--imatrix", tmp_path / "missing.gguf"], ["IQ2_XXS"]):
+        r = _clover("quantize", src, tmp_path / "x.gguf", *args)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "--imatrix" in r.stderr and not (tmp_path / "x.gguf").exists()
