@@ -52,6 +52,7 @@ void usage(const char * argv0) {
             "  --top-p X              top-p in (0,1] (default 1 = off)\n"
             "  -s, --seed N           sampling seed (default 0; -1 = random)\n"
             "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
+            "  -r, --reverse-prompt T stop before the text T (repeatable; matched across blocks)\n"
             "  -fa, --flash-attn X    flash attention: on, off or auto (default auto)\n"
             "  --visual               show every denoising step of the current block\n"
             "  --no-special           do not parse special tokens in the prompt\n"
@@ -96,7 +97,42 @@ struct cli_state {
     int32_t        mask       = -1;
     int32_t        n_prompt   = 0;
     std::string    piece_buf;
+    // -r/--reverse-prompt: the output stops before the first of these strings, which may span
+    // blocks: text that could still begin one is held back until the next block decides
+    std::vector<std::string> stops;
+    std::string              held;
+    bool                     stopped = false;
 };
+
+// Print what is certainly before any stop string; true once a stop string was found.
+bool emit(cli_state & st, const std::string & text) {
+    st.held += text;
+    size_t cut = std::string::npos, keep = 0;
+    for (const auto & s : st.stops) {
+        cut  = std::min(cut, st.held.find(s));
+        keep = std::max(keep, s.size() - 1);
+    }
+    if (cut != std::string::npos) {
+        fwrite(st.held.data(), 1, cut, stdout);
+        st.held.clear();
+        st.stopped = true;
+    } else {
+        // hold back the longest tail that is a prefix of a stop string
+        size_t hold = 0;
+        for (size_t n = std::min(keep, st.held.size()); n > 0 && hold == 0; --n) {
+            for (const auto & s : st.stops) {
+                if (st.held.compare(st.held.size() - n, n, s, 0, n) == 0) {
+                    hold = n;
+                    break;
+                }
+            }
+        }
+        fwrite(st.held.data(), 1, st.held.size() - hold, stdout);
+        st.held.erase(0, st.held.size() - hold);
+    }
+    fflush(stdout);
+    return st.stopped;
+}
 
 std::string piece(clover_model * m, int32_t tok) {
     std::string s(64, '\0');
@@ -180,9 +216,7 @@ int on_block(int32_t /*block_start*/, const int32_t * tokens, int32_t n, void * 
     for (int32_t i = 0; i < n; ++i) {
         text += piece(st.model, tokens[i]);
     }
-    fwrite(text.data(), 1, text.size(), stdout);
-    fflush(stdout);
-    return g_interrupted ? 1 : 0;
+    return emit(st, text) || g_interrupted ? 1 : 0;
 }
 
 } // namespace
@@ -228,6 +262,11 @@ int main(int argc, char ** argv) {
             cp.n_ctx = (int32_t) parse_int(a, val(), 1, 1 << 24);
         } else if (a == "-ngl" || a == "--n-gpu-layers") {
             mp.n_gpu_layers = (int32_t) parse_int(a, val(), -1, 100000);
+        } else if (a == "-r" || a == "--reverse-prompt") {
+            st.stops.emplace_back(val());
+            if (st.stops.back().empty()) {
+                die("option " + a + " needs a non-empty text");
+            }
         } else if (a == "--rpc") {
             rpc_servers = val();
         } else if (a == "-ts" || a == "--tensor-split") {
@@ -383,6 +422,11 @@ int main(int argc, char ** argv) {
     clover_stats         stats;
     rc = clover_generate(ctx, tokens.data(), n_tok, &gp, out.data(), (int32_t) out.size(), &n_out, &stats, err,
                          sizeof(err));
+    if (st.stopped && rc == CLOVER_ERR_CANCELLED) {
+        rc = CLOVER_OK; // a reverse prompt ended it: a normal finish
+    } else {
+        fwrite(st.held.data(), 1, st.held.size(), stdout);
+    }
     fputs("\n", stdout);
     fflush(stdout);
     if (g_interrupted) {

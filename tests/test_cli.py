@@ -293,6 +293,28 @@ def test_same_flags_same_effect_on_both_tools(files) -> None:
     assert res.exit_code != 0  # -b is llama.cpp's batch size: Clover's block size is --block-size only
 
 
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("extra", [["--top-k", "5", "--top-p", "0.9", "--temp", "0.7", "-s", "3"],
+                                   ["-r", "self"], ["-r", "(self", "-r", "zzz"], ["-ngl", "0", "-c", "512"]])
+def test_more_flags_same_effect_on_both_tools(files, tmp_path, extra: list[str]) -> None:
+    """-f, --top-k, --top-p, -r/--reverse-prompt, -ngl, -c: the same text from both tools (a
+    random model's bytes need not be UTF-8: compared as clover prints them, with replacement)."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello")
+    args = ["-f", str(prompt), "-n", "40", "--block-size", "4", "--ignore-eos", "-t", "1", *extra]
+    res = invoke(["run", "-m", files["model"], *args, "--no-stats", "--no-visual"])
+    assert res.exit_code == 0, res.output
+    p = subprocess.run([str(CLI_BIN), "-m", str(files["model"]), *args], capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode(errors="replace").rstrip("\n") == res.output.rstrip("\n")
+    for i, a in enumerate(extra):
+        if a == "-r":
+            assert extra[i + 1] not in res.output
+    if extra[:1] == ["-r"]:  # the stop string is in the unstopped text, and the output ends before it
+        full = invoke(["run", "-m", files["model"], *args[:-len(extra)], "--no-stats", "--no-visual"]).output
+        assert extra[1] in full and full.startswith(res.output.rstrip("\n"))
+
+
 # ----------------------------------------------------------------------------- Ctrl-C
 @needs_lib
 def test_ctrl_c_exits_130_with_one_line(files, tmp_path) -> None:
