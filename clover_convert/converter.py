@@ -32,11 +32,11 @@ from gguf import GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
 from gguf.gguf_writer import WriterState
 
+from . import mapping
 from .mapping import (
     CloverConfig,
     ConversionError,
     Rule,
-    TENSOR_TABLE,
     apply_fn,
     parse_config,
     perm_index,
@@ -362,7 +362,7 @@ def _plan_tensors(cfg: CloverConfig, inv: _Inventory) -> list[tuple[Rule, str, t
         return dt
 
     def layer_rows(i: int | None) -> None:
-        for rule in TENSOR_TABLE:
+        for rule in mapping.TENSOR_TABLE:  # (read at call time: one table, see hf_tensor_shapes)
             if (rule.scope == "global") != (i is None):
                 continue
             gname = rule.gguf.format(i=i)
@@ -376,7 +376,7 @@ def _plan_tensors(cfg: CloverConfig, inv: _Inventory) -> list[tuple[Rule, str, t
                 rows.append((rule, gname, tuple(final), [Piece(hf)], False, dt or "?"))
                 continue
             assert rule.fused is not None and rule.fused_shape is not None
-            fused_names = {r.fused[0].format(i=i) for r in TENSOR_TABLE if r.fused}
+            fused_names = {r.fused[0].format(i=i) for r in mapping.TENSOR_TABLE if r.fused}
             use_fused = any(n in inv for n in fused_names)
             E, I = cfg.E, cfg.I
             if use_fused:

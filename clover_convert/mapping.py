@@ -45,6 +45,7 @@ form, from a slice of the fused tensor (``fused`` = (name, which) where which is
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,6 +56,8 @@ __all__ = [
     "CloverConfig",
     "Rule",
     "TENSOR_TABLE",
+    "hf_tensor_shapes",
+    "keeps_f32",
     "F32_ONLY",
     "parse_config",
     "v_head_order",
@@ -63,7 +66,7 @@ __all__ = [
 ]
 
 
-class ConversionError(Exception):
+class ConversionError(ValueError):
     """A user-facing conversion error; the message is one line."""
 
     def __init__(self, msg: str):
@@ -414,6 +417,16 @@ TENSOR_TABLE: list[Rule] = [
 F32_ONLY: frozenset[str] = frozenset(r.gguf for r in TENSOR_TABLE if r.f32)
 
 
+def keeps_f32(hf_name: str) -> bool:
+    """Whether the converter stores this HF tensor as F32 whatever the output type (the table's
+    f32 flag: norms, conv taps, dt bias, A, block calibration, the routers)."""
+    return any(p.fullmatch(hf_name) for p in _F32_HF_PATTERNS)
+
+
+_F32_HF_PATTERNS = [re.compile(re.escape(r.hf).replace(r"\{i\}", r"\d+").replace(r"\{j\}", r"\d+"))
+                    for r in TENSOR_TABLE if r.f32]
+
+
 def rule_applies(rule: Rule, cfg: CloverConfig, i: int | None) -> bool:
     if rule.scope == "global":
         if rule.gguf == "output.weight":
@@ -429,6 +442,34 @@ def rule_applies(rule: Rule, cfg: CloverConfig, i: int | None) -> bool:
     if rule.scope == "attn":
         return not cfg.is_recurrent(i)
     return True  # layer, moe, experts
+
+
+def hf_tensor_shapes(cfg: CloverConfig, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of a Clover checkpoint with this config and its shape, in checkpoint order
+    (embeddings, the layers, the final norm, the head). The one tensor list of the project: the
+    converter, the numpy reference, the checkpoint generator and train/ all read it from here."""
+    out: dict[str, tuple[int, ...]] = {}
+
+    def add(rule: Rule, i: int | None) -> None:
+        if rule.scope != "experts":
+            out[rule.hf.format(i=i)] = rule.shape(cfg)
+        elif not fused_experts:
+            for j in range(cfg.E):
+                out[rule.hf.format(i=i, j=j)] = rule.shape(cfg)
+        elif rule.fused and rule.fused[1] != "second":  # gate and up share one fused tensor
+            assert rule.fused_shape is not None
+            out[rule.fused[0].format(i=i)] = rule.fused_shape(cfg)
+
+    first, *last = [r for r in TENSOR_TABLE if r.scope == "global"]
+    add(first, None)
+    for i in range(cfg.L):
+        for r in TENSOR_TABLE:
+            if r.scope != "global" and rule_applies(r, cfg, i):
+                add(r, i)
+    for r in last:
+        if rule_applies(r, cfg, None):
+            add(r, None)
+    return out
 
 
 # ---------------------------------------------------------------------------

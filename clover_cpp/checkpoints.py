@@ -298,22 +298,10 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _validate(cfg: dict[str, Any]) -> None:
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(f"bad Clover config: {msg}")
+    """The project's one config validator (the converter's); token ids may come later."""
+    from clover_convert.mapping import parse_config
 
-    L = cfg["num_hidden_layers"]
-    lt = cfg["layer_types"]
-    need(len(lt) == L, f"layer_types has {len(lt)} entries for {L} layers")
-    need(all(t in ("linear_attention", "full_attention") for t in lt), f"unknown layer type in {lt}")
-    need(cfg["linear_num_value_heads"] % cfg["linear_num_key_heads"] == 0, "Hv must be a multiple of Hk")
-    need(cfg["linear_key_head_dim"] == cfg["linear_value_head_dim"], "dk must equal dv")
-    need(cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0, "nh must be a multiple of nkv")
-    rope = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
-    need(rope >= 2 and rope % 2 == 0, f"rope dims {rope} must be even and >= 2")
-    need(0 < cfg["num_experts_per_tok"] <= cfg["num_experts"], "need 0 < top-k <= num_experts")
-    need(cfg["linear_conv_kernel_dim"] >= 1 and cfg["linear_conv_lookahead"] >= 0, "bad conv sizes")
-    need(cfg["block_size"] >= 1, "block_size must be >= 1")
+    parse_config({**cfg, "mask_token_id": cfg.get("mask_token_id") or 0})
 
 
 def preset_config(preset: str, config_overrides: dict[str, Any] | None = None, dtype: str = "f32") -> dict[str, Any]:
@@ -343,78 +331,18 @@ def preset_config(preset: str, config_overrides: dict[str, Any] | None = None, d
 
 
 def tensor_plan(config: dict[str, Any], fused_experts: bool = False, tied: bool | None = None) -> list[tuple[str, tuple[int, ...]]]:
-    """Every HF tensor name and shape of a Clover checkpoint, in file order.
+    """Every HF tensor name and shape of a Clover checkpoint, in file order (the converter's
+    table: clover_convert.mapping.hf_tensor_shapes). ``tied=None`` takes
+    ``config["tie_word_embeddings"]``."""
+    from clover_convert.mapping import hf_tensor_shapes, parse_config
 
-    ``tied=None`` takes ``config["tie_word_embeddings"]``.
-    """
     if tied is None:
         tied = bool(config.get("tie_word_embeddings", False))
-    V, H = config["vocab_size"], config["hidden_size"]
-    L = config["num_hidden_layers"]
-    lt = config.get("layer_types") or layer_types_of(L, config["full_attention_interval"])
-    Hk, Hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
-    K, R = config["linear_conv_kernel_dim"], config["linear_conv_lookahead"]
-    nh, nkv, dh = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    E, I, Is = config["num_experts"], config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
-    C = 2 * Hk * dk + Hv * dv
-
-    plan: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (V, H))]
-    for i in range(L):
-        p = f"model.layers.{i}."
-        plan.append((p + "input_layernorm.weight", (H,)))
-        if lt[i] == "linear_attention":
-            a = p + "linear_attn."
-            plan += [
-                (a + "in_proj_qkv.weight", (C, H)),
-                (a + "in_proj_z.weight", (Hv * dv, H)),
-                (a + "in_proj_b.weight", (Hv, H)),
-                (a + "in_proj_a.weight", (Hv, H)),
-                (a + "in_proj_m.weight", (Hv, H)),
-                (a + "conv1d.weight", (C, 1, K)),
-            ]
-            if R > 0:
-                plan.append((a + "conv1d_lookahead.weight", (C, 1, R)))
-            plan += [
-                (a + "dt_bias", (Hv,)),
-                (a + "A_log", (Hv,)),
-                (a + "block_calib", (2, Hv)),
-                (a + "norm.weight", (dv,)),
-                (a + "out_proj.weight", (H, Hv * dv)),
-            ]
-        else:
-            a = p + "self_attn."
-            plan += [
-                (a + "q_proj.weight", (nh * dh * 2, H)),
-                (a + "k_proj.weight", (nkv * dh, H)),
-                (a + "v_proj.weight", (nkv * dh, H)),
-                (a + "o_proj.weight", (H, nh * dh)),
-                (a + "q_norm.weight", (dh,)),
-                (a + "k_norm.weight", (dh,)),
-            ]
-        plan.append((p + "post_attention_layernorm.weight", (H,)))
-        m = p + "mlp."
-        plan.append((m + "gate.weight", (E, H)))
-        if fused_experts:
-            plan += [(m + "experts.gate_up_proj", (E, 2 * I, H)), (m + "experts.down_proj", (E, H, I))]
-        else:
-            for j in range(E):
-                e = f"{m}experts.{j}."
-                plan += [
-                    (e + "gate_proj.weight", (I, H)),
-                    (e + "up_proj.weight", (I, H)),
-                    (e + "down_proj.weight", (H, I)),
-                ]
-        plan += [
-            (m + "shared_expert.gate_proj.weight", (Is, H)),
-            (m + "shared_expert.up_proj.weight", (Is, H)),
-            (m + "shared_expert.down_proj.weight", (H, Is)),
-            (m + "shared_expert_gate.weight", (1, H)),
-        ]
-    plan.append(("model.norm.weight", (H,)))
-    if not tied:
-        plan.append(("lm_head.weight", (V, H)))
-    return plan
+    # (the tensors do not depend on the token ids, which a preset gets from its tokenizer later)
+    cfg = {**config, "tie_word_embeddings": bool(tied), "mask_token_id": config.get("mask_token_id") or 0}
+    if "layer_types" not in cfg:
+        cfg["layer_types"] = layer_types_of(cfg["num_hidden_layers"], cfg["full_attention_interval"])
+    return list(hf_tensor_shapes(parse_config(cfg), fused_experts).items())
 
 
 def count_params(config: dict[str, Any], tied: bool | None = None) -> int:

@@ -67,6 +67,7 @@ Decoding (``generate``):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -131,42 +132,14 @@ class CloverConfig:
     def __post_init__(self) -> None:
         if self.eos_token_id is not None and not self.eos_token_ids:
             self.eos_token_ids = (int(self.eos_token_id),)
-        ints = ["vocab_size", "hidden_size", "num_hidden_layers", "linear_num_key_heads",
-                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel_dim", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "shared_expert_intermediate_size", "block_size"]
-        for k in ints:
-            v = getattr(self, k)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"config: {k} must be a positive integer, got {v!r}")
-        if not isinstance(self.linear_conv_lookahead, int) or self.linear_conv_lookahead < 0:
-            raise ValueError("config: linear_conv_lookahead must be an integer >= 0")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError("config: linear_num_value_heads must be a multiple of linear_num_key_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("config: num_attention_heads must be a multiple of num_key_value_heads")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError("config: num_experts_per_tok > num_experts")
-        if not 0.0 <= self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
-            raise ValueError("config: head_dim * partial_rotary_factor must be an even number <= head_dim")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ValueError("config: rms_norm_eps and rope_theta must be > 0")
-        if not self.layer_types:
-            iv = self.full_attention_interval
-            if not isinstance(iv, int) or iv < 1:
-                raise ValueError("config: full_attention_interval must be a positive integer")
-            self.layer_types = [FULL if (i + 1) % iv == 0 else LINEAR
-                                for i in range(self.num_hidden_layers)]
-        self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != self.num_hidden_layers or any(
-                t not in (LINEAR, FULL) for t in self.layer_types):
-            raise ValueError(f"config: layer_types must be {self.num_hidden_layers} entries of "
-                             f"{LINEAR!r}/{FULL!r}")
-        for k in ("mask_token_id", "eos_token_id"):
-            v = getattr(self, k)
-            if v is not None and not 0 <= v < self.vocab_size:
-                raise ValueError(f"config: {k}={v} outside the vocabulary")
+        # one validator for the whole project: the converter's (clover_convert.mapping.parse_config)
+        from clover_convert.mapping import parse_config
+
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("eos_token_ids", "layer_types", "mask_token_id")}
+        d.update(layer_types=list(self.layer_types) or None, eos_token_id=list(self.eos_token_ids) or None,
+                 mask_token_id=0 if self.mask_token_id is None else self.mask_token_id)
+        self.layer_types = parse_config(d).layer_types
 
     @property
     def rotary_dim(self) -> int:
@@ -268,50 +241,13 @@ class Memory:
 # ----------------------------------------------------------------------------- model
 
 def hf_tensor_shapes(cfg: CloverConfig, tied: bool, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor of a Clover checkpoint and its shape, in checkpoint order."""
-    H, V = cfg.hidden_size, cfg.vocab_size
-    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    nh, nkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    C = cfg.conv_dim
-    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
-    for i, lt in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        s[p + "input_layernorm.weight"] = (H,)
-        s[p + "post_attention_layernorm.weight"] = (H,)
-        if lt == LINEAR:
-            a = p + "linear_attn."
-            s.update({a + "in_proj_qkv.weight": (C, H), a + "in_proj_z.weight": (Hv * dv, H),
-                      a + "in_proj_b.weight": (Hv, H), a + "in_proj_a.weight": (Hv, H),
-                      a + "in_proj_m.weight": (Hv, H),
-                      a + "conv1d.weight": (C, 1, cfg.linear_conv_kernel_dim)})
-            if cfg.linear_conv_lookahead:
-                s[a + "conv1d_lookahead.weight"] = (C, 1, cfg.linear_conv_lookahead)
-            s.update({a + "dt_bias": (Hv,), a + "A_log": (Hv,), a + "block_calib": (2, Hv),
-                      a + "norm.weight": (dv,), a + "out_proj.weight": (H, Hv * dv)})
-        else:
-            a = p + "self_attn."
-            s.update({a + "q_proj.weight": (nh * dh * 2, H), a + "k_proj.weight": (nkv * dh, H),
-                      a + "v_proj.weight": (nkv * dh, H), a + "o_proj.weight": (H, nh * dh),
-                      a + "q_norm.weight": (dh,), a + "k_norm.weight": (dh,)})
-        m = p + "mlp."
-        s[m + "gate.weight"] = (E, H)
-        if fused_experts:
-            s[m + "experts.gate_up_proj"] = (E, 2 * I, H)
-            s[m + "experts.down_proj"] = (E, H, I)
-        else:
-            for e in range(E):
-                s[m + f"experts.{e}.gate_proj.weight"] = (I, H)
-                s[m + f"experts.{e}.up_proj.weight"] = (I, H)
-                s[m + f"experts.{e}.down_proj.weight"] = (H, I)
-        s.update({m + "shared_expert.gate_proj.weight": (Is, H),
-                  m + "shared_expert.up_proj.weight": (Is, H),
-                  m + "shared_expert.down_proj.weight": (H, Is),
-                  m + "shared_expert_gate.weight": (1, H)})
-    s["model.norm.weight"] = (H,)
-    if not tied:
-        s["lm_head.weight"] = (V, H)
-    return s
+    """Every HF tensor of a Clover checkpoint and its shape, in checkpoint order: the converter's
+    table (clover_convert.mapping.TENSOR_TABLE), the project's one tensor list."""
+    from clover_convert.mapping import hf_tensor_shapes as table_shapes, parse_config
+
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "eos_token_ids"}
+    d.update(tie_word_embeddings=bool(tied), mask_token_id=cfg.mask_token_id or 0)
+    return table_shapes(parse_config(d), fused_experts)
 
 
 def _unfuse_experts(cfg: CloverConfig, w: dict[str, np.ndarray]) -> None:

@@ -138,7 +138,7 @@ def test_config_overrides(tmp_path):
     r = CheckpointReader(tmp_path)
     assert "model.layers.0.linear_attn.conv1d_lookahead.weight" not in r
     assert "model.layers.2.input_layernorm.weight" not in r
-    with pytest.raises(ValueError, match="multiple of Hk"):
+    with pytest.raises(ValueError, match="multiple of linear_num_key_heads"):
         preset_config("tiny", {"linear_num_value_heads": 3})
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from clover_cpp.reference import (CloverConfig, CloverReference, GenerateResult, Memory,
+from clover_cpp.reference import (CloverConfig, CloverReference, GenerateResult, Memory, hf_tensor_shapes,
                                   bidirectional_conv, block_tau, generate, rope_neox)
 
 MASK, EOS = 63, 62
@@ -25,58 +25,40 @@ TINY = dict(
 
 
 def make_weights(cfg: CloverConfig, seed: int = 0, fused: bool = False) -> dict[str, np.ndarray]:
+    """Random weights for every tensor of the one tensor list (hf_tensor_shapes), scaled so
+    that activations stay O(1)."""
     rng = np.random.default_rng(seed)
-    H, V = cfg.hidden_size, cfg.vocab_size
-    Hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    nh, nkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    E, I, Is, C = (cfg.num_experts, cfg.moe_intermediate_size,
-                   cfg.shared_expert_intermediate_size, cfg.conv_dim)
     lin = lambda o, i: rng.normal(0, 1 / math.sqrt(i), (o, i)).astype(np.float32)  # noqa: E731
     vec = lambda n, s=0.1: rng.normal(0, s, (n,)).astype(np.float32)  # noqa: E731
-    w = {"model.embed_tokens.weight": rng.normal(0, 1, (V, H)).astype(np.float32),
-         "model.norm.weight": vec(H), "lm_head.weight": 3 * lin(V, H)}
-    for i, lt in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = vec(H)
-        w[p + "post_attention_layernorm.weight"] = vec(H)
-        if lt == "linear_attention":
-            a = p + "linear_attn."
-            w[a + "in_proj_qkv.weight"] = lin(C, H)
-            w[a + "in_proj_z.weight"] = lin(Hv * dv, H)
-            w[a + "in_proj_b.weight"] = lin(Hv, H)
-            w[a + "in_proj_a.weight"] = lin(Hv, H)
-            w[a + "in_proj_m.weight"] = lin(Hv, H)
-            w[a + "conv1d.weight"] = rng.normal(0, 0.5, (C, 1, cfg.linear_conv_kernel_dim)).astype(np.float32)
-            w[a + "conv1d_lookahead.weight"] = rng.normal(0, 0.5, (C, 1, cfg.linear_conv_lookahead)).astype(np.float32)
-            w[a + "dt_bias"] = vec(Hv, 0.5)
-            w[a + "A_log"] = vec(Hv, 0.5)
-            w[a + "block_calib"] = np.stack([1 + vec(Hv, 0.3), vec(Hv, 0.5)]).astype(np.float32)
-            w[a + "norm.weight"] = 1 + vec(dv)
-            w[a + "out_proj.weight"] = lin(H, Hv * dv)
+    w: dict[str, np.ndarray] = {}
+    for name, shape in hf_tensor_shapes(cfg, tied=False, fused_experts=True).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            w[name] = np.stack([lin(shape[1], shape[2]) for _ in range(shape[0])])
+        elif name == "model.embed_tokens.weight":
+            w[name] = rng.normal(0, 1, shape).astype(np.float32)
+        elif name == "lm_head.weight":
+            w[name] = 3 * lin(*shape)
+        elif "conv1d" in name:
+            w[name] = rng.normal(0, 0.5, shape).astype(np.float32)
+        elif name.endswith(("dt_bias", "A_log")):
+            w[name] = vec(shape[0], 0.5)
+        elif name.endswith("block_calib"):
+            w[name] = np.stack([1 + vec(shape[1], 0.3), vec(shape[1], 0.5)]).astype(np.float32)
+        elif name.endswith("linear_attn.norm.weight"):
+            w[name] = 1 + vec(shape[0])
+        elif len(shape) == 1:
+            w[name] = vec(shape[0])
         else:
-            a = p + "self_attn."
-            w[a + "q_proj.weight"] = lin(nh * dh * 2, H)
-            w[a + "k_proj.weight"] = lin(nkv * dh, H)
-            w[a + "v_proj.weight"] = lin(nkv * dh, H)
-            w[a + "o_proj.weight"] = lin(H, nh * dh)
-            w[a + "q_norm.weight"] = vec(dh)
-            w[a + "k_norm.weight"] = vec(dh)
-        m = p + "mlp."
-        w[m + "gate.weight"] = lin(E, H)
-        gate_up = np.stack([lin(2 * I, H) for _ in range(E)])
-        down = np.stack([lin(H, I) for _ in range(E)])
-        if fused:
-            w[m + "experts.gate_up_proj"] = gate_up
-            w[m + "experts.down_proj"] = down
-        else:
-            for e in range(E):
-                w[m + f"experts.{e}.gate_proj.weight"] = gate_up[e, :I]
-                w[m + f"experts.{e}.up_proj.weight"] = gate_up[e, I:]
-                w[m + f"experts.{e}.down_proj.weight"] = down[e]
-        w[m + "shared_expert.gate_proj.weight"] = lin(Is, H)
-        w[m + "shared_expert.up_proj.weight"] = lin(Is, H)
-        w[m + "shared_expert.down_proj.weight"] = lin(H, Is)
-        w[m + "shared_expert_gate.weight"] = lin(1, H)
+            w[name] = lin(*shape)
+    if not fused:  # the same values, one tensor per expert
+        I = cfg.moe_intermediate_size
+        for i in range(cfg.num_hidden_layers):
+            m = f"model.layers.{i}.mlp.experts."
+            gate_up, down = w.pop(m + "gate_up_proj"), w.pop(m + "down_proj")
+            for e in range(cfg.num_experts):
+                w[m + f"{e}.gate_proj.weight"] = gate_up[e, :I]
+                w[m + f"{e}.up_proj.weight"] = gate_up[e, I:]
+                w[m + f"{e}.down_proj.weight"] = down[e]
     return w
 
 

@@ -21,6 +21,7 @@ import torch
 
 from clover_convert.safetensors_io import write_safetensors
 from clover_cpp.checkpoints import HF_IDENTITY
+from clover_convert.mapping import keeps_f32
 from clover_cpp.reference import CloverConfig
 from train.model import CloverTorch
 from train.train import run_argv
@@ -43,7 +44,8 @@ def load_run(run: Path) -> tuple[CloverTorch, dict]:
 
 
 def is_f32(name: str, arr: np.ndarray) -> bool:
-    return arr.ndim < 2 or "conv1d" in name or "block_calib" in name
+    """F32 in the exported checkpoint exactly where the converter keeps F32 (one rule, the table's)."""
+    return keeps_f32(name)
 
 
 def hf_config(cfg: CloverConfig) -> dict:
