@@ -35,7 +35,7 @@ from clover_cpp import Clover  # noqa: E402
 from clover_cpp.cli import paired_runs  # noqa: E402
 
 RPC_SERVER = REPO / "build" / "bin" / "ggml-rpc-server"
-# Clover-35B-A3B (shared/clover-architecture.md): hidden size, vocabulary
+# Clover-35B-A3B (spec/model.md): hidden size, vocabulary
 BIG = {"hidden": 2048, "vocab": 248320}
 RTT_S = 100e-6  # one request/response on a LAN (assumed, not measured here)
 

@@ -504,7 +504,7 @@ def add_identity(w: GGUFWriter, folder: Path | None, model_name: str) -> None:
 
 
 def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: str) -> None:
-    """Every key of LAYOUT.md but the identity ones (add_identity), with its exact key string."""
+    """Every key of spec/gguf-layout.md but the identity ones (add_identity), with its exact key string."""
     a = ARCH
     w.add_uint32("general.file_type", int(_FILE_TYPES[outtype]))
     w.add_uint32("general.quantization_version", GGML_QUANT_VERSION)

@@ -1,6 +1,6 @@
 """The Clover HF -> GGUF mapping: config validation and THE tensor table.
 
-This module is the single source of truth in code for ``clover_convert/LAYOUT.md``. Another
+This module is the single source of truth in code for ``spec/gguf-layout.md``. Another
 published checkpoint layout should be a change of ``TENSOR_TABLE`` (and perhaps a
 transform), not of the converter.
 
@@ -17,7 +17,7 @@ Each :class:`Rule` maps one HF tensor name pattern to one GGUF name and says
     - ``plus1``   ``w + 1``: the RMSNorm1p norms (``x/rms * (1 + w)``) are stored as
       plain-multiplier weights, so the loader uses an ordinary RMSNorm;
     - ``neg_exp`` ``-exp(A_log)``: ``ssm_a`` is the decay rate A itself (negative);
-* ``perm``    -- a value-head permutation (the "(V)" rows of LAYOUT.md): HF stores value
+* ``perm``    -- a value-head permutation (the "(V)" rows of spec/gguf-layout.md): HF stores value
   heads grouped by key head (head j uses key head j // r); ggml broadcasts key heads
   tiled (position p uses key head p % Hk). New head position p holds original head
   ``(p % Hk) * r + p // Hk`` (:func:`v_head_order`). Kinds:

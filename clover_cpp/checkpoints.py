@@ -3,7 +3,7 @@
 ``write_checkpoint(folder, preset="tiny", ...)`` writes ``config.json``,
 ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and the
 weights (``model.safetensors`` or shards + ``model.safetensors.index.json``), laid out
-as ``shared/clover-architecture.md`` describes. Weights are random but deterministic:
+as ``spec/model.md`` describes. Weights are random but deterministic:
 each tensor is drawn from ``np.random.default_rng([seed, crc32(name)])``, so the
 numbers do not depend on sharding, dtype or the fused expert layout (the fused tensors
 stack the per-expert draws).

@@ -6,7 +6,7 @@
 ...     for piece in m.generate("Once upon a time", stream=True):
 ...         print(piece, end="", flush=True)
 
-Decoding follows shared/clover-architecture.md ("Decoding"): the prompt's complete blocks are
+Decoding follows spec/decoding.md: the prompt's complete blocks are
 committed, each decode block of B positions starts fully masked (except for the prompt's
 trailing partial block) and is denoised step by step, unmasking every position whose
 confidence reaches ``threshold`` (at least one per step), then committed.
@@ -57,7 +57,8 @@ class CloverError(RuntimeError):
     """An error reported by libclover (or found while checking arguments for it).
 
     ``message`` is the one-line native message, ``status`` the libclover status code
-    (``clover_cpp._native.CLOVER_ERR_*``; 0 when the error was found on the Python side)."""
+    (``clover_cpp._native.CLOVER_ERR_*``; ``CLOVER_ERR_INVALID_ARG`` by default, e.g. for an
+    argument refused on the Python side before any native call)."""
 
     def __init__(self, message: str, status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
         self.message = " ".join(str(message).split()) or "unknown error"

@@ -1,6 +1,6 @@
 """Numpy reference implementation of Clover (the oracle for the native code).
 
-Follows /work/shared/clover-architecture.md ("Clover as implemented here"). It is
+Follows spec/model.md (the model as this repository implements it). It is
 meant to be obviously correct, not fast: all math is float64, loops are written out
 per token and per head where that reads more clearly. Only numpy is used.
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Check that every ggml op of the clover graph is handled by the CPU, CUDA and Metal backends.
 
-The CPU backend is proved by running the graph. The op list comes from the built graph itself (build/bin/clover-ops runs one commit and
-one block pass with an eval callback); the support check reads each backend's
-supports_op in the pinned ggml sources, since only the CPU backend is compiled here.
+The op list comes from the built graph itself (build/bin/clover-ops runs one commit and one
+block pass with an eval callback, on the CPU backend, which thereby runs every op). For CUDA
+and Metal, which are not compiled here, the check reads each backend's supports_op in the
+pinned ggml sources.
 An op counts as handled when its `case GGML_OP_X` / `GGML_UNARY_OP_X` / `GGML_GLU_OP_X`
 appears in that function; conditions inside a case (types, sizes) are printed for review.
 

@@ -7,7 +7,7 @@
  * process on bad input: arguments are validated and C++ exceptions are caught at the API
  * boundary.
  *
- * Model:    a GGUF with general.architecture == "clover" (see convert/LAYOUT.md).
+ * Model:    a GGUF with general.architecture == "clover" (see spec/gguf-layout.md).
  * Context:  one llama.cpp context whose memory (recurrent GDN states + KV cache) holds the
  *           committed blocks. Sequence 0 is the memory M; sequence 1 is scratch for block
  *           passes. Attention is block-causal (llama_set_block_causal(B)); a ubatch holds
@@ -15,7 +15,7 @@
  *           when the ubatch is a multiple of 2B (every power of two up to 256), else
  *           recreates it; clover_set_block_size clears the memory either way.
  *
- * Decoding (see docs/decoding.md): the prompt's complete blocks (aligned at position 0)
+ * Decoding (see spec/decoding.md): the prompt's complete blocks (aligned at position 0)
  * are committed in as few llama_decode calls as the ubatch allows; its last partial block
  * becomes the first decode block. A decode block has B positions; the masked positions
  * inside the token budget are denoised step by step (one block pass per step) until none
@@ -107,8 +107,9 @@ CLOVER_API int32_t clover_eos_token       (const clover_model * model); /* -1 if
 CLOVER_API int32_t clover_train_block_size(const clover_model * model); /* clover.diffusion.block_size, 0 if absent */
 CLOVER_API int32_t clover_n_ctx_train     (const clover_model * model);
 
-/* Metadata value as a string (NUL-terminated). Returns the length of the value, or -1 if
- * the key is absent; like snprintf, the value is truncated to buf_size. */
+/* Metadata value as a string (NUL-terminated), as llama_model_meta_val_str: scalar keys only
+ * (GGUF arrays are not available here). Returns the full length of the value, or -1 if the
+ * key is absent; like snprintf, the value written is truncated to buf_size - 1 bytes. */
 CLOVER_API int32_t clover_model_meta(const clover_model * model, const char * key, char * buf, size_t buf_size);
 
 /* Tokenize `text` (text_len bytes; -1 = NUL-terminated). add_special: add BOS/EOS if the

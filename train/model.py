@@ -1,4 +1,4 @@
-"""Clover forward in torch, for training (see /work/shared/clover-architecture.md).
+"""Clover forward in torch, for training (see spec/model.md).
 
 Parameters carry the Hugging Face names and shapes of the spec, except that the experts of
 a layer are stored in the spec's fused form (``mlp.experts.gate_up_proj [E, 2I, H]``, gate
