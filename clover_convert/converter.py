@@ -43,7 +43,7 @@ from .mapping import (
     rule_applies,
 )
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, bf16_to_f32, f32_to_bf16
-from .outputs import check_output, clean_stale_temps, temp_path
+from .outputs import check_output, clean_stale_temps, fmt_bytes, temp_path
 from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
 
 __all__ = [
@@ -101,14 +101,6 @@ def parse_size(s: str | int | None) -> int | None:
     if n <= 0:
         raise ConversionError(f"split size {s!r} must be positive")
     return n
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable: the loop returns at TiB")
 
 
 def tensor_nbytes(shape: tuple[int, ...], qt: QT) -> int:

@@ -70,3 +70,12 @@ def clean_stale_temps(out: Path, log=None) -> list[Path]:
         except OSError:
             pass
     return removed
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB' (binary units, as file managers show sizes)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable: the loop returns at TiB")

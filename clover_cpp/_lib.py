@@ -40,20 +40,11 @@ def _llama_name() -> str:
 
 
 def native_lib_dir() -> Path | None:
-    """The folder holding our patched libllama (and libclover), or None if not found.
+    """The folder holding our patched libllama (and libclover), or None if not found: the first
+    of :func:`clover_cpp._native.lib_dirs` that has it."""
+    from ._native import lib_dirs
 
-    Looked up in order: the folder of ``CLOVER_LIB_PATH`` (a file or a folder), ``build/bin``
-    of the source checkout, ``clover_cpp/lib`` of the installed package."""
-    cands: list[Path] = []
-    env = os.environ.get("CLOVER_LIB_PATH")
-    if env:
-        p = Path(env)
-        cands.append(p if p.is_dir() else p.parent)
-    cands += [repo_root() / "build" / "bin", Path(__file__).resolve().parent / "lib"]
-    for d in cands:
-        if (d / _llama_name()).is_file():
-            return d
-    return None
+    return next((d for d in lib_dirs() if (d / _llama_name()).is_file()), None)
 
 
 def configure_llama_cpp_env() -> str | None:

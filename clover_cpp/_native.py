@@ -21,7 +21,7 @@ from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_float, 
 from pathlib import Path
 
 __all__ = [
-    "CloverLibraryNotFound", "find_library", "load_library", "lib",
+    "CloverLibraryNotFound", "find_library", "lib_dirs", "load_library", "lib",
     "clover_model_params", "clover_context_params", "clover_generate_params", "clover_stats",
     "clover_step_callback", "clover_block_callback",
 ]
@@ -137,17 +137,22 @@ def _lib_names() -> list[str]:
     return ["libclover.so"]
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+def lib_dirs() -> list[Path]:
+    """The folders that may hold the native libraries (libclover, libllama, ggml), in order: that
+    of CLOVER_LIB_PATH (the library file or its folder), build/bin of a source checkout,
+    clover_cpp/lib of an installed wheel. The one place the project looks for them."""
+    here = Path(__file__).resolve().parent
+    env = os.environ.get("CLOVER_LIB_PATH")
+    dirs = [Path(env) if Path(env).is_dir() else Path(env).parent] if env else []
+    return dirs + [here.parent / "build" / "bin", here / "lib"]
 
 
 def _candidates() -> list[Path]:
     out: list[Path] = []
     env = os.environ.get("CLOVER_LIB_PATH")
-    if env:
-        p = Path(env)
-        out += [p / n for n in _lib_names()] if p.is_dir() else [p]
-    for d in (_repo_root() / "build" / "bin", Path(__file__).resolve().parent / "lib"):
+    if env and not Path(env).is_dir():
+        out.append(Path(env))  # the file itself, whatever its name
+    for d in lib_dirs()[1 if env and not Path(env).is_dir() else 0:]:
         out += [d / n for n in _lib_names()]
     return out
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clover_convert.converter import fmt_bytes as human_bytes
+from clover_convert.outputs import fmt_bytes as human_bytes
 
 __all__ = ["GGUFInfoError", "GGUFInfo", "read_info", "check_clover_gguf"]
 
@@ -166,12 +166,14 @@ def _fmt(v: Any) -> str:
 
 
 def _ftype_name(v: Any) -> str:
-    from .quant import QUANT_TYPES  # noqa: PLC0415
+    """general.file_type by gguf-py's names: 15 -> 'Q4_K_M (15)'."""
+    from gguf import LlamaFileType  # noqa: PLC0415
 
-    names = {n: k for k, n in QUANT_TYPES.items()}
-    if isinstance(v, int) and v in names:
-        return f"{names[v]} ({v})" if v else "F32 (0)"
-    return str(v)
+    try:
+        name = LlamaFileType(v).name
+    except ValueError:
+        return str(v)
+    return f"{name.removeprefix('MOSTLY_').removeprefix('ALL_')} ({v})"
 
 
 def _summarise(tensors: list[TensorSummary]) -> list[TensorSummary]:
