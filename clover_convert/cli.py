@@ -29,7 +29,7 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def main(src: str, out: str | None, outtype: str, split_max_size: str | None, dry_run: bool, force: bool,
          no_progress: bool) -> None:
-    """Convert a Clover checkpoint SRC (a folder, or a Hugging Face repo id org/name) to GGUF at OUT.
+    """Convert a Hugging Face Clover checkpoint SRC (a folder, or a hub repo id org/name) to GGUF at OUT.
 
     OUT may be a folder (the file is then named after the model and type) or omitted
     (the current folder)."""
@@ -39,7 +39,7 @@ def main(src: str, out: str | None, outtype: str, split_max_size: str | None, dr
         pass
     try:
         plan = convert(src, out, outtype=outtype.lower(), split_max_size=split_max_size, dry_run=dry_run,
-                       force=force, progress=not no_progress)
+                       force=force, progress=not no_progress and sys.stderr.isatty())
     except (ConversionError, CheckpointError, OSError) as e:
         msg = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.filename else \
             f"{e.filename}: {e.strerror or e}"

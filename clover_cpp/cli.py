@@ -82,6 +82,20 @@ def _refuse_unknown_multi_letter_flags(group: click.Group, args: list[str]) -> N
 class CloverGroup(click.Group):
     """A group whose errors (click's usage errors included) are one line and exit 1."""
 
+    #: subcommands defined elsewhere, imported when named
+    LAZY = {"convert": ("clover_convert.cli", "main")}
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.LAZY:
+            import importlib
+
+            module, attr = self.LAZY[cmd_name]
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         try:
@@ -249,17 +263,6 @@ def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: in
                 stop=list(reverse_prompt))
 
 
-def _stats_line(stats: Any) -> str:
-    sw = f" ({stats.n_block_switches} switches)" if stats.n_block_switches else ""
-    reused = f" ({stats.n_reused} reused)" if stats.n_reused else ""
-    return (f"[clover] B={stats.block_size}{sw} prompt={stats.n_prompt} tok{reused}, generated={stats.n_generated} tok, "
-            f"blocks={stats.n_blocks}, decode passes={stats.n_decode_passes} "
-            f"({stats.tokens_per_forward:.2f} tok/forward), forward passes={stats.n_forward}, "
-            f"prefill={stats.t_prefill_ms:.1f} ms, decode={stats.t_decode_ms:.1f} ms "
-            f"({stats.tokens_per_second:.1f} tok/s), finish={stats.finish_reason or 'none'}"
-            + (f", cost curve {stats.calibration}" if getattr(stats, "calibration", "") else ""))
-
-
 # ----------------------------------------------------------------------------- live view
 
 def _printable(s: str) -> str:
@@ -386,30 +389,8 @@ def _generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any 
 
 
 # ----------------------------------------------------------------------------- convert
-
-@cli.command(context_settings=CONTEXT_SETTINGS)
-@click.argument("src")
-@click.argument("out")
-@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0", "auto"], case_sensitive=False),
-              default="auto", show_default=True, help="Tensor type (norms, routers, conv taps stay f32).")
-@click.option("--split-max-size", default=None, metavar="SIZE",
-              help="Split the output into files of at most SIZE of tensor data (e.g. 50M, 2G).")
-@click.option("--dry-run", is_flag=True, help="Print the plan; read and write no weights.")
-@click.option("--force", is_flag=True, help="Overwrite an existing output.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-def convert(src: str, out: str, outtype: str, split_max_size: str | None, dry_run: bool, force: bool,
-            no_progress: bool) -> None:
-    """Convert a Hugging Face Clover checkpoint SRC (folder or org/name) to a GGUF at OUT
-    (a file, or a folder to name it after the model)."""
-    from clover_convert import convert as do_convert
-
-    plan = do_convert(src, out, outtype=outtype.lower(), split_max_size=split_max_size, dry_run=dry_run,
-                      force=force, progress=not no_progress and sys.stderr.isatty())
-    if dry_run:
-        click.echo(plan.format())
-    else:
-        click.echo(plan.summary(), err=True)
-
+# `clover convert` is clover_convert's own command (also `clover-convert`, `python -m
+# clover_convert`), imported only when used: the converter is not needed to start `clover run`.
 
 # ----------------------------------------------------------------------------- quantize
 
@@ -508,7 +489,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
         sys.stdout.write("\n")
         sys.stdout.flush()
         if stats:
-            click.echo(_stats_line(r.stats), err=True)
+            click.echo(r.stats.format(), err=True)
 
 
 # ----------------------------------------------------------------------------- chat
@@ -567,7 +548,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
             sys.stdout.flush()
             history.append({"role": "assistant", "content": r.text})
             if stats:
-                click.echo(_stats_line(r.stats), err=True)
+                click.echo(r.stats.format(), err=True)
 
 
 def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str]],
@@ -816,7 +797,7 @@ def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads
         r = _generate_to_terminal(m, prompt, visual, prefix=prompt, **kw)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        click.echo(_stats_line(r.stats), err=True)
+        click.echo(r.stats.format(), err=True)
         if compare and B != 1:
             # paired and repeated: 3 rounds of (B, B = 1), the order alternating
             runs = paired_runs(lambda b: m.generate(prompt, max_tokens=n_predict, block_size=b,

@@ -126,13 +126,15 @@ class GenerationStats:
                    calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused)
 
     def format(self) -> str:
-        """One line for humans."""
+        """One line for humans (what `clover run` prints after the text)."""
         sw = f" ({self.n_block_switches} switches)" if self.n_block_switches else ""
-        return (f"block size {self.block_size}{sw}: prompt {self.n_prompt} tok, generated {self.n_generated} tok "
-                f"in {self.n_blocks} blocks, {self.n_decode_passes} decode passes "
-                f"({self.tokens_per_forward:.2f} tok/forward), {self.n_forward} forward passes in all; "
-                f"prefill {self.t_prefill_ms:.1f} ms, decode {self.t_decode_ms:.1f} ms "
-                f"({self.tokens_per_second:.1f} tok/s); finish: {self.finish_reason or 'none'}")
+        reused = f" ({self.n_reused} reused)" if self.n_reused else ""
+        return (f"[clover] B={self.block_size}{sw} prompt={self.n_prompt} tok{reused}, generated={self.n_generated} tok, "
+                f"blocks={self.n_blocks}, decode passes={self.n_decode_passes} "
+                f"({self.tokens_per_forward:.2f} tok/forward), forward passes={self.n_forward}, "
+                f"prefill={self.t_prefill_ms:.1f} ms, decode={self.t_decode_ms:.1f} ms "
+                f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
+                + (f", cost curve {self.calibration}" if self.calibration else ""))
 
 
 @dataclass

@@ -76,7 +76,7 @@ def test_reuse_under_auto_and_in_chat(pair) -> None:
     msgs += [{"role": "assistant", "content": t1.text}, {"role": "user", "content": "and again"}]
     t2 = a.chat(msgs, max_tokens=12, block_size=4)
     assert t2.stats.n_reused > 0 and kept >= 0
-    assert "reused" in __import__("clover_cpp.cli", fromlist=["_stats_line"])._stats_line(t2.stats)
+    assert "reused" in t2.stats.format()
 
 
 def test_new_context_shares_the_model(tiny_artifacts) -> None:
