@@ -102,7 +102,7 @@ asan() {
     cmake --build "$asan_build" -j "$JOBS" --target llama clover clover-cli clover-fuzz-load ggml-rpc-server
     log "replaying a fuzz corpus of damaged GGUFs through the loader under the sanitizers"
     local corpus; corpus=$(mktemp -d)
-    "$PY" -c "import sys; from clover_cpp.checkpoints import write_checkpoint; from clover_convert import convert; \
+    "$PY" -c "import sys; from clover_testkit.checkpoints import write_checkpoint; from clover_convert import convert; \
 write_checkpoint(sys.argv[1] + '/ck', preset='tiny', dtype='f32'); \
 convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress=False)" "$corpus"
     "$PY" tests/fuzz.py gguf "$corpus/tiny.gguf" "$corpus/cases" "${CLOVER_FUZZ_CASES:-300}" >/dev/null

@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--outtypes", default="f16,q8_0")
     args = ap.parse_args()
 
-    from clover_cpp.checkpoints import write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="clover-convert-bench-") as tmp:
         root = args.keep or Path(tmp)

@@ -53,7 +53,7 @@ def _atomic_target(path: Path) -> Path:
 
 # ----------------------------------------------------------------------------- clover
 def clover_source(cache: Path, force: bool = False) -> Path:
-    from clover_cpp.checkpoints import write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint
 
     src = cache / f"src-{PRESET}"
     if force or not (src / "config.json").is_file() or not any(src.glob("model*.safetensors")):
@@ -160,7 +160,7 @@ def qwen35moe_from_clover(src: Path, out: Path) -> int:
 def llada_moe_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
     import gguf
     from gguf import quants
-    from clover_cpp.checkpoints import preset_config
+    from clover_testkit.checkpoints import preset_config
 
     out = cache / f"llada-moe-{PRESET}-{outtype}.gguf"
     if not force and out.is_file():

@@ -757,7 +757,7 @@ def demo_model(cache_dir: Path, log: Any = None) -> tuple[Path, str]:
             say(f"converting {src} -> {out} ...")
             do_convert(str(src), str(out), outtype="f16", force=True, progress=sys.stderr.isatty())
         return out, desc
-    from .checkpoints import write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint  # (the fallback only: no bundled model)
 
     out = cache_dir / "clover-tiny-f16.gguf"
     desc = "synthetic 'tiny' preset (random weights: expect gibberish; the decoding is real)"

@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny preset (f32 checkpoint) converted once to f32, f16 and q8_0 GGUFs."""
     from clover_convert import convert
-    from clover_cpp.checkpoints import write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint
 
     d = tmp_path_factory.mktemp("tiny")
     ckpt = d / "ck"

@@ -24,7 +24,7 @@ def tiny(tiny_artifacts) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def ref(tiny):
-    from clover_cpp.reference import CloverReference
+    from clover_testkit.reference import CloverReference
 
     return CloverReference.from_pretrained(tiny[0])
 
@@ -264,7 +264,7 @@ def test_block_logits_default_kv_cache(tiny, ref) -> None:
 @pytest.mark.parametrize("threshold", [0.5, 0.9, 1.0])
 @pytest.mark.parametrize("B", [1, 4, 8])
 def test_greedy_equals_reference(model, ref, B: int, threshold: float) -> None:
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     for prompt in PROMPTS:
         toks = model.tokenize(prompt, add_special=True)

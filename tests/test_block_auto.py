@@ -20,7 +20,7 @@ SWITCHING = {1: 1.0, 2: 1.9, 4: 2.0, 8: 2.2, 16: 10.0, 32: 20.0}  # a pass; a fu
 
 @pytest.fixture(scope="module")
 def ref(tiny_artifacts):
-    from clover_cpp.reference import CloverReference
+    from clover_testkit.reference import CloverReference
 
     return CloverReference.from_pretrained(tiny_artifacts["ckpt"])
 
@@ -57,7 +57,7 @@ def test_cost_curve_with_one_best_size_is_that_size(model) -> None:
 
 @pytest.mark.parametrize("threshold", [0.0, 0.9])
 def test_switches_equal_reference_schedule(model, ref, threshold: float) -> None:
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     switched = 0
     for prompt in PROMPTS:

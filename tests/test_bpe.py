@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from clover_cpp.bpe import (
+from clover_testkit.bpe import (
     CHATML_TEMPLATE,
     EOS_TOKEN,
     IM_END,

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from clover_convert.safetensors_io import CheckpointReader, f32_to_bf16
-from clover_cpp import bpe
-from clover_cpp.checkpoints import (
+from clover_testkit import bpe
+from clover_testkit.checkpoints import (
     cli,
     count_params,
     preset_config,

@@ -27,7 +27,7 @@ from clover_convert import ConversionError, convert
 from clover_convert import converter as conv_mod
 from clover_convert.cli import main as cli_main
 from clover_convert.safetensors_io import CheckpointReader, write_safetensors
-from clover_cpp.checkpoints import preset_config, tensor_plan, write_checkpoint
+from clover_testkit.checkpoints import preset_config, tensor_plan, write_checkpoint
 
 VARIANTS = {
     "bf16": dict(dtype="bf16"),

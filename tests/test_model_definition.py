@@ -9,7 +9,7 @@ import json
 import pytest
 
 import clover_convert.mapping as M
-from clover_cpp import checkpoints, reference
+from clover_testkit import checkpoints, reference
 
 
 def test_every_reader_of_the_table_sees_a_new_rule(monkeypatch, tmp_path) -> None:

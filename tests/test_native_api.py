@@ -1,4 +1,4 @@
-"""libclover (native/clover.h) against the numpy reference (clover_cpp.reference).
+"""libclover (native/clover.h) against the numpy reference (clover_testkit.reference).
 
 A tiny synthetic checkpoint is written, converted to GGUF (f32, f16, q8_0) and run through
 the C API with ctypes (clover_cpp._native):
@@ -183,7 +183,7 @@ def artifacts(tiny_artifacts):
 
 @pytest.fixture(scope="module")
 def ref(artifacts):
-    from clover_cpp.reference import CloverReference
+    from clover_testkit.reference import CloverReference
 
     return CloverReference.from_pretrained(artifacts["ckpt"])
 
@@ -351,7 +351,7 @@ REF_CACHE: dict = {}
 
 
 def _ref_generate(ref, prompt, **kw):
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     key = (id(ref), tuple(prompt), tuple(sorted(kw.items())))
     if key not in REF_CACHE:
@@ -363,7 +363,7 @@ def _ref_generate(ref, prompt, **kw):
 
 def _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, threshold, max_steps, tol=F32_TOL) -> str | None:
     """If the first step where the two runs differ is a near-tie in the reference, describe it."""
-    from clover_cpp.reference import _candidates
+    from clover_testkit.reference import _candidates
 
     mask = ref.cfg.mask_token_id
     for i, (rs, ns) in enumerate(zip(ref_steps, nat_steps)):
@@ -508,7 +508,7 @@ def eos_variant(artifacts, model, ref, vocab_hi):
 
 def test_stop_at_eos(eos_variant):
     m, r2, prompt, eos = eos_variant
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     with Ctx(m, 4) as ctx:
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9)
@@ -542,7 +542,7 @@ def test_seeded_sampling_reproducible(model, vocab_hi):
 
 
 def test_pick_candidate_greedy_matches_reference(ref):
-    from clover_cpp.reference import _candidates
+    from clover_testkit.reference import _candidates
 
     rng = np.random.default_rng(3)
     V, mask = 576, 559
@@ -636,7 +636,7 @@ def test_block_callback_cut_at_max_tokens(model, vocab_hi):
 
 
 def test_step_callback_cancel(model, ref, vocab_hi):
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     prompt = _prompt(63, 5, vocab_hi)
     calls = []

@@ -1,4 +1,4 @@
-"""Tests of the numpy reference (clover_cpp.reference) on a tiny random model."""
+"""Tests of the numpy reference (clover_testkit.reference) on a tiny random model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from clover_cpp.reference import (CloverConfig, CloverReference, GenerateResult, Memory, hf_tensor_shapes,
+from clover_testkit.reference import (CloverConfig, CloverReference, GenerateResult, Memory, hf_tensor_shapes,
                                   bidirectional_conv, block_tau, generate, rope_neox)
 
 MASK, EOS = 63, 62
@@ -406,7 +406,7 @@ def test_from_pretrained_single_file(tmp_path, cfg, weights, model):
 
 
 def test_from_pretrained_generated_checkpoint(tmp_path):
-    ckpt = pytest.importorskip("clover_cpp.checkpoints")
+    ckpt = pytest.importorskip("clover_testkit.checkpoints")
     ckpt.write_checkpoint(tmp_path, preset="tiny", dtype="bf16", shards=2, fused_experts=True, tied=True)
     m = CloverReference.from_pretrained(tmp_path)
     B = m.cfg.block_size

@@ -80,7 +80,7 @@ def servers():
 
 @pytest.fixture(scope="module")
 def ref(tiny_artifacts):
-    from clover_cpp.reference import CloverReference
+    from clover_testkit.reference import CloverReference
 
     return CloverReference.from_pretrained(tiny_artifacts["ckpt"])
 
@@ -124,7 +124,7 @@ def test_block_pass_logits_equal_local(local, remote, tiny_artifacts, B: int) ->
 
 @pytest.mark.parametrize("B", [1, 8, 32])
 def test_greedy_generation_equals_reference(remote, local, ref, tiny_artifacts, B: int) -> None:
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     toks = _prompt(7, 21, tiny_artifacts["cfg"])
     want = generate(ref, toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False)
@@ -135,7 +135,7 @@ def test_greedy_generation_equals_reference(remote, local, ref, tiny_artifacts, 
 
 
 def test_auto_equals_reference_schedule(remote, ref, tiny_artifacts) -> None:
-    from clover_cpp.reference import generate
+    from clover_testkit.reference import generate
 
     cheap = {1: 1.0, 2: 1.9, 4: 2.0, 8: 2.2, 16: 10.0, 32: 20.0}  # B = 1, a B = 2 probe, then B = 8
     remote.set_cost_curve(cheap, cheap)

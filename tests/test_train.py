@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # train/ is not i
 
 torch = pytest.importorskip("torch")
 
-from clover_cpp.reference import CloverConfig, CloverReference  # noqa: E402
+from clover_testkit.reference import CloverConfig, CloverReference  # noqa: E402
 from train.model import CloverTorch  # noqa: E402
 from train import train as tr  # noqa: E402
 
@@ -169,7 +169,7 @@ def test_distill_trajectories_and_finetune(tmp_path):
     """Trajectories are the native engine's own B = 1 greedy output; fine-tuning resumes to
     the same losses as an uninterrupted run."""
     from clover_cpp import Clover
-    from clover_cpp.checkpoints import write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint
     from train import distill
 
     init = tmp_path / "init"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clover_cpp import bpe
+from clover_testkit import bpe
 
 EXCLUDE_DIRS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "__pycache__",
                 "pydoc_data", "encodings"}

@@ -132,7 +132,7 @@ def finetune(a: argparse.Namespace) -> list[float]:
     import torch
     from safetensors.torch import load_file
 
-    from clover_cpp.reference import CloverConfig
+    from clover_testkit.reference import CloverConfig
     from train.model import CloverTorch
     from train.train import (AUX_WEIGHT, heldout_loss, heldout_windows, load_ckpt, lr_at, make_optimizer,
                              mask_blocks, masked_loss, open_log, parse_block_sizes, save_ckpt)

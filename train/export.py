@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from clover_convert.safetensors_io import write_safetensors
-from clover_cpp.checkpoints import HF_IDENTITY
+from clover_testkit.checkpoints import HF_IDENTITY
 from clover_convert.mapping import keeps_f32
-from clover_cpp.reference import CloverConfig
+from clover_testkit.reference import CloverConfig
 from train.model import CloverTorch
 from train.train import run_argv
 
@@ -225,7 +225,7 @@ distributions, which random weights never do; see Evaluation for how far that go
 
 ## Tokenizer
 
-Byte-level BPE (Qwen2-style pre-tokenizer) trained with `clover_cpp.bpe.train_bpe` on all
+Byte-level BPE (Qwen2-style pre-tokenizer) trained with `clover_testkit.bpe.train_bpe` on all
 training files: {meta['vocab_size']} tokens = 256 bytes + merges + the specials
 `<|endoftext|>` ({hfc['eos_token_id']}, EOS/pad), `<|im_start|>`, `<|im_end|>`, `<|mask|>`
 ({hfc['mask_token_id']}). ChatML chat template (the model was never trained on chat).

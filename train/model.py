@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from clover_cpp.reference import LINEAR, CloverConfig, hf_tensor_shapes
+from clover_testkit.reference import LINEAR, CloverConfig, hf_tensor_shapes
 
 QK_NORM_EPS = 1e-6
 

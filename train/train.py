@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clover_cpp.reference import CloverConfig
+from clover_testkit.reference import CloverConfig
 from train.model import CloverTorch, config_dict
 
 PRESETS = {

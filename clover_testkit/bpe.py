@@ -1,7 +1,7 @@
 """Byte-level BPE: a deterministic trainer, an encoder/decoder, and HF tokenizer files.
 
 This is what our test fixtures and the synthetic checkpoints use (see
-``clover_cpp.checkpoints``). llama.cpp tokenizes natively from the GGUF; the encoder here
+``clover_testkit.checkpoints``). llama.cpp tokenizes natively from the GGUF; the encoder here
 only serves our own tests and training.
 
 Pieces:

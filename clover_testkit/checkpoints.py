@@ -16,12 +16,12 @@ in-block softmax temperature tau is about sqrt(dk) on unit-normed q, k) and
 phi ~ N(0, 0.1); embeddings ~ N(0, 1) and lm_head ~ N(0, 4/H) (logits of std ~2); when
 tied, the embedding takes the lm_head scale.
 
-The tokenizer is a byte-level BPE (``clover_cpp.bpe``) trained deterministically on the
+The tokenizer is a byte-level BPE (``clover_testkit.bpe``) trained deterministically on the
 fixed text embedded below, with specials ``<|endoftext|>`` (eos, pad), ``<|im_start|>``,
 ``<|im_end|>``, ``<|mask|>`` right after the BPE tokens. ``config.vocab_size`` rounds
 the tokenizer size up (64 for tiny, 256 for small), as Qwen pads its embedding.
 
-CLI: ``python -m clover_cpp.checkpoints PRESET OUT [--dtype f32|bf16] [--shards N]
+CLI: ``python -m clover_testkit.checkpoints PRESET OUT [--dtype f32|bf16] [--shards N]
 [--fused-experts] [--tied] [--seed N] [--dry-run]``.
 """
 

@@ -1,0 +1,9 @@
+"""Clover's test kit: what checks the product, kept out of the runtime (`clover_cpp` never
+imports it when it runs a model).
+
+* :mod:`clover_testkit.reference` - the numpy float64 reference model and decoding loop, the
+  oracle the native code is held to;
+* :mod:`clover_testkit.checkpoints` - deterministic synthetic checkpoints of any preset
+  (``python -m clover_testkit.checkpoints``), the fixtures of the tests and benchmarks;
+* :mod:`clover_testkit.bpe` - the byte-level BPE trainer of the fixture tokenizers.
+"""
