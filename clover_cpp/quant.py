@@ -4,7 +4,7 @@ low-level ``llama_cpp`` module, loaded against our patched libllama; see :mod:`c
 An importance matrix (``imatrix=``, llama.cpp's GGUF imatrix format as ``llama-imatrix``
 writes it) is read with gguf-py and handed to the quantizer as llama-quantize does. Computing
 one *on* Clover is not built: ``llama-imatrix`` decodes causally token by token, which a clover
-model refuses (patch 0003: that is not how it runs), and a collector over Clover's block passes
+model refuses (patch 0004: that is not how it runs), and a collector over Clover's block passes
 does not exist yet."""
 
 from __future__ import annotations

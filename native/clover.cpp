@@ -206,7 +206,7 @@ struct status_error {
     std::string msg;
 };
 
-// llama.cpp's RPC backend, when built in (GGML_RPC). The patched backend (0005) counts lost
+// llama.cpp's RPC backend, when built in (GGML_RPC). The patched backend (patch 0006) counts lost
 // connections instead of aborting the process; a model on RPC devices checks the count.
 ggml_backend_reg_t rpc_backend() {
     return ggml_backend_reg_by_name("RPC");
