@@ -1,0 +1,522 @@
+// clover-context.cpp - the llama.cpp context of a clover_context and the committed-memory
+// protocol: seq 0 or 1 holds the memory, seq 2 is the scratch copy a block pass runs on.
+
+#include "clover-impl.h"
+
+namespace clover_impl {
+
+void free_lctx(clover_context * c) {
+    if (c->batch_ok) {
+        llama_batch_free(c->batch);
+        c->batch_ok = false;
+    }
+    if (c->lctx) {
+        llama_free(c->lctx);
+        c->lctx = nullptr;
+    }
+    c->n_committed = 0;
+    c->mem_tokens.clear();
+    c->mem_B = -1;
+}
+
+// The ubatch size for block size B: whole blocks, at least two (a commit fused with the next
+// pass), about 512 tokens for the prefill. Any power of two up to 256 divides 512, so
+// block_size = auto switches B without a new context.
+int32_t ubatch_for(int32_t B) {
+    return B * std::max(2, (512 + B - 1) / B);
+}
+
+bool ubatch_fits(const clover_context * c, int32_t B) {
+    return c->lctx && c->U % B == 0 && c->U >= 2 * B;
+}
+
+int make_lctx(clover_context * c, int32_t B, std::string & msg) {
+    free_lctx(c);
+    const int32_t U        = ubatch_for(B);
+    llama_context_params p = llama_context_default_params();
+    p.n_ctx                = (uint32_t) c->n_ctx;
+    p.n_ubatch             = (uint32_t) U;
+    p.n_batch              = (uint32_t) U;
+    p.n_seq_max            = 3; // seq 0 or 1 = memory, seq 2 = scratch for block passes
+    p.kv_unified           = true;
+    p.n_threads            = c->n_threads;
+    p.n_threads_batch      = c->n_threads;
+    p.flash_attn_type      = c->flash_attn < 0   ? LLAMA_FLASH_ATTN_TYPE_AUTO :
+                             c->flash_attn == 0 ? LLAMA_FLASH_ATTN_TYPE_DISABLED :
+                                                  LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    p.no_perf              = true;
+    p.embeddings           = false;
+    if (c->kv_f32) {
+        p.type_k = GGML_TYPE_F32;
+        p.type_v = GGML_TYPE_F32;
+    }
+    g_last_log_error.clear();
+    c->lctx = llama_init_from_model(c->model->lm, p);
+    if (!c->lctx) {
+        msg = "failed to create the llama.cpp context (n_ctx=" + std::to_string(c->n_ctx) +
+              ", block_size=" + std::to_string(B) + ")";
+        const std::string le = last_log_error();
+        if (!le.empty()) {
+            msg += ": " + le;
+        }
+        return CLOVER_ERR_LOAD;
+    }
+    // block-causal: a token sees its own block and the earlier ones; the graph reads B from it
+    llama_set_causal_attn(c->lctx, true);
+    llama_set_block_causal(c->lctx, B);
+    c->batch    = llama_batch_init(U, 0, 1);
+    c->batch_ok = true;
+    c->B        = B;
+    c->U        = U;
+    c->n_committed = 0;
+    c->mem_tokens.clear();
+    c->mem_B = -1;
+    c->mem_seq     = 0;
+    return CLOVER_OK;
+}
+
+int check_tokens(const clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= c->model->n_vocab) {
+            msg = "token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                  " is outside the vocabulary [0, " + std::to_string(c->model->n_vocab) + ")";
+            return CLOVER_ERR_INVALID_ARG;
+        }
+    }
+    return CLOVER_OK;
+}
+
+int check_pass(const clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+    if (!c->lctx) {
+        msg = "context has no llama.cpp context (a previous block-size change failed)";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (!tokens || n < 1 || n > c->B) {
+        msg = "a block pass or commit takes 1.." + std::to_string(c->B) + " tokens (block size), got " +
+              std::to_string(n);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (c->n_committed % c->B != 0) {
+        msg = "n_committed=" + std::to_string(c->n_committed) + " is not a multiple of the block size " +
+              std::to_string(c->B) + " (a partial block was committed)";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if ((int64_t) c->n_committed + n > c->n_ctx) {
+        msg = "context full: " + std::to_string(c->n_committed) + " committed + " + std::to_string(n) +
+              " tokens > n_ctx=" + std::to_string(c->n_ctx);
+        return CLOVER_ERR_CONTEXT_FULL;
+    }
+    return check_tokens(c, tokens, n, msg);
+}
+
+// Appends n tokens at positions pos0.. to the batch.
+void add_to_batch(clover_context * c, const int32_t * tokens, int32_t n, int32_t pos0, llama_seq_id seq,
+                  const std::vector<char> * want, bool logits) {
+    llama_batch & b = c->batch;
+    for (int32_t i = 0; i < n; ++i) {
+        const int32_t at = b.n_tokens++;
+        b.token[at]     = tokens[i];
+        b.pos[at]       = pos0 + i;
+        b.n_seq_id[at]  = 1;
+        b.seq_id[at][0] = seq;
+        b.logits[at]    = logits && (!want || (*want)[i]) ? 1 : 0;
+    }
+}
+
+void fill_batch(clover_context * c, const int32_t * tokens, int32_t n, bool logits) {
+    c->batch.n_tokens = 0;
+    add_to_batch(c, tokens, n, c->n_committed, c->mem_seq, nullptr, logits);
+}
+
+// rows[i] = logits of batch row first + i for the rows asked for (want), valid until the next decode
+int read_rows(clover_context * c, int32_t first, int32_t n, const std::vector<char> * want,
+              std::vector<const float *> & rows, const char * what, std::string & msg) {
+    rows.assign(n, nullptr);
+    for (int32_t i = 0; i < n; ++i) {
+        if (want && !(*want)[i]) {
+            continue;
+        }
+        rows[i] = llama_get_logits_ith(c->lctx, first + i);
+        if (!rows[i]) {
+            msg = std::string(what) + ": no logits for token " + std::to_string(i);
+            return CLOVER_ERR_DECODE;
+        }
+    }
+    return CLOVER_OK;
+}
+
+int decode_status(int rc, const char * what, std::string & msg) {
+    msg = std::string(what) + ": llama_decode returned " + std::to_string(rc);
+    const std::string le = last_log_error();
+    if (!le.empty()) {
+        msg += " (" + le + ")";
+    }
+    return rc == 1 ? CLOVER_ERR_CONTEXT_FULL : CLOVER_ERR_DECODE;
+}
+
+// A server lost mid-decode leaves zeros where its results should be: the decode fails, and so
+// does every later one on this model (its layers are gone with the server) until a reload.
+int rpc_lost(const clover_context * c, const char * what, std::string & msg) {
+    if (!c->model->on_rpc || rpc_failures() == c->model->rpc_failures_now) {
+        return CLOVER_OK;
+    }
+    const std::string le = rpc_error(); // "RPC server HOST:PORT: connection lost"
+    msg = std::string(what) + ": " + (le.empty() ? "an RPC server was lost" : le) + "; reload the model";
+    return CLOVER_ERR_DECODE;
+}
+
+int run_decode(clover_context * c, const char * what, std::string & msg) {
+    g_last_log_error.clear();
+    const int rc = llama_decode(c->lctx, c->batch);
+    const int lost = rpc_lost(c, what, msg);
+    if (lost != CLOVER_OK) {
+        return lost;
+    }
+    return rc == 0 ? CLOVER_OK : decode_status(rc, what, msg);
+}
+
+
+// after a commit: the block size all committed blocks share (-1 while empty, 0 when mixed)
+void note_blocks(clover_context * c) {
+    c->mem_B = c->mem_B == -1 || c->mem_B == c->B ? c->B : 0;
+}
+
+void clear_memory(clover_context * c) {
+    llama_memory_clear(llama_get_memory(c->lctx), true);
+    c->n_committed = 0;
+    c->mem_tokens.clear();
+    c->mem_B = -1;
+    c->mem_seq     = 0;
+}
+
+// block pass: the scratch sequence = copy of the memory, decode there, read logits, drop it.
+// want: which rows to compute (nullptr = all); rows[i] = the logits of token i (nullptr
+// where not wanted), valid until the next llama_decode on this context.
+int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const std::vector<char> * want,
+                    std::vector<const float *> & rows, std::string & msg) {
+    llama_memory_t mem = llama_get_memory(c->lctx);
+    llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1);
+    llama_memory_seq_cp(mem, c->mem_seq, SCRATCH_SEQ, -1, -1);
+    c->batch.n_tokens = 0;
+    add_to_batch(c, tokens, n, c->n_committed, SCRATCH_SEQ, want, true);
+    const int rc = run_decode(c, "block pass", msg);
+    llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    return read_rows(c, 0, n, want, rows, "block pass", msg);
+}
+
+// One llama_decode that commits the B final tokens of the current block and runs the first
+// pass of the next block (canvas, B tokens) against the memory including them (the graph
+// leaves the GDN state at the committed block). The canvas's KV cells must then go, but
+// llama.cpp cannot cut the end off a recurrent sequence, so the memory moves to the other
+// sequence (the committed KV cells and the shared recurrent cell), the old sequence is dropped
+// with the canvas, and the memory comes back. The recurrent cell keeps the canvas's last
+// position, which no check reads (the hybrid memory's last position is the lower of the two).
+// rows: the canvas's logits (want).
+int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const int32_t * canvas, int32_t B,
+                      const std::vector<char> * want, std::vector<const float *> & rows, std::string & msg) {
+    const int32_t      P     = c->n_committed;
+    const llama_seq_id cur   = c->mem_seq, other = 1 - c->mem_seq;
+    llama_memory_t     mem   = llama_get_memory(c->lctx);
+    c->batch.n_tokens = 0;
+    add_to_batch(c, final_tokens, B, P, cur, nullptr, false);
+    add_to_batch(c, canvas, B, P + B, cur, want, true);
+    const int rc = run_decode(c, "commit + block pass", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    llama_memory_seq_rm(mem, other, -1, -1);
+    llama_memory_seq_cp(mem, cur, other, -1, P + B);
+    llama_memory_seq_rm(mem, cur, -1, -1);
+    // and back, so that the next call has the same sequence id (llama.cpp reuses a graph
+    // only for the same sequences)
+    llama_memory_seq_cp(mem, other, cur, -1, -1);
+    llama_memory_seq_rm(mem, other, -1, -1);
+    c->n_committed += B;
+    c->mem_tokens.insert(c->mem_tokens.end(), final_tokens, final_tokens + B);
+    note_blocks(c);
+    return read_rows(c, B, B, want, rows, "commit + block pass", msg);
+}
+
+int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float * out, std::string & msg) {
+    std::vector<const float *> rows;
+    const int rc = block_pass_rows(c, tokens, n, nullptr, rows, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    const size_t V = (size_t) c->model->n_vocab;
+    for (int32_t i = 0; i < n; ++i) {
+        memcpy(out + i * V, rows[i], V * sizeof(float));
+    }
+    return CLOVER_OK;
+}
+
+int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+    fill_batch(c, tokens, n, false);
+    const int rc = run_decode(c, "commit", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    c->n_committed += n;
+    c->mem_tokens.insert(c->mem_tokens.end(), tokens, tokens + n);
+    note_blocks(c);
+    return CLOVER_OK;
+}
+
+// Commits the complete blocks of tokens[0..n): one llama_decode per ubatch of whole blocks
+// (block-causal attention across them; the numbers are those of one commit per block).
+int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, int32_t & n_calls,
+                 std::string & msg) {
+    const int32_t B = c->B;
+    const int32_t U = (int32_t) llama_n_ubatch(c->lctx) / B * B;
+    const int32_t n_full = n / B * B;
+    n_blocks = n_calls = 0;
+    for (int32_t s = 0; s < n_full; s += U) {
+        const int32_t m = std::min(U, n_full - s);
+        const int rc = commit_impl(c, tokens + s, m, msg);
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        n_blocks += m / B;
+        ++n_calls;
+    }
+    return CLOVER_OK;
+}
+
+int set_block_size_impl(clover_context * c, int32_t B, std::string & msg) {
+    if (B < 1 || B > c->n_ctx) {
+        msg = "block size must be in [1, n_ctx=" + std::to_string(c->n_ctx) + "], got " + std::to_string(B);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (B == c->B && c->lctx) {
+        return CLOVER_OK;
+    }
+    if (ubatch_fits(c, B)) {
+        clear_memory(c);
+        llama_set_block_causal(c->lctx, B);
+        c->B = B;
+        return CLOVER_OK;
+    }
+    return make_lctx(c, B, msg);
+}
+
+// Change B keeping the committed memory: seq 0's state (GDN states, conv tails, KV) is
+// saved, the llama.cpp context is rebuilt for the new n_ubatch, and the state restored.
+int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
+    if (B == c->B) {
+        return CLOVER_OK;
+    }
+    if (ubatch_fits(c, B)) { // the same context: only the block size of mask and graph changes
+        llama_set_block_causal(c->lctx, B);
+        c->B = B;
+        return CLOVER_OK;
+    }
+    const int32_t        nc = c->n_committed;
+    std::vector<int32_t> toks = c->mem_tokens;
+    const int32_t        mem_B = c->mem_B;
+    std::vector<uint8_t> state;
+    if (nc > 0) {
+        state.resize(llama_state_seq_get_size(c->lctx, c->mem_seq));
+        if (llama_state_seq_get_data(c->lctx, state.data(), state.size(), c->mem_seq) != state.size()) {
+            msg = "block-size switch: could not save the memory";
+            return CLOVER_ERR_INTERNAL;
+        }
+    }
+    int rc = make_lctx(c, B, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    if (nc > 0 && llama_state_seq_set_data(c->lctx, state.data(), state.size(), 0) != state.size()) {
+        msg = "block-size switch: could not restore the memory";
+        return CLOVER_ERR_INTERNAL;
+    }
+    rc = rpc_lost(c, "block-size switch", msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    c->n_committed = nc;
+    c->mem_tokens  = std::move(toks);
+    c->mem_B       = mem_B;
+    return CLOVER_OK;
+}
+
+
+} // namespace clover_impl
+
+using namespace clover_impl;
+
+extern "C" {
+
+clover_context_params clover_context_default_params(void) {
+    clover_context_params p;
+    p.n_ctx      = 4096;
+    p.n_threads  = 4;
+    p.block_size = 0;
+    p.flash_attn = -1;
+    p.kv_f32     = 0;
+    p.calib_cache = 1;
+    return p;
+}
+
+static int32_t default_threads(int32_t n) {
+    if (n > 0) {
+        return n;
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 4 : (int32_t) std::min(hw, 16u);
+}
+
+clover_context * clover_context_new(clover_model * model, const clover_context_params * params, char * err,
+                                    size_t err_len) {
+    clover_context * result = nullptr;
+    guarded(err, err_len, [&]() -> int {
+        ensure_init();
+        clear_err(err, err_len);
+        if (!model) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model is NULL");
+        }
+        const clover_context_params cp = params ? *params : clover_context_default_params();
+        if (cp.n_ctx < 1) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
+        }
+        int32_t B = cp.block_size;
+        if (B == 0) {
+            B = model->train_block > 0 ? model->train_block : 32;
+            B = std::min(B, cp.n_ctx);
+        }
+        if (B < 1 || B > cp.n_ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                           "block size must be in [1, n_ctx=" + std::to_string(cp.n_ctx) + "], got " +
+                               std::to_string(cp.block_size));
+        }
+        if (cp.flash_attn < -1 || cp.flash_attn > 1) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "flash_attn must be -1, 0 or 1");
+        }
+        if (model->mask < 0) {
+            return set_err(err, err_len, CLOVER_ERR_LOAD, "the model has no mask token (tokenizer.ggml.mask_token_id)");
+        }
+        auto * c       = new clover_context();
+        c->model       = model;
+        c->n_ctx       = cp.n_ctx;
+        c->n_threads   = default_threads(cp.n_threads);
+        c->flash_attn  = cp.flash_attn;
+        c->kv_f32      = cp.kv_f32 != 0;
+        c->use_calib_cache = cp.calib_cache != 0;
+        std::string msg;
+        const int rc = make_lctx(c, B, msg);
+        if (rc != CLOVER_OK) {
+            free_lctx(c);
+            delete c;
+            return set_err(err, err_len, rc, msg);
+        }
+        result = c;
+        return CLOVER_OK;
+    });
+    return result;
+}
+
+void clover_context_free(clover_context * ctx) {
+    if (!ctx) {
+        return;
+    }
+    free_lctx(ctx);
+    delete ctx;
+}
+
+int32_t clover_block_size(const clover_context * ctx) { return ctx ? ctx->B : 0; }
+int32_t clover_n_ctx(const clover_context * ctx) { return ctx ? ctx->n_ctx : 0; }
+int32_t clover_n_committed(const clover_context * ctx) { return ctx ? ctx->n_committed : 0; }
+
+int clover_set_block_size(clover_context * ctx, int32_t block_size, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
+        }
+        std::string msg;
+        const int rc = set_block_size_impl(ctx, block_size, msg);
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_set_n_threads(clover_context * ctx, int32_t n_threads) {
+    if (!ctx || !ctx->lctx) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    ctx->n_threads = default_threads(n_threads);
+    llama_set_n_threads(ctx->lctx, ctx->n_threads, ctx->n_threads);
+    return CLOVER_OK;
+}
+
+int clover_reset(clover_context * ctx) {
+    if (!ctx || !ctx->lctx) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    clear_memory(ctx);
+    return CLOVER_OK;
+}
+
+int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n, float * logits_out, char * err,
+                      size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !logits_out) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context or logits_out is NULL");
+        }
+        std::string msg;
+        int         rc = check_pass(ctx, tokens, n, msg);
+        if (rc == CLOVER_OK) {
+            rc = block_pass_impl(ctx, tokens, n, logits_out, msg);
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
+        }
+        std::string msg;
+        int         rc = check_pass(ctx, tokens, n, msg);
+        if (rc == CLOVER_OK) {
+            rc = commit_impl(ctx, tokens, n, msg);
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest, char * err,
+                   size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !ctx->lctx || n < 0 || (n > 0 && !tokens)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_prefill");
+        }
+        std::string msg;
+        if (ctx->n_committed % ctx->B != 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_committed is not block aligned");
+        }
+        const int32_t n_full = n / ctx->B * ctx->B;
+        if ((int64_t) ctx->n_committed + n_full > ctx->n_ctx) {
+            return set_err(err, err_len, CLOVER_ERR_CONTEXT_FULL,
+                           "context full: " + std::to_string(ctx->n_committed) + " committed + " +
+                               std::to_string(n_full) + " > n_ctx=" + std::to_string(ctx->n_ctx));
+        }
+        int rc = check_tokens(ctx, tokens, n, msg);
+        int32_t nb = 0;
+        if (rc == CLOVER_OK) {
+            int32_t n_calls = 0;
+            rc = prefill_impl(ctx, tokens, n_full, nb, n_calls, msg);
+        }
+        if (n_rest) {
+            *n_rest = n - n_full;
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+} // extern "C"

@@ -1,0 +1,149 @@
+// clover-impl.h - what the parts of libclover share (not installed; the API is clover.h).
+//
+//   clover-log.cpp       llama.cpp/ggml log capture, error strings, status names
+//   clover-model.cpp     GGUF pre-checks, RPC devices, model loading, tokenizer calls
+//   clover-context.cpp   the llama.cpp context and the committed-memory protocol (seq 0/1/2)
+//   clover-sampling.cpp  candidates and confidences, unmask selection
+//   clover-planner.cpp   block size auto: the cost curve, its disk cache, the per-block pick
+//   clover.cpp           the decode loop (clover_generate)
+#pragma once
+
+#include "clover.h"
+
+#include "clover.h"
+
+#include "gguf.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <mutex>
+#include <new>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+// ------------------------------------------------------------------ objects
+
+struct clover_model {
+    std::string         path; // for the calibration cache key
+    llama_model *       lm    = nullptr;
+    const llama_vocab * vocab = nullptr;
+    int32_t n_vocab     = 0;
+    int32_t mask        = -1;
+    int32_t eos         = -1;
+    int32_t train_block = 0;
+    bool     on_rpc           = false; // some layers live on RPC servers
+    uint64_t rpc_failures_now = 0;     // rpc_failures() when loaded: more = a server was lost
+};
+
+struct clover_context {
+    clover_model *  model = nullptr;
+    llama_context * lctx  = nullptr;
+    llama_batch     batch{};
+    bool            batch_ok    = false;
+    int32_t         B           = 0;
+    int32_t         U           = 0; // the llama.cpp context's n_ubatch
+    int32_t         n_ctx       = 0;
+    int32_t         n_threads   = 0;
+    int32_t         flash_attn  = -1;
+    int32_t         kv_f32      = 0;
+    int32_t         n_committed = 0;
+    std::vector<int32_t> mem_tokens; // the committed tokens (n_committed of them): prefix reuse
+    int32_t              mem_B = -1; // the block size of every committed block (-1: none committed, 0: mixed)
+    llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)
+    // block_size = auto: the cost of a block pass per candidate B (ms; measured by
+    // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
+    // (EMA over finished decode blocks; < 0 = not seen yet), per candidate and overall
+    std::vector<int32_t> auto_sizes;
+    std::vector<double>  auto_ms;       // a block pass of B tokens
+    std::vector<double>  auto_ms_fused; // a commit of B tokens fused with the next block's first pass
+    std::vector<double>  auto_tpf;
+    double               auto_tpf_any = -1.0;
+    int32_t              use_calib_cache = 1;
+    int32_t              last_calibration = 0; // 0 none, 1 measured, 2 from the disk cache (per generate)
+};
+
+namespace clover_impl {
+
+// ---- logging and errors (clover-log.cpp)
+extern std::atomic<int>         g_verbosity;
+extern thread_local std::string g_last_log_error; // last llama.cpp/ggml error line(s) on this thread
+std::string rpc_error();
+void ensure_init();
+std::string trim(std::string s);
+std::string last_log_error();
+int set_err(char * err, size_t err_len, int code, const std::string & msg);
+int clear_err(char * err, size_t err_len);
+ggml_backend_reg_t rpc_backend();
+uint64_t rpc_failures();
+
+// Runs f() and turns C++ exceptions into status codes (never lets them cross the C ABI).
+template <typename F>
+int guarded(char * err, size_t err_len, F && f) {
+    try {
+        return f();
+    } catch (const std::bad_alloc &) {
+        return set_err(err, err_len, CLOVER_ERR_INTERNAL, "out of memory");
+    } catch (const std::exception & e) {
+        return set_err(err, err_len, CLOVER_ERR_INTERNAL, std::string("internal error: ") + e.what());
+    } catch (...) {
+        return set_err(err, err_len, CLOVER_ERR_INTERNAL, "internal error: unknown exception");
+    }
+}
+
+// ---- the llama.cpp context and the memory (clover-context.cpp)
+constexpr llama_seq_id SCRATCH_SEQ = 2;
+int check_tokens(const clover_context * c, const int32_t * tokens, int32_t n, std::string & msg);
+void clear_memory(clover_context * c);
+int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const std::vector<char> * want,
+                    std::vector<const float *> & rows, std::string & msg);
+int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const int32_t * canvas, int32_t B,
+                      const std::vector<char> * want, std::vector<const float *> & rows, std::string & msg);
+int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg);
+int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, int32_t & n_calls,
+                 std::string & msg);
+int set_block_size_impl(clover_context * c, int32_t B, std::string & msg);
+int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg);
+
+// ---- block size auto (clover-planner.cpp)
+int calibrate_cached(clover_context * c, std::string & msg);
+int auto_index(const clover_context * c, int32_t B);
+bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t n_left);
+int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left);
+void auto_observe(clover_context * c, int32_t B, int32_t n_tokens, int32_t n_passes);
+double auto_ms_of(const clover_context * c, int32_t B);
+double ms_since(std::chrono::steady_clock::time_point t0);
+
+} // namespace clover_impl
+
+// ---- sampling (clover-sampling.cpp)
+namespace clover_detail {
+
+struct pick_work {
+    std::vector<double>  p;
+    std::vector<int32_t> idx;
+};
+
+// the candidate token of one masked position and its confidence (spec/decoding.md)
+void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
+                    std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf);
+// which of n masked positions a denoising step unmasks (most confident first); returns the count
+int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
+                      int32_t * order_out);
+
+} // namespace clover_detail

@@ -1,0 +1,364 @@
+// clover-planner.cpp - block size auto: the cost curve (measured or set), its disk cache,
+// the running tokens per pass, and the B picked for the next block.
+
+#include "clover-impl.h"
+
+namespace clover_impl {
+
+// candidates for block_size = auto: 1, 2, 4, ... up to max(32, training B), within n_ctx
+std::vector<int32_t> auto_candidates(const clover_context * c) {
+    std::vector<int32_t> out;
+    const int32_t        top = std::min(std::max(32, c->model->train_block), c->n_ctx);
+    for (int32_t B = 1; B <= top; B *= 2) {
+        out.push_back(B);
+    }
+    return out;
+}
+
+// Measures the cost curve: per candidate B, the fastest of 10 denoising steps (2 sweeps)
+// of an all-mask block on an almost empty memory, both as a plain block pass and as a commit
+// fused with the next pass; each includes the greedy candidate of every position (a softmax
+// over the vocabulary, which matters for small models). Leaves the context at the last B, empty.
+int calibrate_impl(clover_context * c, std::string & msg) {
+    const std::vector<int32_t> sizes = auto_candidates(c);
+    std::vector<double>        ms(sizes.size(), 1e300), ms_fused(sizes.size(), 1e300);
+    std::vector<const float *> rows;
+    std::mt19937_64            rng(0);
+    clover_detail::pick_work   work;
+    int32_t                    tok  = 0;
+    double                     conf = 0.0;
+    // two sweeps, small to large then back, keeping the fastest step per B: a machine that
+    // speeds up or slows down during the sweep then biases no end of the curve
+    std::vector<size_t> order;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        order.push_back(i);
+    }
+    for (size_t i = sizes.size(); i-- > 0;) {
+        order.push_back(i);
+    }
+    for (size_t idx : order) {
+        const int32_t B  = sizes[idx];
+        int           rc = set_block_size_impl(c, B, msg);
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        const std::vector<int32_t> canvas(B, c->model->mask);
+        for (int rep = 0; rep < 7; ++rep) {
+            for (int fused = 0; fused < 2; ++fused) {
+                clear_memory(c);
+                const auto t0 = std::chrono::steady_clock::now();
+                rc = fused ? fused_commit_pass(c, canvas.data(), canvas.data(), B, nullptr, rows, msg)
+                           : block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
+                if (rc != CLOVER_OK) {
+                    return rc;
+                }
+                for (int32_t i = 0; i < B; ++i) {
+                    clover_detail::pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work,
+                                                  tok, conf);
+                }
+                if (rep > 1) { // two warm-up steps
+                    double & best = fused ? ms_fused[idx] : ms[idx];
+                    best          = std::min(best, ms_since(t0));
+                }
+            }
+        }
+    }
+    clear_memory(c);
+    c->auto_sizes    = sizes;
+    c->auto_ms       = ms;
+    c->auto_ms_fused = ms_fused;
+    c->auto_tpf.assign(sizes.size(), -1.0);
+    return CLOVER_OK;
+}
+
+// Expected tokens per block pass at B: its own running figure; else that of the largest
+// smaller B seen, doubled when that B finished its blocks in about one pass (so a confident
+// model climbs one size at a time); else the running figure of any B; each capped at B; else 1.
+double auto_tpf_estimate(const clover_context * c, size_t i) {
+    const int32_t B = c->auto_sizes[i];
+    if (B == 1) {
+        return 1.0;
+    }
+    if (c->auto_tpf[i] > 0) {
+        return c->auto_tpf[i];
+    }
+    for (size_t j = i; j-- > 0;) {
+        const double t = c->auto_tpf[j];
+        if (t > 0 && c->auto_sizes[j] > 1) {
+            return std::min<double>(B, t >= 0.9 * c->auto_sizes[j] ? 2 * t : t);
+        }
+    }
+    return c->auto_tpf_any > 0 ? std::min<double>(B, c->auto_tpf_any) : 1.0;
+}
+
+// Expected milliseconds per generated token at candidate i: a block of B tokens takes B / tpf
+// passes, the first of which carries the previous block's commit.
+double auto_ms_per_token(const clover_context * c, size_t i) {
+    const int32_t B      = c->auto_sizes[i];
+    const double  passes = std::max(1.0, B / auto_tpf_estimate(c, i));
+    return (c->auto_ms_fused[i] + (passes - 1.0) * c->auto_ms[i]) / B;
+}
+
+// ---- the calibration cache: one small text file per (model file, backend, build, threads)
+// under $CLOVER_CACHE_DIR, else $XDG_CACHE_HOME/clover-cpp, else ~/.cache/clover-cpp. The
+// first lines repeat the key; an entry that does not match it or does not parse is measured
+// again and replaced (written to a temporary file, then renamed).
+
+std::string calib_cache_dir() {
+    if (const char * d = getenv("CLOVER_CACHE_DIR"); d && *d) {
+        return d;
+    }
+    if (const char * x = getenv("XDG_CACHE_HOME"); x && *x) {
+        return std::string(x) + "/clover-cpp";
+    }
+    if (const char * h = getenv("HOME"); h && *h) {
+        return std::string(h) + "/.cache/clover-cpp";
+    }
+    return "";
+}
+
+std::string calib_key(const clover_context * c) {
+    struct stat st {};
+    if (c->model->path.empty() || stat(c->model->path.c_str(), &st) != 0) {
+        return "";
+    }
+    std::ostringstream k;
+    k << "clover-calibration 2\n"
+      << "model " << c->model->path << "\n"
+      << "file " << (long long) st.st_size << " " << (long long) st.st_mtim.tv_sec << "." << st.st_mtim.tv_nsec
+      << " " << (long long) st.st_ino << "\n"
+      << "build " << __DATE__ << " " << __TIME__ << " " << CLOVER_API_VERSION << "\n"
+      << "backend";
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        k << " " << ggml_backend_dev_name(ggml_backend_dev_get(i));
+    }
+    k << "\nsystem " << llama_print_system_info() << "\n"
+      << "threads " << c->n_threads << " flash_attn " << c->flash_attn << " kv_f32 " << c->kv_f32
+      << " n_ctx " << c->n_ctx << "\n";
+    return k.str();
+}
+
+std::string calib_path(const std::string & dir, const std::string & key) {
+    uint64_t h = 1469598103934665603ull; // FNV-1a
+    for (unsigned char ch : key) {
+        h = (h ^ ch) * 1099511628211ull;
+    }
+    char name[64];
+    snprintf(name, sizeof(name), "/calibration-%016llx.txt", (unsigned long long) h);
+    return dir + name;
+}
+
+// true = the cost curve was read from the entry; false = absent, stale or corrupt (*bad = the
+// entry exists but cannot be trusted)
+bool calib_load(clover_context * c, const std::string & path, const std::string & key, bool * bad) {
+    *bad = false;
+    std::ifstream f(path, std::ios::binary);
+    if (!f) {
+        return false;
+    }
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    *bad = true;
+    if (text.compare(0, key.size(), key) != 0) {
+        return false;
+    }
+    std::istringstream in(text.substr(key.size()));
+    const std::vector<int32_t> sizes = auto_candidates(c);
+    std::vector<double> ms(sizes.size()), msf(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        std::string tag;
+        long long   B = 0;
+        if (!(in >> tag >> B >> ms[i] >> msf[i]) || tag != "cost" || B != sizes[i] || !(ms[i] > 0) ||
+            !(msf[i] > 0) || std::isinf(ms[i]) || std::isinf(msf[i])) {
+            return false;
+        }
+    }
+    std::string end;
+    if (!(in >> end) || end != "end") {
+        return false;
+    }
+    *bad           = false;
+    c->auto_sizes    = sizes;
+    c->auto_ms       = ms;
+    c->auto_ms_fused = msf;
+    c->auto_tpf.assign(sizes.size(), -1.0);
+    return true;
+}
+
+void calib_store(const clover_context * c, const std::string & dir, const std::string & path, const std::string & key) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string tmp = path + ".tmp" + std::to_string((long long) getpid());
+    {
+        std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+        if (!f) {
+            return; // a cache we cannot write is no error
+        }
+        f << key;
+        char line[96];
+        for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+            snprintf(line, sizeof(line), "cost %d %.6f %.6f\n", c->auto_sizes[i], c->auto_ms[i], c->auto_ms_fused[i]);
+            f << line;
+        }
+        f << "end\n";
+        if (!f.flush()) {
+            f.close();
+            std::filesystem::remove(tmp, ec);
+            return;
+        }
+    }
+    if (rename(tmp.c_str(), path.c_str()) != 0) {
+        std::filesystem::remove(tmp, ec);
+    }
+}
+
+// The cost curve from the disk cache, else measured (and stored).
+int calibrate_cached(clover_context * c, std::string & msg) {
+    const std::string dir = c->use_calib_cache ? calib_cache_dir() : "";
+    const std::string key = dir.empty() ? "" : calib_key(c);
+    const std::string path = key.empty() ? "" : calib_path(dir, key);
+    if (!path.empty()) {
+        bool bad = false;
+        if (calib_load(c, path, key, &bad)) {
+            c->last_calibration = 2;
+            return CLOVER_OK;
+        }
+        if (bad) {
+            fprintf(stderr, "clover: warning: the calibration cache entry %s is stale or corrupt; measuring again\n",
+                    path.c_str());
+        }
+    }
+    const int rc = calibrate_impl(c, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    c->last_calibration = 1;
+    if (!path.empty()) {
+        calib_store(c, dir, path, key);
+    }
+    return CLOVER_OK;
+}
+
+// Index of B among the candidates, or -1.
+int auto_index(const clover_context * c, int32_t B) {
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        if (c->auto_sizes[i] == B) {
+            return (int) i;
+        }
+    }
+    return -1;
+}
+
+// Can a block of B start at n_committed (block aligned) with `n_left` more tokens fitting
+// into n_ctx?
+bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t n_left) {
+    return n_committed % B == 0 && (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B <= c->n_ctx;
+}
+
+// The candidate with the lowest expected ms per token among those that fit (auto_fits).
+int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left) {
+    int32_t best = 0;
+    double  best_ms = 1e300;
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        const int32_t B = c->auto_sizes[i];
+        if (!auto_fits(c, B, n_committed, n_left)) {
+            continue;
+        }
+        const double ms = auto_ms_per_token(c, i);
+        if (ms < best_ms) {
+            best_ms = ms;
+            best    = B;
+        }
+    }
+    return best;
+}
+
+// Running tokens per pass after a finished decode block of size B.
+void auto_observe(clover_context * c, int32_t B, int32_t n_tokens, int32_t n_passes) {
+    if (B < 2 || n_passes < 1 || n_tokens < 1) {
+        return;
+    }
+    const double tpf = (double) n_tokens / n_passes;
+    const double a   = 0.3;
+    c->auto_tpf_any  = c->auto_tpf_any > 0 ? (1 - a) * c->auto_tpf_any + a * tpf : tpf;
+    const int i      = auto_index(c, B);
+    if (i >= 0) {
+        c->auto_tpf[i] = c->auto_tpf[i] > 0 ? (1 - a) * c->auto_tpf[i] + a * tpf : tpf;
+    }
+}
+
+// Expected ms per token at B (1e300 if B is not a candidate).
+double auto_ms_of(const clover_context * c, int32_t B) {
+    const int i = auto_index(c, B);
+    return i >= 0 ? auto_ms_per_token(c, (size_t) i) : 1e300;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+} // namespace clover_impl
+
+using namespace clover_impl;
+
+extern "C" {
+
+int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, double * ms_fused_out, int32_t cap,
+                     int32_t * n_out, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !ctx->lctx || cap < 0) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_calibrate");
+        }
+        std::string msg;
+        const int   rc = calibrate_impl(ctx, msg);
+        if (rc != CLOVER_OK) {
+            return set_err(err, err_len, rc, "block-size calibration: " + msg);
+        }
+        const int32_t n = (int32_t) ctx->auto_sizes.size();
+        for (int32_t i = 0; i < std::min(n, cap); ++i) {
+            if (sizes_out) {
+                sizes_out[i] = ctx->auto_sizes[i];
+            }
+            if (ms_out) {
+                ms_out[i] = ctx->auto_ms[i];
+            }
+            if (ms_fused_out) {
+                ms_fused_out[i] = ctx->auto_ms_fused[i];
+            }
+        }
+        if (n_out) {
+            *n_out = n;
+        }
+        return CLOVER_OK;
+    });
+}
+
+int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, const double * ms_fused,
+                          int32_t n, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !sizes || !ms || n < 1) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_set_cost_curve");
+        }
+        for (int32_t i = 0; i < n; ++i) {
+            const double f = ms_fused ? ms_fused[i] : 1.0;
+            if (sizes[i] != (i == 0 ? 1 : 2 * sizes[i - 1]) || sizes[i] > ctx->n_ctx || !(ms[i] > 0.0) ||
+                std::isinf(ms[i]) || !(f > 0.0) || std::isinf(f)) {
+                return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
+                               "cost curve: sizes must be 1, 2, 4, ... (<= n_ctx) and costs finite and > 0");
+            }
+        }
+        ctx->auto_sizes.assign(sizes, sizes + n);
+        ctx->auto_ms.assign(ms, ms + n);
+        // without fused costs: a fused step of B tokens is about a pass of 2B
+        ctx->auto_ms_fused.resize(n);
+        for (int32_t i = 0; i < n; ++i) {
+            ctx->auto_ms_fused[i] = ms_fused ? ms_fused[i] : i + 1 < n ? ms[i + 1] : 2.0 * ms[i];
+        }
+        ctx->auto_tpf.assign(n, -1.0);
+        ctx->auto_tpf_any = -1.0;
+        return CLOVER_OK;
+    });
+}
+
+} // extern "C"
