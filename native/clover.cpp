@@ -5,6 +5,270 @@
 
 using namespace clover_impl;
 
+namespace {
+
+// The arguments of clover_generate, checked before anything is touched. B: the block size the
+// call starts with (1 for auto until the planner picks).
+int check_generate_args(const clover_context * ctx, const clover_generate_params & gp, int32_t B,
+                        const int32_t * prompt, int32_t n_prompt, const int32_t * out, int32_t out_cap,
+                        std::string & msg) {
+    auto bad = [&](int code, std::string what) {
+        msg = std::move(what);
+        return code;
+    };
+    if (B < 1 || B > ctx->n_ctx) {
+        return bad(CLOVER_ERR_INVALID_ARG, "block size must be in [1, n_ctx=" + std::to_string(ctx->n_ctx) +
+                                               "], got " + std::to_string(gp.block_size));
+    }
+    if (!(gp.threshold >= 0.0 && gp.threshold <= 1.0)) {
+        return bad(CLOVER_ERR_INVALID_ARG, "threshold must be in [0, 1], got " + std::to_string(gp.threshold));
+    }
+    if (!(gp.temperature >= 0.0) || std::isinf(gp.temperature)) {
+        return bad(CLOVER_ERR_INVALID_ARG,
+                   "temperature must be finite and >= 0, got " + std::to_string(gp.temperature));
+    }
+    if (!(gp.top_p > 0.0 && gp.top_p <= 1.0)) {
+        return bad(CLOVER_ERR_INVALID_ARG, "top_p must be in (0, 1], got " + std::to_string(gp.top_p));
+    }
+    if (gp.top_k < 0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "top_k must be >= 0");
+    }
+    if (gp.max_steps < 0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "max_steps must be >= 0");
+    }
+    if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
+        return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
+    }
+    if (ctx->model->mask < 0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "the model has no mask token");
+    }
+    if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
+        return bad(CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
+    }
+    if (gp.max_tokens <= 0) {
+        return CLOVER_OK;
+    }
+    if (!out || out_cap < gp.max_tokens) {
+        return bad(CLOVER_ERR_INVALID_ARG, "output buffer too small: out_cap=" + std::to_string(out_cap) +
+                                               " < max_tokens=" + std::to_string(gp.max_tokens));
+    }
+    const int64_t need = ((int64_t) n_prompt + gp.max_tokens + B - 1) / B * B;
+    if (need > ctx->n_ctx) {
+        return bad(CLOVER_ERR_CONTEXT_FULL,
+                   "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" + std::to_string(gp.max_tokens) +
+                       "), rounded up to blocks of " + std::to_string(B) + ", needs " + std::to_string(need) +
+                       " positions > n_ctx=" + std::to_string(ctx->n_ctx));
+    }
+    return CLOVER_OK;
+}
+
+// One generation (spec/decoding.md): the prompt's blocks are committed, then decode blocks are
+// denoised one by one, each finished block committed by the next block's first pass. Every
+// method returns a status; on failure `msg` says why and run() clears the memory.
+struct decode_run {
+    clover_context *               ctx;
+    const clover_generate_params & gp;
+    const int32_t *                prompt;
+    int32_t                        n_prompt;
+    bool                           auto_B;
+    int32_t                        B;
+    std::string                    msg;
+
+    std::mt19937_64          rng;
+    clover_detail::pick_work work;
+    int32_t n_commits = 0, n_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0;
+    int32_t finish    = CLOVER_FINISH_MAX_TOKENS;
+    std::vector<int32_t> gen;         // generated tokens (uncut)
+    int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
+    double               t_prefill = 0.0;
+    std::chrono::steady_clock::time_point t_start = std::chrono::steady_clock::now();
+
+    int32_t                    n_full = 0, n_rest = 0; // the prompt's complete blocks / its partial last block
+    std::vector<int32_t>       canvas, pending;         // pending: the finished block whose commit rides on the next pass
+    std::vector<char>          want;                    // logits only for the masked positions inside the budget
+    std::vector<const float *> rows;
+    std::vector<int32_t>       masked, cand_tok, order;
+    std::vector<double>        cand_conf;
+
+    decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b)
+        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), rng(p.seed) {}
+
+    // commit the prompt's complete blocks (those past the reused prefix)
+    int prefill(int32_t reuse) {
+        n_full = n_prompt / B * B;
+        n_rest = n_prompt - n_full;
+        int32_t nb = 0;
+        const int rc = prefill_impl(ctx, prompt + reuse, n_full - reuse, nb, n_calls, msg);
+        n_commits += nb;
+        t_prefill = ms_since(t_start);
+        if (rc != CLOVER_OK) {
+            msg = "prefill: " + msg;
+        }
+        return rc;
+    }
+
+    // block size auto, at a block boundary: switch when another B is at least 10% cheaper per
+    // token; the first time no tokens-per-pass figure exists, one block of B = 2 measures it
+    int replan() {
+        const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
+        const int32_t at     = ctx->n_committed + (int32_t) pending.size();
+        int32_t       next   = auto_pick(ctx, at, n_left);
+        if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, at, n_left)) {
+            next = 2;
+        } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B))) {
+            next = B;
+        }
+        if (next <= 0 || next == B) {
+            return CLOVER_OK;
+        }
+        if (!pending.empty()) { // a commit cannot share a ubatch with a block of another size
+            const int rc = commit_impl(ctx, pending.data(), B, msg);
+            if (rc != CLOVER_OK) {
+                return rc;
+            }
+            pending.clear();
+            ++n_calls;
+        }
+        const int rc = switch_block_size_keep(ctx, next, msg);
+        if (rc == CLOVER_OK) {
+            B = next;
+            ++n_switches;
+        }
+        return rc;
+    }
+
+    // one denoising step of the current block: a pass (fused with the pending commit), a
+    // candidate and confidence per masked position, the unmasked ones written into the canvas
+    int step(int32_t s) {
+        std::fill(want.begin(), want.end(), 0);
+        for (int32_t p : masked) {
+            want[p] = 1;
+        }
+        int rc;
+        if (!pending.empty()) {
+            rc = fused_commit_pass(ctx, pending.data(), canvas.data(), B, &want, rows, msg);
+            pending.clear();
+            ++n_commits;
+        } else {
+            rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
+        }
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        ++n_steps;
+        const clover_model * m  = ctx->model;
+        const int32_t        nm = (int32_t) masked.size();
+        cand_tok.resize(nm);
+        cand_conf.resize(nm);
+        order.resize(nm);
+        for (int32_t j = 0; j < nm; ++j) {
+            clover_detail::pick_candidate(rows[masked[j]], m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p,
+                                          rng, work, cand_tok[j], cand_conf[j]);
+        }
+        const int32_t k =
+            clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, s, order.data());
+        for (int32_t j = 0; j < k; ++j) {
+            canvas[masked[order[j]]] = cand_tok[order[j]];
+        }
+        masked.erase(std::remove_if(masked.begin(), masked.end(), [&](int32_t p) { return canvas[p] != m->mask; }),
+                     masked.end());
+        return CLOVER_OK;
+    }
+
+    // the finished block's tokens join the output (cut at the first EOS and at max_tokens);
+    // returns the block callback's verdict (nonzero = cancel)
+    int take_block(int32_t start, int32_t n_cand, bool & has_eos) {
+        gen.insert(gen.end(), canvas.begin() + n_rest, canvas.begin() + n_rest + n_cand);
+        const int32_t eos         = gp.stop_at_eos ? ctx->model->eos : -1;
+        int32_t       new_visible = (int32_t) gen.size();
+        if (eos >= 0) {
+            for (int32_t i = visible; i < (int32_t) gen.size(); ++i) {
+                if (gen[i] == eos) {
+                    new_visible = i;
+                    has_eos     = true;
+                    break;
+                }
+            }
+        }
+        const int32_t old_visible = visible;
+        visible                   = std::max(visible, std::min(new_visible, gp.max_tokens));
+        return gp.block_callback ? gp.block_callback(start, gen.data() + old_visible, visible - old_visible,
+                                                     gp.user_data)
+                                 : 0;
+    }
+
+    // decode blocks until EOS, the budget or a cancelling callback
+    int run() {
+        while (true) {
+            if (auto_B && n_blocks > 0) {
+                const int rc = replan();
+                if (rc != CLOVER_OK) {
+                    return rc;
+                }
+            }
+            const int32_t start  = ctx->n_committed + (int32_t) pending.size();
+            // positions at or past the budget are never candidates: they stay masked
+            const int32_t n_cand = std::min(B - n_rest, gp.max_tokens - (int32_t) gen.size());
+            canvas.resize(B);
+            want.assign(B, 0);
+            for (int32_t i = 0; i < B; ++i) {
+                canvas[i] = i < n_rest ? prompt[n_full + i] : ctx->model->mask;
+            }
+            masked.clear();
+            for (int32_t i = n_rest; i < n_rest + n_cand; ++i) {
+                masked.push_back(i);
+            }
+            ++n_blocks;
+            bool    cancelled = false, has_eos = false;
+            int32_t s         = 0;
+            while (!masked.empty() && !cancelled) {
+                const int rc = step(s++);
+                if (rc != CLOVER_OK) {
+                    return rc;
+                }
+                cancelled = gp.step_callback &&
+                            gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0;
+            }
+            if (masked.empty()) {
+                auto_observe(ctx, B, n_cand, s);
+                cancelled = take_block(start, n_cand, has_eos) != 0 || cancelled;
+            }
+            if (cancelled || has_eos || (int32_t) gen.size() >= gp.max_tokens) {
+                finish = cancelled ? CLOVER_FINISH_CANCELLED : has_eos ? CLOVER_FINISH_EOS : CLOVER_FINISH_MAX_TOKENS;
+                return cancelled ? CLOVER_ERR_CANCELLED : CLOVER_OK;
+            }
+            pending = canvas; // committed by the next block's first pass
+            n_rest  = 0;
+        }
+    }
+
+    void report(int32_t * out, int32_t * n_out, clover_stats * stats) const {
+        const int32_t n_gen = std::min<int32_t>(visible, gp.max_tokens);
+        std::copy(gen.begin(), gen.begin() + n_gen, out);
+        if (n_out) {
+            *n_out = n_gen;
+        }
+        if (stats) {
+            stats->n_generated        = n_gen;
+            stats->n_decode_passes    = n_steps;
+            stats->n_steps            = n_steps;
+            stats->n_commits          = n_commits;
+            stats->n_forward          = n_steps + n_calls;
+            stats->n_blocks           = n_blocks;
+            stats->block_size         = B;
+            stats->n_block_switches   = n_switches;
+            stats->finish_reason      = finish;
+            stats->tokens_per_forward = n_steps > 0 ? (double) n_gen / n_steps : 0.0;
+            stats->t_prefill_ms       = t_prefill;
+            stats->t_decode_ms        = ms_since(t_start) - t_prefill;
+            stats->tokens_per_second  = stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
+            stats->calibration        = ctx->last_calibration;
+        }
+    }
+};
+
+} // namespace
+
 extern "C" {
 
 clover_generate_params clover_generate_default_params(void) {
@@ -41,65 +305,16 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
         }
         const clover_generate_params gp = params ? *params : clover_generate_default_params();
-        const clover_model *         m  = ctx->model;
-        // ---- validation (nothing is touched before it passes)
-        const bool auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO;
-        int32_t    B      = gp.block_size == 0 ? ctx->B : auto_B ? 1 : gp.block_size;
-        if (B < 1 || B > ctx->n_ctx) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
-                           "block size must be in [1, n_ctx=" + std::to_string(ctx->n_ctx) + "], got " +
-                               std::to_string(gp.block_size));
-        }
-        if (!(gp.threshold >= 0.0 && gp.threshold <= 1.0)) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
-                           "threshold must be in [0, 1], got " + std::to_string(gp.threshold));
-        }
-        if (!(gp.temperature >= 0.0) || std::isinf(gp.temperature)) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
-                           "temperature must be finite and >= 0, got " + std::to_string(gp.temperature));
-        }
-        if (!(gp.top_p > 0.0 && gp.top_p <= 1.0)) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "top_p must be in (0, 1], got " + std::to_string(gp.top_p));
-        }
-        if (gp.top_k < 0) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "top_k must be >= 0");
-        }
-        if (gp.max_steps < 0) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "max_steps must be >= 0");
-        }
-        if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
-        }
-        if (m->mask < 0) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "the model has no mask token");
-        }
+        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO;
+        int32_t     B      = gp.block_size == 0 ? ctx->B : auto_B ? 1 : gp.block_size;
         std::string msg;
-        if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
+        int         rc = check_generate_args(ctx, gp, B, prompt, n_prompt, out, out_cap, msg);
+        if (rc != CLOVER_OK || gp.max_tokens <= 0) {
+            return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
         }
-        if (gp.max_tokens <= 0) {
-            return CLOVER_OK;
-        }
-        if (!out || out_cap < gp.max_tokens) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
-                           "output buffer too small: out_cap=" + std::to_string(out_cap) + " < max_tokens=" +
-                               std::to_string(gp.max_tokens));
-        }
-        {
-            const int64_t need = ((int64_t) n_prompt + gp.max_tokens + B - 1) / B * B;
-            if (need > ctx->n_ctx) {
-                return set_err(err, err_len, CLOVER_ERR_CONTEXT_FULL,
-                               "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" +
-                                   std::to_string(gp.max_tokens) + "), rounded up to blocks of " + std::to_string(B) +
-                                   ", needs " + std::to_string(need) + " positions > n_ctx=" +
-                                   std::to_string(ctx->n_ctx));
-            }
-        }
-        // ---- setup
-        int rc = CLOVER_OK;
-        ctx->last_calibration = 0;
         // prefix reuse: when the prompt starts with the committed tokens, they stay committed
         // (block aligned for this call's B) and only the prompt's new blocks are prefilled
+        ctx->last_calibration = 0;
         const int32_t nc     = ctx->n_committed;
         const bool    prefix = gp.reuse_prefix && ctx->lctx && nc > 0 && nc <= n_prompt &&
                             (int32_t) ctx->mem_tokens.size() == nc &&
@@ -133,202 +348,20 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             stats->n_reused = reuse;
         }
 
-        const int32_t  V    = m->n_vocab;
-        const int32_t  mask = m->mask;
-        const int32_t  eos  = gp.stop_at_eos ? m->eos : -1;
-        std::mt19937_64 rng(gp.seed);
-        clover_detail::pick_work work;
-
-        int32_t n_commits = 0, n_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0, finish = CLOVER_FINISH_MAX_TOKENS;
-        std::vector<int32_t> gen;      // generated tokens (uncut)
-        int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
-        double               t_prefill = 0.0;
-        const auto           t_start   = std::chrono::steady_clock::now();
-
-        auto finish_stats = [&]() {
-            const int32_t n_gen = std::min<int32_t>(visible, gp.max_tokens);
-            for (int32_t i = 0; i < n_gen; ++i) {
-                out[i] = gen[i];
-            }
-            if (n_out) {
-                *n_out = n_gen;
-            }
-            if (stats) {
-                stats->n_generated        = n_gen;
-                stats->n_decode_passes    = n_steps;
-                stats->n_steps            = n_steps;
-                stats->n_commits          = n_commits;
-                stats->n_forward          = n_steps + n_calls;
-                stats->n_blocks           = n_blocks;
-                stats->block_size         = B;
-                stats->n_block_switches   = n_switches;
-                stats->finish_reason      = finish;
-                stats->tokens_per_forward = n_steps > 0 ? (double) n_gen / n_steps : 0.0;
-                stats->t_prefill_ms       = t_prefill;
-                stats->t_decode_ms        = ms_since(t_start) - t_prefill;
-                stats->tokens_per_second =
-                    stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
-                stats->calibration        = ctx->last_calibration;
-            }
-        };
-        auto fail = [&](int code, const std::string & what) {
-            finish = CLOVER_FINISH_NONE;
+        decode_run run(ctx, gp, prompt, n_prompt, auto_B, B);
+        rc = run.prefill(reuse);
+        if (rc == CLOVER_OK) {
+            rc = run.run();
+        }
+        if (rc != CLOVER_OK && rc != CLOVER_ERR_CANCELLED) { // the one error exit
+            run.finish = CLOVER_FINISH_NONE;
             clear_memory(ctx); // a failed step may leave the memory half written: never reuse it
-            finish_stats();
-            return set_err(err, err_len, code, what);
-        };
-
-        // ---- prefill: commit the prompt's complete blocks
-        int32_t nb = 0;
-        const int32_t n_full = n_prompt / B * B;
-        rc = prefill_impl(ctx, prompt + reuse, n_full - reuse, nb, n_calls, msg);
-        n_commits += nb;
-        t_prefill = ms_since(t_start);
-        if (rc != CLOVER_OK) {
-            return fail(rc, "prefill: " + msg);
         }
-
-        std::vector<int32_t> canvas, pending; // pending: the finished block whose commit rides on the next pass
-        std::vector<char>    want;            // logits only for the masked positions inside the budget
-        std::vector<const float *> rows;
-        std::vector<int32_t> masked, cand_tok, order;
-        std::vector<double>  cand_conf;
-        int32_t              n_rest = n_prompt - n_full;
-        bool                 cancelled = false;
-
-        while (true) {
-            const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
-            if (auto_B && n_blocks > 0) {
-                // re-plan at a block boundary; the first time no tokens-per-pass figure
-                // exists, one block of B = 2 measures it
-                const int32_t at   = ctx->n_committed + (int32_t) pending.size();
-                int32_t       next = auto_pick(ctx, at, n_left);
-                if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, at, n_left)) {
-                    next = 2;
-                } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B))) {
-                    next = B; // not worth a switch
-                }
-                if (next > 0 && next != B) {
-                    if (!pending.empty()) { // a commit cannot share a ubatch with a block of another size
-                        rc = commit_impl(ctx, pending.data(), B, msg);
-                        if (rc != CLOVER_OK) {
-                            return fail(rc, msg);
-                        }
-                        pending.clear();
-                        ++n_calls;
-                    }
-                    rc = switch_block_size_keep(ctx, next, msg);
-                    if (rc != CLOVER_OK) {
-                        return fail(rc, msg);
-                    }
-                    B = next;
-                    ++n_switches;
-                }
-            }
-            const int32_t start = ctx->n_committed + (int32_t) pending.size();
-            // positions at or past the budget are never candidates: they stay masked
-            const int32_t n_cand = std::min(B - n_rest, n_left);
-            canvas.resize(B);
-            want.assign(B, 0);
-            for (int32_t i = 0; i < B; ++i) {
-                canvas[i] = i < n_rest ? prompt[n_full + i] : mask;
-            }
-            masked.clear();
-            for (int32_t i = n_rest; i < n_rest + n_cand; ++i) {
-                masked.push_back(i);
-            }
-            ++n_blocks;
-            int32_t step = 0;
-            while (!masked.empty()) {
-                std::fill(want.begin(), want.end(), 0);
-                for (int32_t p : masked) {
-                    want[p] = 1;
-                }
-                if (!pending.empty()) {
-                    rc = fused_commit_pass(ctx, pending.data(), canvas.data(), B, &want, rows, msg);
-                    pending.clear();
-                    ++n_commits;
-                } else {
-                    rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
-                }
-                if (rc != CLOVER_OK) {
-                    return fail(rc, msg);
-                }
-                ++n_steps;
-                const int32_t nm = (int32_t) masked.size();
-                cand_tok.resize(nm);
-                cand_conf.resize(nm);
-                order.resize(nm);
-                for (int32_t j = 0; j < nm; ++j) {
-                    clover_detail::pick_candidate(rows[masked[j]], V, mask, gp.temperature,
-                                                  gp.top_k, gp.top_p, rng, work, cand_tok[j], cand_conf[j]);
-                }
-                const int32_t k = clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, step,
-                                                               order.data());
-                for (int32_t j = 0; j < k; ++j) {
-                    canvas[masked[order[j]]] = cand_tok[order[j]];
-                }
-                std::vector<int32_t> still;
-                still.reserve(nm);
-                for (int32_t p : masked) {
-                    if (canvas[p] == mask) {
-                        still.push_back(p);
-                    }
-                }
-                masked.swap(still);
-                ++step;
-                if (gp.step_callback &&
-                    gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0) {
-                    cancelled = true;
-                    break;
-                }
-            }
-            bool has_eos = false;
-            if (masked.empty()) {
-                auto_observe(ctx, B, n_cand, step);
-                gen.insert(gen.end(), canvas.begin() + n_rest, canvas.begin() + n_rest + n_cand);
-                // visible output: cut at the first EOS and at max_tokens
-                int32_t new_visible = (int32_t) gen.size();
-                if (eos >= 0) {
-                    for (int32_t i = visible; i < (int32_t) gen.size(); ++i) {
-                        if (gen[i] == eos) {
-                            new_visible = i;
-                            has_eos     = true;
-                            break;
-                        }
-                    }
-                }
-                new_visible = std::min(new_visible, gp.max_tokens);
-                const int32_t old_visible = visible;
-                visible                   = std::max(visible, new_visible);
-                if (gp.block_callback) {
-                    const int cb = gp.block_callback(start, gen.data() + old_visible, visible - old_visible,
-                                                     gp.user_data);
-                    if (cb != 0) {
-                        cancelled = true;
-                    }
-                }
-            }
-            if (cancelled) {
-                finish = CLOVER_FINISH_CANCELLED;
-                break;
-            }
-            if (has_eos) {
-                finish = CLOVER_FINISH_EOS;
-                break;
-            }
-            if ((int32_t) gen.size() >= gp.max_tokens) {
-                finish = CLOVER_FINISH_MAX_TOKENS;
-                break;
-            }
-            pending = canvas; // committed by the next block's first pass
-            n_rest  = 0;
+        run.report(out, n_out, stats);
+        if (rc == CLOVER_ERR_CANCELLED) {
+            return set_err(err, err_len, rc, "cancelled by a callback");
         }
-        finish_stats();
-        if (cancelled) {
-            return set_err(err, err_len, CLOVER_ERR_CANCELLED, "cancelled by a callback");
-        }
-        return CLOVER_OK;
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, run.msg);
     });
 }
 
