@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from train.args import add_optimizer_args
+
 PROMPT_LEN = 64
 NEW_TOKENS = 128
 
@@ -115,16 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--certainty", type=float, default=0.5, help="weight of the certainty term")
     f.add_argument("--block-sizes", default="16:0.3,32:0.7")
     f.add_argument("--t-min", type=float, default=0.3, help="trajectory blocks: most positions masked")
-    f.add_argument("--lr", type=float, default=5e-4)
-    f.add_argument("--warmup", type=int, default=20)
-    f.add_argument("--min-lr-frac", type=float, default=0.1)
-    f.add_argument("--weight-decay", type=float, default=0.1)
-    f.add_argument("--clip", type=float, default=1.0)
-    f.add_argument("--eval-every", type=int, default=100)
-    f.add_argument("--eval-windows", type=int, default=32)
-    f.add_argument("--ckpt-every", type=float, default=180.0)
-    f.add_argument("--threads", type=int, default=2)
-    f.add_argument("--resume", action="store_true")
+    add_optimizer_args(f, lr=5e-4, warmup=20, threads=2)
     return ap
 
 

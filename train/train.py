@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from clover_testkit.reference import CloverConfig
+from train.args import add_optimizer_args
 from train.model import CloverTorch, config_dict
 
 PRESETS = {
@@ -175,16 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-sizes", default="4:0.1,8:0.15,16:0.25,32:0.5",
                     help="block sizes and their probabilities, one per step")
     ap.add_argument("--t-min", type=float, default=0.05)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-windows", type=int, default=32)
-    ap.add_argument("--ckpt-every", type=float, default=180.0, help="seconds between checkpoints")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--resume", action="store_true")
+    add_optimizer_args(ap, lr=2e-3, warmup=100, threads=1)
     ap.add_argument("--init-from", default="",
                     help="start from the weights of this ckpt.pt (fresh optimizer and schedule): "
                          "a second stage after an earlier run")
