@@ -3,14 +3,14 @@
     .venv/bin/python benchmarks/rpc_bench.py [--model models/clover-default] [--rounds 3] [-n 128]
 
 Prints, side by side in one run:
-* tokens/s of the local run and of the split run (every layer and the output head on the two
-  servers, half each) for B = 1 and B = 32, paired and repeated (median of per-round ratios);
+* tokens/s of the local run and of two split runs (every layer on the two servers, half each;
+  the output head on the last server as llama.cpp places it, or kept on the client with
+  `-ot output\\.weight=CPU`) for B = 1 and B = 32, paired and repeated (median of per-round ratios);
 * the bytes that cross the network per forward (the kernel's counters of the servers'
   TCP connections, ss -ti) and per block pass of n = 1 and n = 32 tokens, split into a fixed part
   (graph, control) and a per-token part (logits + hidden states at device boundaries);
-* from those, the network time per step of Clover-35B-A3B on a 1 Gb/s and a 10 Gb/s link,
-  with the output head on the last server (llama.cpp's placement for any -ngl > 0) or on the
-  client, and the tokens/s that bounds at the measured tokens per pass and at a full block.
+* from those, the network time per step of Clover-35B-A3B on a 1 Gb/s and a 10 Gb/s link for
+  both placements, and the tokens/s that bounds if a pass unmasked the whole block.
 
 On this 2-core box client and servers share the cores, so the split tokens/s measures the
 protocol's overhead, not a cluster's speed.
@@ -97,59 +97,66 @@ def main() -> int:
     eps = [e for _, e in servers]
     try:
         local = Clover(gguf, n_threads=args.threads)
-        split = Clover(gguf, n_threads=args.threads, n_gpu_layers=-1, tensor_split=[1.0, 1.0],
-                       rpc_servers=[e for _, e in servers])
+        remote = dict(n_threads=args.threads, n_gpu_layers=-1, tensor_split=[1.0, 1.0], rpc_servers=eps)
+        # the output head on the last server (llama.cpp's placement), or kept here (-ot)
+        split = {"head on server": Clover(gguf, **remote),
+                 "head on client": Clover(gguf, **remote, override_tensor=r"output\.weight=CPU")}
         H, V = int(local.metadata("clover.embedding_length")), local.n_vocab
         prompt = "def fibonacci(n):\n    "
         rows = []
         for B in (1, 32):
+            models = [local, *split.values()]
             runs = paired_runs(lambda m: m.generate(prompt, max_tokens=args.n_predict, block_size=B,
-                                                    stop_at_eos=False).stats, [local, split], args.rounds)
-            b0, n0 = io_of(eps)
-            st = split.generate(prompt, max_tokens=args.n_predict, block_size=B, stop_at_eos=False).stats
-            b1, n1 = io_of(eps)
-            steps = st.n_forward
-            rows.append(dict(B=B, local=statistics.median(r.tokens_per_second for r in runs[local]),
-                             split=statistics.median(r.tokens_per_second for r in runs[split]),
-                             ratio=statistics.median(s.tokens_per_second / lo.tokens_per_second
-                                                     for lo, s in zip(runs[local], runs[split])),
-                             tpf=st.tokens_per_forward, bytes_step=(b1 - b0) / steps, calls_step=(n1 - n0) / steps))
+                                                    stop_at_eos=False).stats, models, args.rounds)
+            row = dict(B=B, local=statistics.median(r.tokens_per_second for r in runs[local]))
+            for name, m in split.items():
+                b0, n0 = io_of(eps)
+                st = m.generate(prompt, max_tokens=args.n_predict, block_size=B, stop_at_eos=False).stats
+                b1, n1 = io_of(eps)
+                row[name] = dict(tps=statistics.median(r.tokens_per_second for r in runs[m]),
+                                 ratio=statistics.median(s.tokens_per_second / lo.tokens_per_second
+                                                         for lo, s in zip(runs[local], runs[m])),
+                                 tpf=st.tokens_per_forward, bytes_step=(b1 - b0) / st.n_forward,
+                                 calls_step=(n1 - n0) / st.n_forward)
+            rows.append(row)
         local.close()
-        split.close()
+        for m in split.values():
+            m.close()
     finally:
         for p in procs:
             p.kill()
 
-    print(f"model {gguf.name} (hidden {H}, vocabulary {V}), -n {args.n_predict}, "
-          f"{args.rounds} paired rounds, {args.threads} client threads, servers 1 thread each, all on this machine")
-    print(f"{'B':>3} {'local tok/s':>12} {'split tok/s':>12} {'split/local':>12} {'tok/forward':>12} "
-          f"{'KB/step':>9} {'replies/step':>13}")
+    print(f"model {gguf.name} (hidden {H}, vocabulary {V}), -n {args.n_predict}, {args.rounds} paired rounds, "
+          f"{args.threads} client threads, 2 servers of 1 thread each, all on this machine; every layer on the servers")
+    print(f"{'B':>3} {'local tok/s':>12} | {'split, output head on':<22} {'tok/s':>8} {'x local':>8} "
+          f"{'tok/fwd':>8} {'KB/step':>9} {'replies/step':>13}")
     for r in rows:
-        print(f"{r['B']:>3} {r['local']:>12.1f} {r['split']:>12.1f} {r['ratio']:>11.2f}x {r['tpf']:>12.2f} "
-              f"{r['bytes_step'] / 1024:>9.1f} {r['calls_step']:>13.1f}")
-    # Per step the client gets the logits of the canvas rows (B rows x 4 bytes x vocabulary,
-    # from the last device, which holds the output head) and moves hidden states, positions and
-    # masks across device boundaries (the rest). For Clover-35B-A3B the logits scale with the
-    # vocabulary and the rest with the hidden size (an estimate: masks scale with the context).
+        for k, name in enumerate(split):
+            d = r[name]
+            lead = f"{r['B']:>3} {r['local']:>12.1f}" if k == 0 else " " * 16
+            print(f"{lead} | {name:<22} {d['tps']:>8.1f} {d['ratio']:>7.2f}x {d['tpf']:>8.2f} "
+                  f"{d['bytes_step'] / 1024:>9.1f} {d['calls_step']:>13.1f}")
+    # Per step, with the head on the server the client receives the logits of the block's rows
+    # (B x 4 bytes x vocabulary); the rest (hidden states at the device boundaries, positions,
+    # masks) is what the head-on-client run measures. For Clover-35B-A3B the logits scale with
+    # the vocabulary and the rest with the hidden size (an estimate: masks scale with the context).
     print(f"projection for Clover-35B-A3B (hidden {BIG['hidden']}, vocabulary {BIG['vocab']}), network time "
           f"per step only, {RTT_S * 1e6:.0f} us per reply assumed:")
     for r in rows:
-        logits = r["B"] * 4 * V
-        rest = max(0.0, r["bytes_step"] - logits)
-        r["big"] = {"remote": r["B"] * 4 * BIG["vocab"] + rest * BIG["hidden"] / H,
-                    "local": rest * BIG["hidden"] / H}
-        print(f"  B={r['B']}: measured {r['bytes_step'] / 1024:.1f} KB/step = logits {logits / 1024:.1f} KB + "
-              f"{rest / 1024:.1f} KB other -> 35B-A3B: {r['big']['remote'] / 2**20:.2f} MB/step with the output "
-              f"head on the last server, {r['big']['local'] / 2**20:.3f} MB/step with it on the client")
-    for head in ("remote", "local"):
+        rest = r["head on client"]["bytes_step"]
+        r["big"] = {"head on server": r["B"] * 4 * BIG["vocab"] + rest * BIG["hidden"] / H,
+                    "head on client": rest * BIG["hidden"] / H}
+        print(f"  B={r['B']}: {r['big']['head on server'] / 2**20:.2f} MB/step with the head on the last server, "
+              f"{r['big']['head on client'] / 2**20:.3f} MB/step with it on the client")
+    for name in split:
         for gbps in (1, 10):
             bw = gbps * 1e9 / 8
             cells = []
             for r in rows:
-                t = r["big"][head] / bw + r["calls_step"] * RTT_S
-                cells.append(f"B={r['B']}: {t * 1e3:6.2f} ms/step, <= {r['tpf'] / t:6.0f} tok/s at "
-                             f"{r['tpf']:.2f} tok/step, <= {r['B'] / t:6.0f} at B tok/step")
-            print(f"  head {head:<6} {gbps:>2} Gb/s: " + "; ".join(cells))
+                t = r["big"][name] / bw + r[name]["calls_step"] * RTT_S
+                cells.append(f"B={r['B']}: {t * 1e3:6.2f} ms/step, <= {r['B'] / t:6.0f} tok/s if a pass "
+                             f"unmasked the whole block")
+            print(f"  {name:<15} {gbps:>2} Gb/s: " + "; ".join(cells))
     return 0
 
 

@@ -58,6 +58,7 @@ class clover_model_params(Structure):
         ("rpc_servers", c_char_p),
         ("tensor_split", POINTER(c_float)),
         ("n_tensor_split", c_int32),
+        ("tensor_overrides", c_char_p),
     ]
 
 

@@ -166,6 +166,8 @@ def _runtime_options(f: Any) -> Any:
         click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1,...",
                      callback=lambda ctx, p, v: _parse_split(v),
                      help="Share of the offloaded layers per device, RPC servers first (as llama.cpp's -ts)."),
+        click.option("-ot", "--override-tensor", "override_tensor", default=None, metavar="PATTERN=BUFFER,...",
+                     help="Put tensors matching PATTERN in BUFFER (as llama.cpp's -ot), e.g. 'output\\.weight=CPU'."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's log."),
     ]
     for o in reversed(opts):
@@ -233,7 +235,7 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
 
 def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
                 verbose: bool, flash_attn: str = "auto", rpc: str | None = None,
-                tensor_split: list[float] | None = None) -> Any:
+                tensor_split: list[float] | None = None, override_tensor: str | None = None) -> Any:
     from .model import Clover, CloverError, set_verbosity
 
     # libclover checks the file (missing, not a GGUF, wrong architecture, bad metadata) with
@@ -247,7 +249,7 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
         return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
                       block_size=None if block_size == "auto" else block_size,
                       flash_attn={"on": True, "off": False}.get(flash_attn), rpc_servers=rpc,
-                      tensor_split=tensor_split)
+                      tensor_split=tensor_split, override_tensor=override_tensor)
     except CloverError as e:
         raise UserError(e.message) from None
 
@@ -475,8 +477,8 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
-        flash_attn: str, rpc: str | None, tensor_split: list[float] | None, verbose: bool, visual: bool | None,
-        echo: bool, stats: bool) -> None:
+        flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+        verbose: bool, visual: bool | None, echo: bool, stats: bool) -> None:
     """Generate text from a prompt with block-diffusion decoding."""
     text = _read_prompt(prompt, file)
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
@@ -484,7 +486,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
     if visual is None:
         visual = sys.stdout.isatty()
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                     tensor_split) as m:
+                     tensor_split, override_tensor) as m:
         r = _generate_to_terminal(m, text, visual, prefix=text if echo else "", **kw)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -505,7 +507,8 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
          reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
-         rpc: str | None, tensor_split: list[float] | None, verbose: bool, visual: bool | None, stats: bool) -> None:
+         rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+         verbose: bool, visual: bool | None, stats: bool) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
     /reset to forget the conversation. Earlier turns stay in the context's memory and are
     not read again (prefix reuse)."""
@@ -516,7 +519,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
         visual = sys.stdout.isatty()
     base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                     tensor_split) as m:
+                     tensor_split, override_tensor) as m:
         m.format_chat([{"role": "user", "content": "x"}])  # template problems show up now, not later
         history: list[dict[str, str]] = []
         if interactive:
@@ -582,7 +585,7 @@ def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str
 @_runtime_options
 def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None,
           threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
-          tensor_split: list[float] | None, verbose: bool) -> None:
+          tensor_split: list[float] | None, override_tensor: str | None, verbose: bool) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics. Clover's knobs are extra request fields (block_size, threshold)."""
     try:
@@ -597,7 +600,8 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
     click.echo(f"clover serve: http://{host}:{port}/v1 ({parallel} context(s)); Ctrl-C to stop", err=True)
     run_server(model, host=host, port=port, parallel=parallel, api_key=api_key, n_ctx=ctx_size, n_threads=threads,
                n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
-               flash_attn={"on": True, "off": False}.get(flash_attn), rpc_servers=rpc, tensor_split=tensor_split)
+               flash_attn={"on": True, "off": False}.get(flash_attn), rpc_servers=rpc, tensor_split=tensor_split,
+               override_tensor=override_tensor)
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -652,7 +656,8 @@ def _parse_block_sizes(s: str) -> list[Any]:
 @_runtime_options
 def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: float, max_steps: int,
           repetitions: int, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
-          rpc: str | None, tensor_split: list[float] | None, verbose: bool) -> None:
+          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+          verbose: bool) -> None:
     """Tokens/s and tokens per forward pass for each block size, against B = 1 (autoregressive).
 
     Paired and repeated: every round runs each setting once, in a rotated order; the table
@@ -661,7 +666,8 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     sizes = _parse_block_sizes(block_sizes)
     if 1 not in sizes:
         sizes = [1] + sizes
-    with _open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn, rpc, tensor_split) as m:
+    with _open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn, rpc, tensor_split,
+                     override_tensor) as m:
         m.generate(prompt, max_tokens=min(n_predict, 8), block_size="auto", stop_at_eos=False)  # warm-up + curve
         runs = paired_runs(lambda B: m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
                                                 max_steps=max_steps, stop_at_eos=False).stats,

@@ -478,7 +478,9 @@ class Clover:
     exact parity runs against the numpy reference). ``rpc_servers``: llama.cpp RPC servers
     ("HOST:PORT", a list or a comma-separated string, each running ``ggml-rpc-server``) that
     hold the offloaded layers (``n_gpu_layers``; the rest stays on this machine's CPU), split by
-    ``tensor_split`` (one share per device, RPC servers first) or by their free memory. A lost
+    ``tensor_split`` (one share per device, RPC servers first) or by their free memory;
+    ``override_tensor`` ("PATTERN=BUFFER,...", llama.cpp's -ot) places matching tensors, e.g.
+    ``"output\\.weight=CPU"`` keeps the output head here so that no logits cross the network. A lost
     server makes calls raise :class:`CloverError`; :meth:`reload` loads the model again. Use
     as a context manager or call :meth:`close` (idempotent). A Clover object must not be used from two threads at once
     (calls are serialised by a lock); distinct objects are independent."""
@@ -487,7 +489,7 @@ class Clover:
                  n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | None = None,
                  kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False,
                  rpc_servers: str | Sequence[str] | None = None,
-                 tensor_split: Sequence[float] | None = None) -> None:
+                 tensor_split: Sequence[float] | None = None, override_tensor: str | None = None) -> None:
         self._model: int | None = None
         self._shared: _ModelRef | None = None
         self._ctx: int | None = None
@@ -505,8 +507,10 @@ class Clover:
         if rpc_servers is not None and not isinstance(rpc_servers, str):
             raise CloverError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
         split = [_float("tensor_split", x) for x in tensor_split] if tensor_split is not None else []
+        if override_tensor is not None and not isinstance(override_tensor, str):
+            raise CloverError(f"override_tensor must be 'PATTERN=BUFFER[,...]', got {override_tensor!r}")
         self._load_args = dict(n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, rpc_servers=rpc_servers or None,
-                               tensor_split=split)
+                               tensor_split=split, override_tensor=override_tensor or None)
         if isinstance(block_size, str) and block_size == "auto":
             block_size = None
         if block_size is not None:
@@ -529,6 +533,8 @@ class Clover:
             mp.use_mmap = 1 if a["use_mmap"] else 0
         if a["rpc_servers"]:
             mp.rpc_servers = a["rpc_servers"].encode()
+        if a["override_tensor"]:
+            mp.tensor_overrides = a["override_tensor"].encode()
         split = (ctypes.c_float * max(1, len(a["tensor_split"])))(*a["tensor_split"])
         mp.tensor_split = split
         mp.n_tensor_split = len(a["tensor_split"])

@@ -428,7 +428,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
           api_key: str | None = None, n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
           max_queue: int = 64, log_level: str = "warning", flash_attn: bool | None = None,
-          rpc_servers: str | None = None, tensor_split: list[float] | None = None) -> None:
+          rpc_servers: str | None = None, tensor_split: list[float] | None = None,
+          override_tensor: str | None = None) -> None:
     """Load the model and serve it until interrupted."""
     if n_threads is None:
         # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
@@ -436,7 +437,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
         # 2 cores, --parallel 1: 17.6 req/s with 1 thread, 11.3 with 2, and 2.9 with 2 clients)
         n_threads = max(1, ((os.cpu_count() or 1) - 1) // parallel)
     model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-                   rpc_servers=rpc_servers, tensor_split=tensor_split)
+                   rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor)
     app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue)
     try:
         # uvicorn.Server, not uvicorn.run (which swallows it): after the graceful shutdown, the

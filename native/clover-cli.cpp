@@ -43,6 +43,7 @@ void usage(const char * argv0) {
             "  -ngl, --n-gpu-layers N layers to offload to the GPU or RPC servers (default 0)\n"
             "  --rpc HOST:PORT,...    llama.cpp RPC servers (ggml-rpc-server) for the offloaded layers\n"
             "  -ts, --tensor-split A,B,...  share of the offloaded layers per device (RPC first)\n"
+            "  -ot, --override-tensor PATTERN=BUFFER,...  tensors matching PATTERN in BUFFER (as llama.cpp)\n"
             "  --block-size N|auto    block size B (default auto: B per block from the pass cost,\n"
             "                         measured once per model and machine and cached, and tokens/pass)\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
@@ -232,6 +233,7 @@ int main(int argc, char ** argv) {
     clover_generate_params gp = clover_generate_default_params();
     bool                   auto_block = true;
     std::string            rpc_servers;
+    std::string            overrides; // -ot, repeatable
     std::vector<float>     split;
     cp.n_threads = 0; // from the hardware, as `clover run` does
     cli_state              st;
@@ -267,6 +269,8 @@ int main(int argc, char ** argv) {
             if (st.stops.back().empty()) {
                 die("option " + a + " needs a non-empty text");
             }
+        } else if (a == "-ot" || a == "--override-tensor") {
+            overrides = overrides.empty() ? std::string(val()) : overrides + "," + val();
         } else if (a == "--rpc") {
             rpc_servers = val();
         } else if (a == "-ts" || a == "--tensor-split") {
@@ -369,6 +373,7 @@ int main(int argc, char ** argv) {
         mp.rpc_servers = rpc_servers.c_str();
     }
     mp.tensor_split   = split.empty() ? nullptr : split.data();
+    mp.tensor_overrides = overrides.empty() ? nullptr : overrides.c_str();
     mp.n_tensor_split = (int32_t) split.size();
     st.model = clover_model_load(model_path.c_str(), &mp, err, sizeof(err));
     if (!st.model) {

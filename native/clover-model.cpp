@@ -3,6 +3,9 @@
 
 #include "clover-impl.h"
 
+#include <map>
+#include <regex>
+
 namespace clover_impl {
 
 // The generic llama.cpp loader GGML_ASSERTs (aborts) on some counts; check them first.
@@ -98,6 +101,7 @@ clover_model_params clover_model_default_params(void) {
     p.rpc_servers    = nullptr;
     p.tensor_split   = nullptr;
     p.n_tensor_split = 0;
+    p.tensor_overrides = nullptr;
     return p;
 }
 
@@ -147,6 +151,50 @@ static int rpc_devices(const char * servers, std::vector<ggml_backend_dev_t> & d
         }
     }
     devices.push_back(nullptr);
+    return CLOVER_OK;
+}
+
+// "PATTERN=BUFFER[,PATTERN=BUFFER...]" as llama.cpp's -ot: tensors whose name matches PATTERN
+// (a regex) go to that buffer type: CPU, a local device's, or an RPC server's ("RPC0[host:port]").
+// Terminated by an empty override; the patterns live in `patterns` (reserved: no reallocation).
+static int tensor_overrides(const char * spec, const std::vector<ggml_backend_dev_t> & rpc,
+                            std::vector<std::string> & patterns, std::vector<llama_model_tensor_buft_override> & out,
+                            std::string & msg) {
+    std::map<std::string, ggml_backend_buffer_type_t> bufts;
+    auto add = [&](ggml_backend_dev_t dev) {
+        if (ggml_backend_buffer_type_t b = dev ? ggml_backend_dev_buffer_type(dev) : nullptr) {
+            bufts[ggml_backend_buft_name(b)] = b;
+        }
+    };
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        add(ggml_backend_dev_get(i));
+    }
+    for (ggml_backend_dev_t dev : rpc) {
+        add(dev);
+    }
+    const std::string all = spec;
+    patterns.reserve(std::count(all.begin(), all.end(), ',') + 1);
+    std::stringstream ss(all);
+    for (std::string item; std::getline(ss, item, ',');) {
+        const size_t eq = item.rfind('=');
+        const std::string buf = eq == std::string::npos ? "" : trim(item.substr(eq + 1));
+        if (eq == std::string::npos || eq == 0 || !bufts.count(buf)) {
+            msg = "tensor override '" + item + "': expected PATTERN=BUFFER with BUFFER one of:";
+            for (const auto & [name, b] : bufts) {
+                msg += " " + name;
+            }
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        try {
+            std::regex re(item.substr(0, eq)); // as llama.cpp will use it: a bad one fails here, not there
+        } catch (const std::regex_error &) {
+            msg = "tensor override '" + item + "': not a valid regular expression";
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        patterns.push_back(item.substr(0, eq));
+        out.push_back({patterns.back().c_str(), bufts[buf]});
+    }
+    out.push_back({nullptr, nullptr});
     return CLOVER_OK;
 }
 
@@ -241,6 +289,15 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
                 split[i] = mp.tensor_split[i];
             }
             lp.tensor_split = split.data();
+        }
+        std::vector<std::string>                      ot_patterns;
+        std::vector<llama_model_tensor_buft_override> ot;
+        if (mp.tensor_overrides && *mp.tensor_overrides) {
+            std::string bad;
+            if (tensor_overrides(mp.tensor_overrides, devices, ot_patterns, ot, bad) != CLOVER_OK) {
+                return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, bad);
+            }
+            lp.tensor_buft_overrides = ot.data();
         }
         const uint64_t rpc_failures_before = rpc_failures();
         if (mp.use_mmap < 0 && !mp.use_mlock) {

@@ -91,6 +91,10 @@ typedef struct clover_model_params {
      * llama.cpp's --tensor-split; n_tensor_split = 0: by each device's free memory */
     const float * tensor_split;
     int32_t       n_tensor_split;
+    /* "PATTERN=BUFFER[,PATTERN=BUFFER...]" as llama.cpp's -ot: tensors whose name matches the
+     * regex go to that buffer type ("CPU", a device's, "RPC0[host:port]", ...); NULL = none.
+     * E.g. "output\.weight=CPU" keeps the output head on this machine. */
+    const char *  tensor_overrides;
 } clover_model_params;
 
 CLOVER_API clover_model_params clover_model_default_params(void);

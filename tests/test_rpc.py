@@ -171,6 +171,28 @@ def test_switch_saves_and_restores_memory_over_rpc(remote, local, tiny_artifacts
     assert results[0] == results[1]
 
 
+def test_output_head_kept_on_the_client(local, servers, tiny_artifacts) -> None:
+    """-ot output\\.weight=CPU (llama.cpp's override): every layer on the servers, the head here;
+    the same logits, and a bad override is a one-line error naming the buffer types."""
+    from clover_cpp import Clover, CloverError
+
+    with Clover(tiny_artifacts["f32"], n_ctx=256, rpc_servers=[s.endpoint for s in servers], n_gpu_layers=-1,
+                override_tensor=r"output\.weight=CPU", **EXACT) as m:
+        toks = _prompt(4, 16, tiny_artifacts["cfg"])
+        lo, re_ = local.new_context(block_size=8), m.new_context(block_size=8)
+        try:
+            want = lo.block_logits(toks[8:], commit_before=toks[:8])
+            got = re_.block_logits(toks[8:], commit_before=toks[:8])
+            assert float(np.abs(got - want).max()) <= 1e-5 * max(1.0, float(np.abs(want).max()))
+        finally:
+            lo.close()
+            re_.close()
+    for bad, why in (("output=GPU9", "BUFFER one of: CPU"), ("out(put=CPU", "not a valid regular expression"),
+                     ("=CPU", "expected PATTERN=BUFFER")):
+        with pytest.raises(CloverError, match=why):
+            Clover(tiny_artifacts["f32"], override_tensor=bad)
+
+
 def test_server_lost_mid_generation_then_reload(tiny_artifacts, servers, local) -> None:
     from clover_cpp import Clover, CloverError
 
@@ -231,10 +253,11 @@ def test_cli_rpc_and_tensor_split(tiny_artifacts, tmp_path) -> None:
         for tool, split in ((py, "1,1"), ([str(CLI)], "1/1")):  # bytes: a random model's text need not be UTF-8
             want = subprocess.run(tool + common, capture_output=True, timeout=120)
             assert want.returncode == 0, want.stderr
-            r = subprocess.run(tool + common + ["--rpc", eps, "-ngl", "4", "-ts", split], capture_output=True,
-                               timeout=120)
-            assert r.returncode == 0, r.stderr
-            assert r.stdout == want.stdout and len(want.stdout.strip()) > 0
+            for extra in ([], ["-ot", r"output\.weight=CPU"]):
+                r = subprocess.run(tool + common + ["--rpc", eps, "-ngl", "4", "-ts", split, *extra],
+                                   capture_output=True, timeout=120)
+                assert r.returncode == 0, r.stderr
+                assert r.stdout == want.stdout and len(want.stdout.strip()) > 0
         clover = [sys.executable, "-m", "clover_cpp.cli"]
         model = ["-m", str(tiny_artifacts["f32"]), "-ngl", "-1", "--rpc", "nohost"]
         for cmd in (py + common + ["--rpc", "nohost"], [str(CLI)] + common + ["--rpc", "nohost"],
