@@ -53,7 +53,9 @@ def fetch_sdist(explicit: Path | None) -> Path:
             raise SetupError(f"sdist not found: {explicit}")
         CACHE.mkdir(parents=True, exist_ok=True)
         print(f"downloading {SDIST_REQ} sdist ...", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # -I: inside pip's isolated build environment (pip install .) PYTHONPATH hides the
+        # interpreter's own pip; the isolated mode sees it again
+        cmd = [sys.executable, "-I", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                SDIST_REQ, "-d", str(CACHE), "-q"]
         if subprocess.run(cmd).returncode != 0:
             raise SetupError(f"pip download of {SDIST_REQ} failed")
