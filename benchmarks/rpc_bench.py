@@ -5,7 +5,7 @@
 Prints, side by side in one run:
 * tokens/s of the local run and of two split runs (every layer on the two servers, half each;
   the output head on the last server as llama.cpp places it, or kept on the client with
-  `-ot output\\.weight=CPU`) for B = 1 and B = 32, paired and repeated (median of per-round ratios);
+  `-ot ^output\\.weight=CPU`) for B = 1 and B = 32, paired and repeated (median of per-round ratios);
 * the bytes that cross the network per forward (the kernel's counters of the servers'
   TCP connections, ss -ti) and per block pass of n = 1 and n = 32 tokens, split into a fixed part
   (graph, control) and a per-token part (logits + hidden states at device boundaries);
@@ -100,7 +100,7 @@ def main() -> int:
         remote = dict(n_threads=args.threads, n_gpu_layers=-1, tensor_split=[1.0, 1.0], rpc_servers=eps)
         # the output head on the last server (llama.cpp's placement), or kept here (-ot)
         split = {"head on server": Clover(gguf, **remote),
-                 "head on client": Clover(gguf, **remote, override_tensor=r"output\.weight=CPU")}
+                 "head on client": Clover(gguf, **remote, override_tensor=r"^output\.weight=CPU")}
         H, V = int(local.metadata("clover.embedding_length")), local.n_vocab
         prompt = "def fibonacci(n):\n    "
         rows = []

@@ -167,7 +167,7 @@ def _runtime_options(f: Any) -> Any:
                      callback=lambda ctx, p, v: _parse_split(v),
                      help="Share of the offloaded layers per device, RPC servers first (as llama.cpp's -ts)."),
         click.option("-ot", "--override-tensor", "override_tensor", default=None, metavar="PATTERN=BUFFER,...",
-                     help="Put tensors matching PATTERN in BUFFER (as llama.cpp's -ot), e.g. 'output\\.weight=CPU'."),
+                     help="Put tensors matching PATTERN in BUFFER (as llama.cpp's -ot), e.g. '^output\\.weight=CPU'."),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's log."),
     ]
     for o in reversed(opts):

@@ -480,7 +480,7 @@ class Clover:
     hold the offloaded layers (``n_gpu_layers``; the rest stays on this machine's CPU), split by
     ``tensor_split`` (one share per device, RPC servers first) or by their free memory;
     ``override_tensor`` ("PATTERN=BUFFER,...", llama.cpp's -ot) places matching tensors, e.g.
-    ``"output\\.weight=CPU"`` keeps the output head here so that no logits cross the network. A lost
+    ``"^output\\.weight=CPU"`` keeps the output head here so that no logits cross the network. A lost
     server makes calls raise :class:`CloverError`; :meth:`reload` loads the model again. Use
     as a context manager or call :meth:`close` (idempotent). A Clover object must not be used from two threads at once
     (calls are serialised by a lock); distinct objects are independent."""

@@ -93,7 +93,8 @@ typedef struct clover_model_params {
     int32_t       n_tensor_split;
     /* "PATTERN=BUFFER[,PATTERN=BUFFER...]" as llama.cpp's -ot: tensors whose name matches the
      * regex go to that buffer type ("CPU", a device's, "RPC0[host:port]", ...); NULL = none.
-     * E.g. "output\.weight=CPU" keeps the output head on this machine. */
+     * E.g. "^output\.weight=CPU" keeps the output head on this machine (anchor it: the regex
+     * is searched, so "output\.weight" alone also matches every attn_output.weight). */
     const char *  tensor_overrides;
 } clover_model_params;
 

@@ -172,12 +172,12 @@ def test_switch_saves_and_restores_memory_over_rpc(remote, local, tiny_artifacts
 
 
 def test_output_head_kept_on_the_client(local, servers, tiny_artifacts) -> None:
-    """-ot output\\.weight=CPU (llama.cpp's override): every layer on the servers, the head here;
+    """-ot ^output\\.weight=CPU (llama.cpp's override): every layer on the servers, the head here;
     the same logits, and a bad override is a one-line error naming the buffer types."""
     from clover_cpp import Clover, CloverError
 
     with Clover(tiny_artifacts["f32"], n_ctx=256, rpc_servers=[s.endpoint for s in servers], n_gpu_layers=-1,
-                override_tensor=r"output\.weight=CPU", **EXACT) as m:
+                override_tensor=r"^output\.weight=CPU", **EXACT) as m:
         toks = _prompt(4, 16, tiny_artifacts["cfg"])
         lo, re_ = local.new_context(block_size=8), m.new_context(block_size=8)
         try:
@@ -253,7 +253,7 @@ def test_cli_rpc_and_tensor_split(tiny_artifacts, tmp_path) -> None:
         for tool, split in ((py, "1,1"), ([str(CLI)], "1/1")):  # bytes: a random model's text need not be UTF-8
             want = subprocess.run(tool + common, capture_output=True, timeout=120)
             assert want.returncode == 0, want.stderr
-            for extra in ([], ["-ot", r"output\.weight=CPU"]):
+            for extra in ([], ["-ot", r"^output\.weight=CPU"]):
                 r = subprocess.run(tool + common + ["--rpc", eps, "-ngl", "4", "-ts", split, *extra],
                                    capture_output=True, timeout=120)
                 assert r.returncode == 0, r.stderr
