@@ -3,7 +3,8 @@
 Generates the ``small`` synthetic checkpoint in bf16 into a temporary folder, converts it
 to f16 and to q8_0, each in a fresh subprocess, and prints per conversion:
 
-* source MB/s read (source tensor bytes / wall time of the conversion call);
+* source MB/s read (source tensor bytes / wall time of the conversion call), and its ratio to
+  copying the same bytes (page cache to page cache, fsynced): the floor for f16;
 * peak RSS of the converting process (its /proc/self/status VmHWM, which also counts
   touched pages of the memory-mapped source; ru_maxrss as a fallback);
 * the largest output tensor and the ratio peak RSS / largest tensor.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,6 +73,18 @@ def main() -> int:
             print(f"generated small preset (bf16) in {time.perf_counter() - t0:.1f} s: {src}")
         src_size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         print(f"source: {src_size / MB:.1f} MB of safetensors")
+        # the floor: copying the same bytes (read from the page cache, written, fsynced), as the
+        # converter's f16 output is about the source's size
+        t0 = time.perf_counter()
+        for i, f in enumerate(sorted(src.glob("*.safetensors"))):
+            dst = root / f"copy-{i}.bin"
+            shutil.copyfile(f, dst)
+            with open(dst, "rb+") as fh:
+                os.fsync(fh.fileno())
+        copy_s = time.perf_counter() - t0
+        for f in root.glob("copy-*.bin"):
+            f.unlink()
+        print(f" copy: the same bytes copied and fsynced in {copy_s:.2f} s = {src_size / MB / copy_s:.1f} MB/s")
         ok = True
         for outtype in args.outtypes.split(","):
             out = root / f"small-{outtype}.gguf"
@@ -86,7 +101,8 @@ def main() -> int:
             ok &= passed
             print(
                 f"{outtype:>5}: {r['params'] / 1e6:.0f}M params, {r['src_bytes'] / MB:.1f} MB read in "
-                f"{r['seconds']:.2f} s = {r['src_bytes'] / MB / r['seconds']:.1f} MB/s source "
+                f"{r['seconds']:.2f} s = {r['src_bytes'] / MB / r['seconds']:.1f} MB/s source, "
+                f"{copy_s / r['seconds']:.2f}x the copy "
                 f"({r['out_bytes'] / MB:.1f} MB written; process wall {wall:.2f} s); "
                 f"peak RSS {r['peak_rss'] / MB:.1f} MB; largest tensor {r['largest_name']} "
                 f"{r['largest_type']} {r['largest_bytes'] / MB:.1f} MB; "

@@ -21,10 +21,12 @@ import re
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import ml_dtypes
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
@@ -693,7 +695,10 @@ def _convert_block(block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> np.nd
         if qt == QT.F32 and sdt == "F32":
             return block
     if sdt == "BF16":
-        x = bf16_to_f32(np.ascontiguousarray(block))
+        bf16 = np.ascontiguousarray(block).view(ml_dtypes.bfloat16)  # one C pass, no GIL, exact
+        if fn is None and qt == QT.F16:
+            return bf16.astype(np.float16)
+        x = bf16.astype(np.float32)
     else:
         x = block.astype(np.float32)
     x = apply_fn(fn, x)
@@ -768,15 +773,26 @@ def convert(
             from tqdm import tqdm
 
             bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Converting", leave=False)
+        # two stages: the next tensor is read and converted on a worker thread while this one is
+        # written (numpy's casts and file writes release the GIL); at most two tensors in memory
         filler = _Filler(reader)
-        for t in plan.tensors:
-            if bar is not None:
-                bar.set_postfix_str(t.name, refresh=False)
-            arr = filler.materialize(t)
-            w.write_tensor_data(arr)
-            del arr
-            if bar is not None:
-                bar.update(t.nbytes)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-convert") as pool:
+            ahead = pool.submit(filler.materialize, plan.tensors[0]) if plan.tensors else None
+            try:
+                for k, t in enumerate(plan.tensors):
+                    if bar is not None:
+                        bar.set_postfix_str(t.name, refresh=False)
+                    assert ahead is not None
+                    arr = ahead.result()
+                    ahead = pool.submit(filler.materialize, plan.tensors[k + 1]) if k + 1 < len(plan.tensors) else None
+                    w.write_tensor_data(arr)
+                    del arr
+                    if bar is not None:
+                        bar.update(t.nbytes)
+            except BaseException:
+                if ahead is not None:
+                    ahead.cancel()
+                raise
         w.flush()
         for f in w.fout:
             os.fsync(f.fileno())
