@@ -1,0 +1,129 @@
+"""Converter throughput against upstream llama.cpp's convert_hf_to_gguf.py, in one run.
+
+    .venv/bin/python benchmarks/convert_vs_upstream.py [--preset small] [--keep DIR]
+
+Writes a bf16 Clover checkpoint of the preset, and from it a Qwen3.5-MoE checkpoint of the
+same shapes (upstream's closest architecture: the same tensors less Clover's memory gate,
+lookahead taps and block calibration; `model_type: qwen3_5_moe`). Converts both to f16, each
+in a fresh process: ours with `clover_convert`, upstream's with the pinned tree's
+`convert_hf_to_gguf.py` (torch needed; its tokenizer check is told the fixture tokenizer is
+Qwen2's, which it is in form). Prints source MB/s, wall time and peak RSS of each, and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+UPSTREAM = REPO / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
+MB = 1e6
+CLOVER_ONLY = ("in_proj_m.weight", "conv1d_lookahead.weight", "block_calib")
+
+# upstream's converter with its pre-tokenizer check answered (the fixture tokenizer is a
+# Qwen2-style byte-level BPE whose hash upstream does not list), then run as a script
+UPSTREAM_RUNNER = r"""
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = [sys.argv[2]] + sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def qwen35moe_from_clover(src: Path, dst: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from clover_convert.safetensors_io import CheckpointReader
+
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    for k in ("linear_conv_lookahead", "block_size", "mask_token_id"):
+        cfg.pop(k, None)
+    cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e7),
+                                "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
+                                "mrope_section": [11, 11, 10]})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, dst / f)
+    import ml_dtypes  # noqa: F401  (bf16 as a numpy dtype for safetensors)
+    import numpy as np
+
+    r = CheckpointReader(src)
+    tensors = {}
+    for name in r.names():
+        if name.endswith(CLOVER_ONLY):
+            continue
+        a = r.raw(name)
+        tensors[name] = np.ascontiguousarray(a.view(ml_dtypes.bfloat16) if r.dtype(name) == "BF16" else a)
+    save_file(tensors, str(dst / "model.safetensors"))
+    r.close()
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a child process, started with no dirty pages left
+    from the one before (their write-back would be charged to this one)."""
+    os.sync()
+    t0 = time.perf_counter()
+    p = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd[:4])} ...\n{p.stderr[-3000:]}")
+    return dt, int(p.stderr.strip().splitlines()[-1]) * 1024
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--layers", type=int, default=22,
+                    help="layers of the preset (small has 8: 22 make a ~2.6 GB bf16 checkpoint, 1.3B parameters)")
+    ap.add_argument("--keep", type=Path, help="reuse (and keep) the checkpoints in this folder")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    from clover_testkit.checkpoints import write_checkpoint
+
+    root = args.keep or Path(tempfile.mkdtemp(prefix="clover-convert-vs-"))
+    tag = f"{args.preset}-L{args.layers}"
+    clover, qwen = root / f"{tag}-bf16", root / f"{tag}-qwen35moe-bf16"
+    if not (clover / "config.json").exists():
+        write_checkpoint(clover, args.preset, dtype="bf16", config_overrides={"num_hidden_layers": args.layers})
+    if not (qwen / "config.json").exists():
+        qwen35moe_from_clover(clover, qwen)
+    size = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (clover, qwen)}
+    ours = [sys.executable, "-m", "clover_convert", str(clover), str(root / "ours.gguf"), "--outtype", "f16",
+            "--force", "--no-progress"]
+    theirs = [sys.executable, "-c", UPSTREAM_RUNNER, str(UPSTREAM.parent), str(UPSTREAM), str(qwen),
+              "--outtype", "f16", "--no-mtp", "--outfile", str(root / "upstream.gguf")]
+    # the floor: the same bytes copied (page cache to a new file) and fsynced, as both converters fsync
+    copy = [sys.executable, "-c", "import os, shutil, sys; shutil.copyfile(sys.argv[1], sys.argv[2]); "
+            "f = open(sys.argv[2], 'rb+'); os.fsync(f.fileno())", str(clover / "model.safetensors"),
+            str(root / "copy.bin")]
+    rows = {}
+    for name, cmd, d in (("copy of the bytes", copy, clover), ("clover_convert", ours, clover),
+                         ("convert_hf_to_gguf.py", theirs, qwen)):
+        dt, rss = timed(cmd)
+        rows[name] = (size[d] / MB / dt, dt, rss, size[d])
+    print(f"preset {args.preset} with {args.layers} layers, bf16 -> f16, each in a fresh process (wall time "
+          f"includes Python start-up), on {os.cpu_count()} cores:")
+    for name, (mbs, dt, rss, sz) in rows.items():
+        print(f"  {name:<22} {sz / MB:8.1f} MB source in {dt:6.2f} s = {mbs:6.1f} MB/s, peak RSS {rss / MB:7.1f} MB")
+    ratio = rows["clover_convert"][0] / rows["convert_hf_to_gguf.py"][0]
+    print(f"  ours / upstream: {ratio:.2f}x the MB/s (target >= 4x); ours / copy: "
+          f"{rows['clover_convert'][0] / rows['copy of the bytes'][0]:.2f}x")
+    (root / "copy.bin").unlink(missing_ok=True)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
