@@ -498,9 +498,7 @@ class Clover:
         self.model_path = Path(model_path)
         self._ctx_args = dict(n_ctx=n_ctx, n_threads=n_threads, block_size=block_size, flash_attn=flash_attn,
                               kv_f32=kv_f32)
-        n_ctx = _int("n_ctx", n_ctx, 1, INT32_MAX)
-        if n_threads is not None:
-            n_threads = _int("n_threads", n_threads, 1, MAX_THREADS)
+        self._context_params()  # bad context arguments fail before anything is loaded
         n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, INT32_MAX)
         if isinstance(rpc_servers, (list, tuple)):
             rpc_servers = ",".join(str(x) for x in rpc_servers)
@@ -511,11 +509,6 @@ class Clover:
             raise CloverError(f"override_tensor must be 'PATTERN=BUFFER[,...]', got {override_tensor!r}")
         self._load_args = dict(n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, rpc_servers=rpc_servers or None,
                                tensor_split=split, override_tensor=override_tensor or None)
-        if isinstance(block_size, str) and block_size == "auto":
-            block_size = None
-        if block_size is not None:
-            block_size = _int("block_size", block_size, 1, n_ctx)
-        self._default_block_size: int | str = block_size if block_size is not None else "auto"
         if not self.model_path.exists():
             raise CloverError(f"{self.model_path}: no such file", N.CLOVER_ERR_LOAD)
         if self.model_path.is_dir():
@@ -523,7 +516,16 @@ class Clover:
         if verbose:
             set_verbosity(max(_verbosity, 1))
         self._load_model()
-        self._make_context(n_ctx, n_threads, block_size, flash_attn, kv_f32)
+        self._make_context()
+
+    def _context_params(self) -> tuple[int, int | None, int | None]:
+        """n_ctx, n_threads and the block size (None = auto) of self._ctx_args, checked."""
+        a = self._ctx_args
+        n_ctx = _int("n_ctx", a["n_ctx"], 1, INT32_MAX)
+        n_threads = None if a["n_threads"] is None else _int("n_threads", a["n_threads"], 1, MAX_THREADS)
+        bs = a["block_size"]
+        return n_ctx, n_threads, None if bs is None or (isinstance(bs, str) and bs == "auto") else \
+            _int("block_size", bs, 1, n_ctx)
 
     def _load_model(self) -> None:
         L, a = _lib(), self._load_args
@@ -549,16 +551,15 @@ class Clover:
         """Free the model and context and load them again with the same arguments: after a
         lost RPC server, once it (or a replacement at the same address) is back."""
         self.close()
-        a = self._ctx_args
-        n_ctx = _int("n_ctx", a["n_ctx"], 1, INT32_MAX)
-        bs = a["block_size"]
-        bs = None if bs in (None, "auto") else _int("block_size", bs, 1, n_ctx)
         with self._lock:
             self._load_model()
-            self._make_context(n_ctx, a["n_threads"], bs, a["flash_attn"], bool(a["kv_f32"]))
+            self._make_context()
 
-    def _make_context(self, n_ctx: int, n_threads: int | None, block_size: int | None, flash_attn: bool | None,
-                      kv_f32: bool, own_thread: bool = False) -> None:
+    def _make_context(self, own_thread: bool = False) -> None:
+        """This object's decoding context, from self._ctx_args, over its loaded model."""
+        n_ctx, n_threads, block_size = self._context_params()
+        flash_attn, kv_f32 = self._ctx_args["flash_attn"], bool(self._ctx_args["kv_f32"])
+        self._default_block_size: int | str = block_size if block_size is not None else "auto"
         L, m = _lib(), self._model
         err, n = N.err_buffer()
         cp = L.clover_context_default_params()
@@ -605,12 +606,7 @@ class Clover:
             other.model_path = self.model_path
             other._load_args = self._load_args
             other._ctx_args = args
-        n_ctx = _int("n_ctx", args["n_ctx"], 1, INT32_MAX)
-        n_threads = None if args["n_threads"] is None else _int("n_threads", args["n_threads"], 1, MAX_THREADS)
-        bs = args["block_size"]
-        bs = None if bs in (None, "auto") else _int("block_size", bs, 1, n_ctx)
-        other._default_block_size = bs if bs is not None else "auto"
-        other._make_context(n_ctx, n_threads, bs, args["flash_attn"], bool(args["kv_f32"]), own_thread=True)
+        other._make_context(own_thread=True)
         return other
 
     # -- lifetime
