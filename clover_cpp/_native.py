@@ -149,13 +149,10 @@ def lib_dirs() -> list[Path]:
 
 
 def _candidates() -> list[Path]:
-    out: list[Path] = []
     env = os.environ.get("CLOVER_LIB_PATH")
-    if env and not Path(env).is_dir():
-        out.append(Path(env))  # the file itself, whatever its name
-    for d in lib_dirs()[1 if env and not Path(env).is_dir() else 0:]:
-        out += [d / n for n in _lib_names()]
-    return out
+    if env and not Path(env).is_dir():  # the file itself, whatever its name, then the defaults
+        return [Path(env)] + [d / n for d in lib_dirs()[1:] for n in _lib_names()]
+    return [d / n for d in lib_dirs() for n in _lib_names()]
 
 
 def find_library() -> Path:

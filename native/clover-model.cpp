@@ -126,12 +126,11 @@ static int rpc_devices(const char * servers, std::vector<ggml_backend_dev_t> & d
             msg = "RPC server '" + ep + "' is not HOST:PORT";
             return CLOVER_ERR_INVALID_ARG;
         }
-        g_last_log_error.clear();
         const uint64_t     before = rpc_failures();
         ggml_backend_reg_t server = add_server(ep.c_str());
-        if (!server || rpc_failures() != before) {
-            const std::string le = rpc_error(); // "RPC server HOST:PORT: cannot connect"
-            msg = le.empty() || rpc_failures() == before ? "RPC server " + ep + " offers no device" : le;
+        const bool         lost   = rpc_failures() != before; // then the backend said why, e.g.
+        if (!server || lost) {                                 // "RPC server HOST:PORT: cannot connect"
+            msg = lost && !rpc_error().empty() ? rpc_error() : "RPC server " + ep + " offers no device";
             return CLOVER_ERR_LOAD;
         }
         for (size_t i = 0; i < ggml_backend_reg_dev_count(server); ++i) {
