@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,31 +31,12 @@ if str(REPO) not in sys.path:
 
 from clover_cpp import Clover  # noqa: E402
 from clover_cpp.cli import paired_runs  # noqa: E402
+from clover_testkit.rpc import RpcServer  # noqa: E402
 
 RPC_SERVER = REPO / "build" / "bin" / "ggml-rpc-server"
 # Clover-35B-A3B (spec/model.md): hidden size, vocabulary
 BIG = {"hidden": 2048, "vocab": 248320}
 RTT_S = 100e-6  # one request/response on a LAN (assumed, not measured here)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    p = subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return p, f"127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    p.kill()
-    raise SystemExit("ggml-rpc-server did not start")
 
 
 def io_of(endpoints: list[str]) -> tuple[int, int]:
@@ -92,9 +71,8 @@ def main() -> int:
 
         convert(gguf, tmp / "model-f16.gguf", outtype="f16", progress=False)
         gguf = tmp / "model-f16.gguf"
-    servers = [start_server(), start_server()]
-    procs = [p for p, _ in servers]
-    eps = [e for _, e in servers]
+    servers = [RpcServer(RPC_SERVER), RpcServer(RPC_SERVER)]
+    eps = [s.endpoint for s in servers]
     try:
         local = Clover(gguf, n_threads=args.threads)
         remote = dict(n_threads=args.threads, n_gpu_layers=-1, tensor_split=[1.0, 1.0], rpc_servers=eps)
@@ -123,8 +101,8 @@ def main() -> int:
         for m in split.values():
             m.close()
     finally:
-        for p in procs:
-            p.kill()
+        for srv in servers:
+            srv.stop()
 
     print(f"model {gguf.name} (hidden {H}, vocabulary {V}), -n {args.n_predict}, {args.rounds} paired rounds, "
           f"{args.threads} client threads, 2 servers of 1 thread each, all on this machine; every layer on the servers")

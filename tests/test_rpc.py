@@ -13,8 +13,8 @@ localhost ports, started and stopped here, hold the offloaded layers of the tiny
 """
 from __future__ import annotations
 
+import functools
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from clover_testkit.rpc import RpcServer as _RpcServer
+from clover_testkit.rpc import free_port
 
 pytestmark = pytest.mark.needs_libclover
 
@@ -36,38 +39,7 @@ if not RPC_SERVER.exists():  # pragma: no cover - ./dev.sh setup builds it
     pytest.skip(f"{RPC_SERVER} is not built (GGML_RPC=OFF?)", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RpcServer:
-    """One ggml-rpc-server on a localhost port; serves one client connection at a time."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or _free_port()
-        self.proc = subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(self.port), "-t", "1"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:  # listening: a bare connect succeeds (the server then sees it close)
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"ggml-rpc-server did not start on port {self.port}")
-                time.sleep(0.05)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+RpcServer = functools.partial(_RpcServer, RPC_SERVER)  # a server of the build under test
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +201,7 @@ def test_server_lost_mid_generation_then_reload(tiny_artifacts, servers, local) 
 def test_unreachable_or_bad_server_at_load(tiny_artifacts) -> None:
     from clover_cpp import Clover, CloverError
 
-    port = _free_port()  # nobody listens there
+    port = free_port()  # nobody listens there
     t0 = time.monotonic()
     with pytest.raises(CloverError, match=f"RPC server 127.0.0.1:{port}: cannot connect"):
         Clover(tiny_artifacts["f32"], n_gpu_layers=-1, rpc_servers=f"127.0.0.1:{port}")
