@@ -54,33 +54,46 @@ setup_llama_cpp_python() {
     fi
 }
 
-# configure DIR [cmake args...]: Ninja and ccache when present; again whenever the arguments
-# (CLOVER_CMAKE_ARGS included) differ from the ones the folder was configured with
+# the ccache compiler launcher, when ccache is installed
+ccache_args() {
+    if command -v ccache >/dev/null; then
+        echo "-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
+    fi
+}
+
+# fresh_cache DIR ARGS: drop DIR's CMake cache when ARGS differ from the ones it was configured
+# with (DIR/.clover-cmake-args, written after a successful configure), so that no entry of the
+# old ones survives: removing -DGGML_CUDA=ON must go back to the CPU build
+fresh_cache() {
+    local dir=$1 args=$2
+    if [ -f "$dir/CMakeCache.txt" ] && [ "$(cat "$dir/.clover-cmake-args" 2>/dev/null)" != "$args" ]; then
+        log "CMake arguments changed: configuring $dir afresh"
+        rm -f "$dir/CMakeCache.txt"
+    fi
+}
+
+# configure DIR [cmake args...]: a plain CMake build folder (Ninja and ccache when present),
+# configured again whenever its arguments (CLOVER_CMAKE_ARGS included) change
 configure() {
     local dir=$1; shift
-    local gen=() launcher=()
+    local gen=() extra
     command -v ninja >/dev/null && gen=(-G Ninja)
-    command -v ccache >/dev/null && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-    local args="$* ${CLOVER_CMAKE_ARGS:-}"
-    [ -f "$dir/CMakeCache.txt" ] && [ "$(cat "$dir/.clover-cmake-args" 2>/dev/null)" = "$args" ] && return 0
+    extra="$(ccache_args) ${CLOVER_CMAKE_ARGS:-}"
+    fresh_cache "$dir" "$* $extra"
+    [ -f "$dir/CMakeCache.txt" ] && return 0
     log "configuring $dir"
     # shellcheck disable=SC2086
-    cmake -S . -B "$dir" "${gen[@]}" "${launcher[@]}" "$@" ${CLOVER_CMAKE_ARGS:-} >/dev/null
-    printf '%s' "$args" > "$dir/.clover-cmake-args"
+    cmake -S . -B "$dir" "${gen[@]}" "$@" $extra >/dev/null
+    printf '%s' "$* $extra" > "$dir/.clover-cmake-args"
 }
 
 # The package build (pyproject.toml, scikit-build-core) compiles the patched llama.cpp, libclover,
 # clover-cli and ggml-rpc-server in build/ (incremental) and installs clover-cpp with its test
 # dependencies in editable mode: the path `pip install .` takes. Extra targets: built after it.
 build_native() {
-    local launcher="" args
-    command -v ccache >/dev/null && launcher="-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
-    args="-DGGML_RPC=ON $launcher ${CLOVER_CMAKE_ARGS:-} ${CMAKE_ARGS:-}"
-    # changed arguments configure afresh: a cache entry from the old ones must not survive
-    if [ -f "$BUILD/CMakeCache.txt" ] && [ "$(cat "$BUILD/.clover-cmake-args" 2>/dev/null)" != "$args" ]; then
-        log "CMake arguments changed: configuring build/ afresh"
-        rm -f "$BUILD/CMakeCache.txt"
-    fi
+    local args
+    args="-DGGML_RPC=ON $(ccache_args) ${CLOVER_CMAKE_ARGS:-} ${CMAKE_ARGS:-}"
+    fresh_cache "$BUILD" "$args"
     log "building and installing clover-cpp (pip install -e .: llama.cpp + libclover + tools in build/)"
     CMAKE_ARGS="$args" "$PY" -m pip install -q --no-build-isolation -e ".[test]"
     printf '%s' "$args" > "$BUILD/.clover-cmake-args"
