@@ -75,6 +75,7 @@ def main() -> int:
         print(f"source: {src_size / MB:.1f} MB of safetensors")
         # the floor: copying the same bytes (read from the page cache, written, fsynced), as the
         # converter's f16 output is about the source's size
+        os.sync()  # each timing starts with no dirty pages of the previous step to write back
         t0 = time.perf_counter()
         for i, f in enumerate(sorted(src.glob("*.safetensors"))):
             dst = root / f"copy-{i}.bin"
@@ -88,6 +89,7 @@ def main() -> int:
         ok = True
         for outtype in args.outtypes.split(","):
             out = root / f"small-{outtype}.gguf"
+            os.sync()
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, "-c", CHILD, str(src), str(out), outtype],
                                capture_output=True, text=True)
