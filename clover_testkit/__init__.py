@@ -5,5 +5,6 @@ imports it when it runs a model).
   oracle the native code is held to;
 * :mod:`clover_testkit.checkpoints` - deterministic synthetic checkpoints of any preset
   (``python -m clover_testkit.checkpoints``), the fixtures of the tests and benchmarks;
-* :mod:`clover_testkit.bpe` - the byte-level BPE trainer of the fixture tokenizers.
+* :mod:`clover_testkit.bpe` - the fixture tokenizers: Qwen2-style byte-level BPE trained with
+  Hugging Face ``tokenizers``.
 """

@@ -16,9 +16,9 @@ in-block softmax temperature tau is about sqrt(dk) on unit-normed q, k) and
 phi ~ N(0, 0.1); embeddings ~ N(0, 1) and lm_head ~ N(0, 4/H) (logits of std ~2); when
 tied, the embedding takes the lm_head scale.
 
-The tokenizer is a byte-level BPE (``clover_testkit.bpe``) trained deterministically on the
-fixed text embedded below, with specials ``<|endoftext|>`` (eos, pad), ``<|im_start|>``,
-``<|im_end|>``, ``<|mask|>`` right after the BPE tokens. ``config.vocab_size`` rounds
+The tokenizer is a byte-level BPE (``clover_testkit.bpe``: Hugging Face ``tokenizers``' trainer)
+trained deterministically on the fixed text embedded below, with specials ``<|endoftext|>``
+(eos, pad), ``<|im_start|>``, ``<|im_end|>``, ``<|mask|>`` right after the BPE tokens. ``config.vocab_size`` rounds
 the tokenizer size up (64 for tiny, 256 for small), as Qwen pads its embedding.
 
 CLI: ``python -m clover_testkit.checkpoints PRESET OUT [--dtype f32|bf16] [--shards N]
@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import click
 import numpy as np
+from tokenizers import Tokenizer
 
 from clover_convert.safetensors_io import INDEX_NAME, SINGLE_NAME, write_safetensors_lazy
 
@@ -273,17 +274,15 @@ _WRITABLE = ("tiny", "small")
 
 
 @lru_cache(maxsize=None)
-def _trained(vocab_size: int, min_frequency: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
-    vocab, merges = bpe.train_bpe([FIXTURE_TEXT], vocab_size, bpe.SPECIAL_TOKENS, min_frequency=min_frequency)
-    return tuple(vocab.items()), tuple(merges)
+def _trained(preset: str) -> str:
+    return bpe.train([FIXTURE_TEXT], _TOKENIZER_SIZE[preset], _MIN_FREQUENCY[preset]).to_str()
 
 
-def train_fixture_tokenizer(preset: str = "tiny") -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """The (vocab, merges) of a preset's tokenizer, trained on FIXTURE_TEXT (cached)."""
+def train_fixture_tokenizer(preset: str = "tiny") -> Tokenizer:
+    """A preset's tokenizer, trained on FIXTURE_TEXT (trained once, a new object each call)."""
     if preset not in _TOKENIZER_SIZE:
         raise ValueError(f"preset {preset!r} has no fixture tokenizer (have {sorted(_TOKENIZER_SIZE)})")
-    items, merges = _trained(_TOKENIZER_SIZE[preset], _MIN_FREQUENCY[preset])
-    return dict(items), list(merges)
+    return Tokenizer.from_str(_trained(preset))
 
 
 def layer_types_of(num_layers: int, interval: int) -> list[str]:
@@ -312,11 +311,11 @@ def preset_config(preset: str, config_overrides: dict[str, Any] | None = None, d
         raise ValueError(f"dtype must be f32 or bf16, not {dtype!r}")
     cfg = copy.deepcopy(PRESETS[preset])
     if preset in _TOKENIZER_SIZE:
-        vocab, _ = train_fixture_tokenizer(preset)
-        cfg["vocab_size"] = _round_up(len(vocab), _VOCAB_ROUND[preset])
-        cfg["eos_token_id"] = vocab[bpe.EOS_TOKEN]
-        cfg["pad_token_id"] = vocab[bpe.EOS_TOKEN]
-        cfg["mask_token_id"] = vocab[bpe.MASK_TOKEN]
+        tok = train_fixture_tokenizer(preset)
+        cfg["vocab_size"] = _round_up(tok.get_vocab_size(), _VOCAB_ROUND[preset])
+        cfg["eos_token_id"] = tok.token_to_id(bpe.EOS_TOKEN)
+        cfg["pad_token_id"] = tok.token_to_id(bpe.EOS_TOKEN)
+        cfg["mask_token_id"] = tok.token_to_id(bpe.MASK_TOKEN)
     cfg["torch_dtype"] = "float32" if dtype == "f32" else "bfloat16"
     overrides = dict(config_overrides or {})
     cfg.update(overrides)
@@ -475,9 +474,9 @@ def write_checkpoint(
     overrides.setdefault("tie_word_embeddings", bool(tied))
     tied = bool(overrides["tie_word_embeddings"])
     cfg = preset_config(preset, overrides, dtype)
-    vocab, merges = train_fixture_tokenizer(preset)
-    if cfg["vocab_size"] < len(vocab):
-        raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer ({len(vocab)})")
+    tok = train_fixture_tokenizer(preset)
+    if cfg["vocab_size"] < tok.get_vocab_size():
+        raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer ({tok.get_vocab_size()})")
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -518,7 +517,7 @@ def write_checkpoint(
         "do_sample": False,
     }
     _dump_json(folder / "generation_config.json", gen)
-    bpe.write_tokenizer_files(folder, vocab, merges, bpe.SPECIAL_TOKENS, bpe.CHATML_TEMPLATE)
+    bpe.write_tokenizer_files(folder, tok)
     return cfg
 
 

@@ -206,6 +206,20 @@ def test_tokenize_round_trip(model, text: str) -> None:
     assert model.detokenize(toks, special=True) == text
 
 
+def test_tokenize_matches_tokenizers(model, tiny) -> None:
+    """llama.cpp's gpt2 + qwen2 tokenizer (from the GGUF) splits text as `tokenizers` does (from
+    the checkpoint's tokenizer.json, which clover_testkit.bpe trained)."""
+    from tokenizers import Tokenizer
+
+    from clover_testkit.checkpoints import FIXTURE_TEXT
+
+    hf = Tokenizer.from_file(str(tiny[0] / "tokenizer.json"))
+    for text in [FIXTURE_TEXT, *PROMPTS, "It's what they'd say: WE'RE here, I'll go. 12345 + 678",
+                 "  spaces  and\ttabs\r\n\n   trailing  ", "ünïcödé ✓ 日本語のテキスト 🎉 \x01\x7f",
+                 "<|im_start|>user\nhi<|im_end|>\n<|mask|><|endoftext|>"]:
+        assert model.tokenize(text) == hf.encode(text, add_special_tokens=False).ids, text
+
+
 def test_tokenize_special(model) -> None:
     assert model.tokenize("<|im_start|>", parse_special=True) == [557]
     assert len(model.tokenize("<|im_start|>", parse_special=False)) > 1

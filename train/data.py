@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from clover_testkit import bpe
 
@@ -28,8 +29,8 @@ EXCLUDE_DIRS = {"test", "tests", "idlelib", "turtledemo", "site-packages", "__py
                 "pydoc_data", "encodings"}
 VOCAB_SIZE = 4096
 HELDOUT_PERCENT = 2
-# train_bpe is pure Python: we train it on a deterministic subset of the training files
-# (every file whose sha1 % BPE_SUBSET_MOD == 0) when the corpus is large; see build().
+# the BPE may be trained on a deterministic subset of the training files (every file whose
+# sha1 % BPE_SUBSET_MOD == 0) when the corpus is large; see build().
 BPE_SUBSET_MOD = 1
 
 
@@ -59,43 +60,37 @@ def read(root: Path, rel: str) -> str:
 
 def build(out: Path, vocab_size: int = VOCAB_SIZE, bpe_subset_mod: int = BPE_SUBSET_MOD,
           tokenizer_json: Path | None = None) -> dict:
-    """tokenizer_json: encode with this (a model's tokenizer.json, through the `tokenizers`
-    library) instead of training the BPE: the token cache of an existing model."""
+    """tokenizer_json: encode with this (a model's tokenizer.json) instead of training the
+    BPE: the token cache of an existing model."""
     out.mkdir(parents=True, exist_ok=True)
     root = stdlib_root()
     train, held = list_files(root)
     t0 = time.time()
     sub = [r for r in train if int(hashlib.sha1(r.encode()).hexdigest(), 16) % bpe_subset_mod == 0]
     if tokenizer_json is not None:
-        from tokenizers import Tokenizer
-
-        hf = Tokenizer.from_file(str(tokenizer_json))
-        vocab = hf.get_vocab()
-        encode = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+        tok = Tokenizer.from_file(str(tokenizer_json))
         sub = []
     else:
-        vocab, merges = bpe.train_bpe((read(root, r) for r in sub), vocab_size, bpe.SPECIAL_TOKENS)
-        bpe.write_tokenizer_files(out, vocab, merges, bpe.SPECIAL_TOKENS, bpe.CHATML_TEMPLATE)
-        tok = bpe.Tokenizer(vocab, merges, bpe.SPECIAL_TOKENS)
-        encode = lambda text: tok.encode(text, allow_special=False)  # noqa: E731
+        tok = bpe.train((read(root, r) for r in sub), vocab_size)
+        bpe.write_tokenizer_files(out, tok)
     t_bpe = time.time() - t0
-    eos = vocab[bpe.EOS_TOKEN]
+    eos = tok.token_to_id(bpe.EOS_TOKEN)
     stats = {}
     for name, files in (("train", train), ("heldout", held)):
         ids: list[int] = []
         starts = []
         for r in files:
             starts.append(len(ids))
-            ids.extend(encode(read(root, r)))
+            ids.extend(bpe.encode(tok, read(root, r)))
             ids.append(eos)
         np.save(out / f"{name}.npy", np.asarray(ids, dtype=np.int16 if vocab_size <= 32767 else np.int32))
         np.save(out / f"{name}_starts.npy", np.asarray(starts, dtype=np.int64))
         stats[name] = {"files": len(files), "tokens": len(ids),
                        "bytes": sum((root / r).stat().st_size for r in files)}
-    meta = {"stdlib": str(root), "python": sys.version.split()[0], "vocab_size": len(vocab),
+    meta = {"stdlib": str(root), "python": sys.version.split()[0], "vocab_size": tok.get_vocab_size(),
             "bpe_files": len(sub), "bpe_subset_mod": bpe_subset_mod, "bpe_seconds": round(t_bpe, 1),
             "exclude_dirs": sorted(EXCLUDE_DIRS), "heldout_files": held, **stats,
-            "eos_token_id": eos, "mask_token_id": vocab[bpe.MASK_TOKEN]}
+            "eos_token_id": eos, "mask_token_id": tok.token_to_id(bpe.MASK_TOKEN)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
