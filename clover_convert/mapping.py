@@ -63,6 +63,10 @@ __all__ = [
     "v_head_order",
     "perm_index",
     "apply_fn",
+    "ARCH",
+    "KEY_RECURRENT_LAYERS",
+    "KEY_CONV_LOOKAHEAD",
+    "KEY_DIFFUSION_BLOCK_SIZE",
 ]
 
 
@@ -71,6 +75,16 @@ class ConversionError(ValueError):
 
     def __init__(self, msg: str):
         super().__init__(" ".join(str(msg).split()))
+
+
+# ---------------------------------------------------------------------------
+# GGUF metadata keys of our own (spec/gguf-layout.md); the standard ones are written with
+# gguf-py's typed GGUFWriter.add_* helpers (add_block_count, add_ssm_group_count, ...)
+
+ARCH = "clover"
+KEY_RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # bool per layer: GDN (linear_attention)
+KEY_CONV_LOOKAHEAD = "{arch}.ssm.conv_lookahead"            # R, the lookahead conv taps
+KEY_DIFFUSION_BLOCK_SIZE = "{arch}.diffusion.block_size"    # B0, the training block size
 
 
 # ---------------------------------------------------------------------------
@@ -112,6 +126,12 @@ class CloverConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id (config.json may give a list); eos_token_id is the first
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "CloverConfig":
+        """config.json (a dict) validated by :func:`parse_config`: the project's one way in."""
+        return parse_config(cfg)
 
     # short names used by the table
     @property
@@ -185,6 +205,9 @@ class CloverConfig:
     @property
     def rope_dims(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    rotary_dim = rope_dims
+    conv_dim = C
 
     def is_recurrent(self, i: int) -> bool:
         return self.layer_types[i] == "linear_attention"
@@ -318,15 +341,16 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
                 )
         layer_types = list(lt)
 
-    def token_id(key: str) -> int | None:
+    def token_ids(key: str) -> tuple[int, ...]:
         v = cfg.get(key)
-        if isinstance(v, list):
-            v = v[0] if v else None
-        if v is None:
-            return None
-        if not _is_int(v) or v < 0 or v >= V:
-            raise _err(key, f"must be a token id in [0, {V})", cfg.get(key))
-        return v
+        ids = tuple(v) if isinstance(v, (list, tuple)) else (() if v is None else (v,))
+        if any(not _is_int(t) or t < 0 or t >= V for t in ids):
+            raise _err(key, f"must be a token id in [0, {V})", v)
+        return ids
+
+    def token_id(key: str) -> int | None:
+        ids = token_ids(key)
+        return ids[0] if ids else None
 
     return CloverConfig(
         vocab_size=V, hidden_size=H, num_hidden_layers=L, layer_types=layer_types,
@@ -337,7 +361,7 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         moe_intermediate_size=I, shared_expert_intermediate_size=Is, norm_topk_prob=norm_topk,
         rms_norm_eps=eps, block_size=B0, mask_token_id=mask, eos_token_id=token_id("eos_token_id"),
         bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("pad_token_id"),
-        tie_word_embeddings=tied, max_position_embeddings=ctx, raw=cfg,
+        tie_word_embeddings=tied, max_position_embeddings=ctx, raw=cfg, eos_token_ids=token_ids("eos_token_id"),
     )
 
 

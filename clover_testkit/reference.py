@@ -76,6 +76,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from clover_convert import mapping
+
 __all__ = ["CloverConfig", "CloverReference", "Memory", "generate", "GenerateResult",
            "bidirectional_conv", "block_tau", "rms_norm_1p"]
 
@@ -85,70 +87,7 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 # ----------------------------------------------------------------------------- config
 
-@dataclass
-class CloverConfig:
-    vocab_size: int = 248320
-    hidden_size: int = 2048
-    num_hidden_layers: int = 40
-    full_attention_interval: int = 4
-    layer_types: list[str] = field(default_factory=list)  # filled by __post_init__
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    linear_conv_lookahead: int = 3
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 2
-    head_dim: int = 256
-    partial_rotary_factor: float = 0.25
-    rope_theta: float = 1e7
-    num_experts: int = 256
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 512
-    shared_expert_intermediate_size: int = 512
-    norm_topk_prob: bool = True
-    rms_norm_eps: float = 1e-6
-    block_size: int = 32
-    mask_token_id: int | None = None
-    eos_token_id: int | None = None          # the first EOS id
-    eos_token_ids: tuple[int, ...] = ()      # all EOS ids (config may give a list)
-    tie_word_embeddings: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CloverConfig":
-        """Build from a config.json dict; unknown keys are ignored."""
-        names = {f for f in cls.__dataclass_fields__ if f != "eos_token_ids"}
-        kw = {k: v for k, v in d.items() if k in names}
-        rp = d.get("rope_parameters") or {}
-        for k in ("rope_theta", "partial_rotary_factor"):
-            if k not in kw and k in rp:
-                kw[k] = rp[k]
-        eos = kw.pop("eos_token_id", None)
-        ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (
-            () if eos is None else (int(eos),))
-        return cls(**kw, eos_token_id=ids[0] if ids else None, eos_token_ids=ids)
-
-    def __post_init__(self) -> None:
-        if self.eos_token_id is not None and not self.eos_token_ids:
-            self.eos_token_ids = (int(self.eos_token_id),)
-        # one validator for the whole project: the converter's (clover_convert.mapping.parse_config)
-        from clover_convert.mapping import parse_config
-
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-             if f.name not in ("eos_token_ids", "layer_types", "mask_token_id")}
-        d.update(layer_types=list(self.layer_types) or None, eos_token_id=list(self.eos_token_ids) or None,
-                 mask_token_id=0 if self.mask_token_id is None else self.mask_token_id)
-        self.layer_types = parse_config(d).layer_types
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def conv_dim(self) -> int:
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
+CloverConfig = mapping.CloverConfig  # the project's one config class (validated by parse_config)
 
 
 # ----------------------------------------------------------------------------- math
@@ -243,11 +182,7 @@ class Memory:
 def hf_tensor_shapes(cfg: CloverConfig, tied: bool, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
     """Every HF tensor of a Clover checkpoint and its shape, in checkpoint order: the converter's
     table (clover_convert.mapping.TENSOR_TABLE), the project's one tensor list."""
-    from clover_convert.mapping import hf_tensor_shapes as table_shapes, parse_config
-
-    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "eos_token_ids"}
-    d.update(tie_word_embeddings=bool(tied), mask_token_id=cfg.mask_token_id or 0)
-    return table_shapes(parse_config(d), fused_experts)
+    return mapping.hf_tensor_shapes(dataclasses.replace(cfg, tie_word_embeddings=bool(tied)), fused_experts)
 
 
 def _unfuse_experts(cfg: CloverConfig, w: dict[str, np.ndarray]) -> None:

@@ -75,3 +75,16 @@ def test_one_config_validator() -> None:
     with pytest.raises(ValueError) as e:
         checkpoints.preset_config("tiny", {"linear_num_value_heads": 3})
     assert str(e.value) == msg
+
+
+def test_one_config_class() -> None:
+    """The reference, train/ and the converter share one CloverConfig, and a config goes
+    through the validator and back unchanged (train/ stores it in its checkpoints)."""
+    import dataclasses
+
+    assert reference.CloverConfig is M.CloverConfig
+    cfg = M.CloverConfig.from_dict({**checkpoints.preset_config("tiny"), "eos_token_id": [3, 5]})
+    assert cfg.eos_token_id == 3 and cfg.eos_token_ids == (3, 5)
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("raw", "eos_token_ids")}
+    again = M.CloverConfig.from_dict({**d, "eos_token_id": list(cfg.eos_token_ids)})
+    assert dataclasses.replace(again, raw={}) == dataclasses.replace(cfg, raw={})

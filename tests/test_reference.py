@@ -89,10 +89,15 @@ def assert_mem_equal(a: Memory, b: Memory) -> None:
 # ------------------------------------------------------------------------- config
 
 def test_config_defaults_and_layer_types():
-    c = CloverConfig.from_dict({})
+    from clover_testkit.checkpoints import PRESETS
+
+    c = CloverConfig.from_dict({**PRESETS["35b-a3b"], "mask_token_id": 0})
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_experts) == (248320, 2048, 40, 256)
     assert c.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
     assert c.rotary_dim == 64 and c.block_size == 32 and c.linear_conv_lookahead == 3
+    # one validator: what it needs has no silent default (the converter's rule)
+    with pytest.raises(ValueError, match="vocab_size is missing"):
+        CloverConfig.from_dict({})
     lt = ["full_attention", "linear_attention"]
     c2 = CloverConfig.from_dict({**TINY, "num_hidden_layers": 2, "layer_types": lt})
     assert c2.layer_types == lt

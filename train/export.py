@@ -225,8 +225,8 @@ distributions, which random weights never do; see Evaluation for how far that go
 
 ## Tokenizer
 
-Byte-level BPE (Qwen2-style pre-tokenizer) trained with `clover_testkit.bpe.train_bpe` on all
-training files: {meta['vocab_size']} tokens = 256 bytes + merges + the specials
+Byte-level BPE (Qwen2-style pre-tokenizer) trained on all training files by `train.data` (the
+default model's tokenizer predates the move of `clover_testkit.bpe` to Hugging Face `tokenizers`): {meta['vocab_size']} tokens = 256 bytes + merges + the specials
 `<|endoftext|>` ({hfc['eos_token_id']}, EOS/pad), `<|im_start|>`, `<|im_end|>`, `<|mask|>`
 ({hfc['mask_token_id']}). ChatML chat template (the model was never trained on chat).
 

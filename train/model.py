@@ -328,6 +328,9 @@ class CloverTorch(nn.Module):
 
 
 def config_dict(cfg: CloverConfig) -> dict[str, Any]:
+    """The config as a config.json dict that CloverConfig.from_dict reads back (every EOS id kept)."""
     d = asdict(cfg)
-    d["eos_token_ids"] = list(d["eos_token_ids"])
+    del d["raw"], d["eos_token_ids"]
+    if len(cfg.eos_token_ids) > 1:
+        d["eos_token_id"] = list(cfg.eos_token_ids)
     return d
