@@ -193,3 +193,39 @@ def test_distill_trajectories_and_finetune(tmp_path):
     rest = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]))
     assert len(full) == 4 and len(rest) == 2
     np.testing.assert_array_equal(np.array(full[2:]), np.array(rest))
+
+
+@pytest.mark.needs_libclover
+def test_distill_on_policy_rounds(tmp_path):
+    """--rounds 2: the second round trains on trajectories made from the weights at its first
+    step (kept in the run folder); a run resumed at the round boundary makes the same ones and
+    logs the same losses as an uninterrupted run."""
+    from clover_cpp import Clover
+    from clover_testkit.checkpoints import write_checkpoint
+    from train import distill
+
+    init = tmp_path / "init"
+    write_checkpoint(init, preset="tiny", dtype="f32")
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 60, size=3000).astype(np.int16)
+    np.save(data / "train.npy", tokens)
+    np.save(data / "heldout.npy", tokens[:600])
+    distill.trajectories(init, data, tmp_path / "traj", n_prompts=3, seed=1, threads=1)
+    common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+              "--batch", "2", "--block-sizes", "1:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
+              "--eval-windows", "2", "--threads", "1", "--steps", "4", "--seed", "7", "--lr", "5e-3",
+              "--rounds", "2", "--round-prompts", "3"]
+    full = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "a")]))
+    r1 = tmp_path / "a" / "round1"
+    rows = np.load(r1 / "traj" / "traj.npy")
+    assert rows.shape == (3, distill.PROMPT_LEN + distill.NEW_TOKENS)
+    assert not np.array_equal(rows, np.load(tmp_path / "traj" / "traj.npy"))  # new prompts, new weights
+    with Clover(r1 / "traj" / "model-f32.gguf", n_ctx=512, n_threads=1, block_size=1) as m:
+        r = m.generate(rows[0, :distill.PROMPT_LEN].tolist(), max_tokens=distill.NEW_TOKENS, stop_at_eos=False)
+    assert r.tokens == rows[0, distill.PROMPT_LEN:].tolist()
+    distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]))
+    assert not (tmp_path / "b" / "round1").exists()
+    rest = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]))
+    np.testing.assert_array_equal(np.load(tmp_path / "b" / "round1" / "traj" / "traj.npy"), rows)
+    np.testing.assert_array_equal(np.array(full[2:]), np.array(rest))

@@ -8,6 +8,11 @@
    certainty term on the trajectory windows (as in dParallel's certainty forcing): on the
    masked positions the model already predicts correctly (argmax = the target), the entropy
    of its prediction is minimised, so that what it gets right it also says with confidence.
+   With ``--rounds N`` the training is on-policy: at the start of each round after the first,
+   the current weights are exported and make a new trajectory set (the model moves, and its
+   own B = 1 answers move with it); a block size of 1 in ``--block-sizes`` trains the B = 1
+   prediction on the trajectories too, so that the sequential answer stays the one the
+   parallel decode is taught.
 
 Deterministic from --seed (numpy PCG64 for prompts / data / masks, torch seed); resumable
 (--resume) from <out>/ckpt.pt; a log in <out>/log.csv with the held-out masked-token loss.
@@ -117,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--certainty", type=float, default=0.5, help="weight of the certainty term")
     f.add_argument("--block-sizes", default="16:0.3,32:0.7")
     f.add_argument("--t-min", type=float, default=0.3, help="trajectory blocks: most positions masked")
+    f.add_argument("--rounds", type=int, default=1,
+                   help="on-policy rounds: the trajectories are made again from the current weights "
+                        "at the start of every round after the first (steps / rounds each)")
+    f.add_argument("--round-prompts", type=int, default=512, help="prompts per regenerated trajectory set")
     add_optimizer_args(f, lr=5e-4, warmup=20, threads=2)
     return ap
 
@@ -145,7 +154,9 @@ def finetune(a: argparse.Namespace) -> list[float]:
         step, elapsed = load_ckpt(ck, model, opt, rng)
     (out / "config.json").write_text((init / "config.json").read_text())
     (out / "args.json").write_text(json.dumps(vars(a), indent=1) + "\n")
-    traj = np.load(Path(a.traj) / "traj.npy").astype(np.int64)
+    rounds = max(1, a.rounds)
+    round_len = -(-a.steps // rounds)
+    traj = load_round_traj(a, out, step // round_len)
     tokens = np.load(data / "train.npy").astype(np.int64)
     T = traj.shape[1]
     sizes, probs = parse_block_sizes(a.block_sizes)
@@ -164,6 +175,10 @@ def finetune(a: argparse.Namespace) -> list[float]:
     t_last_ck, t_start = time.time(), time.time() - elapsed
     last = a.stop_after if a.stop_after else a.steps
     while step < last:
+        if step and step % round_len == 0 and step // round_len < rounds:
+            # on-policy: the next round trains on what the current weights generate
+            save_ckpt(ck, model, opt, step, rng, a, time.time() - t_start)
+            traj = load_round_traj(a, out, step // round_len)
         B = int(rng.choice(sizes, p=probs))
         rows = traj[rng.integers(0, len(traj), size=n_traj)]
         offs = rng.integers(0, len(tokens) - T, size=n_data)
@@ -201,6 +216,20 @@ def finetune(a: argparse.Namespace) -> list[float]:
             t_last_ck = time.time()
     logf.close()
     return losses
+
+
+def load_round_traj(a: argparse.Namespace, out: Path, r: int) -> np.ndarray:
+    """Round r's trajectories: --traj for round 0; later rounds' are made from the run's
+    checkpoint (out/ckpt.pt) at the round's first step, in out/round<r>/, kept there so that a
+    resumed run reuses them."""
+    if r == 0:
+        return np.load(Path(a.traj) / "traj.npy").astype(np.int64)
+    d = out / f"round{r}"
+    if not (d / "traj" / "traj.npy").is_file():
+        export_weights(out, Path(a.init), d / "model")
+        print(f"round {r}: trajectories from the current weights", flush=True)
+        trajectories(d / "model", Path(a.data), d / "traj", a.round_prompts, a.seed + r, a.threads)
+    return np.load(d / "traj" / "traj.npy").astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- 3. export + quick check
