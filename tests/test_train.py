@@ -164,13 +164,9 @@ def test_certainty_term_only_on_right_predictions():
     assert certainty_loss(logits[1:], target[1:]).item() == 0.0
 
 
-@pytest.mark.needs_libclover
-def test_distill_trajectories_and_finetune(tmp_path):
-    """Trajectories are the native engine's own B = 1 greedy output; fine-tuning resumes to
-    the same losses as an uninterrupted run."""
-    from clover_cpp import Clover
+def _distill_inputs(tmp_path):
+    """(a tiny f32 checkpoint, a data folder of random tokens) for the distillation tests."""
     from clover_testkit.checkpoints import write_checkpoint
-    from train import distill
 
     init = tmp_path / "init"
     write_checkpoint(init, preset="tiny", dtype="f32")
@@ -179,6 +175,17 @@ def test_distill_trajectories_and_finetune(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 60, size=3000).astype(np.int16)
     np.save(data / "train.npy", tokens)
     np.save(data / "heldout.npy", tokens[:600])
+    return init, data
+
+
+@pytest.mark.needs_libclover
+def test_distill_trajectories_and_finetune(tmp_path):
+    """Trajectories are the native engine's own B = 1 greedy output; fine-tuning resumes to
+    the same losses as an uninterrupted run."""
+    from clover_cpp import Clover
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
     traj = distill.trajectories(init, data, tmp_path / "traj", n_prompts=5, seed=1, threads=1)
     rows = np.load(traj)
     assert rows.shape == (5, distill.PROMPT_LEN + distill.NEW_TOKENS)
@@ -201,16 +208,9 @@ def test_distill_on_policy_rounds(tmp_path):
     step (kept in the run folder); a run resumed at the round boundary makes the same ones and
     logs the same losses as an uninterrupted run."""
     from clover_cpp import Clover
-    from clover_testkit.checkpoints import write_checkpoint
     from train import distill
 
-    init = tmp_path / "init"
-    write_checkpoint(init, preset="tiny", dtype="f32")
-    data = tmp_path / "data"
-    data.mkdir()
-    tokens = np.random.default_rng(0).integers(0, 60, size=3000).astype(np.int16)
-    np.save(data / "train.npy", tokens)
-    np.save(data / "heldout.npy", tokens[:600])
+    init, data = _distill_inputs(tmp_path)
     distill.trajectories(init, data, tmp_path / "traj", n_prompts=3, seed=1, threads=1)
     common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
               "--batch", "2", "--block-sizes", "1:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",

@@ -136,8 +136,9 @@ def finetune(a: argparse.Namespace) -> list[float]:
 
     from clover_testkit.reference import CloverConfig
     from train.model import CloverTorch
-    from train.train import (AUX_WEIGHT, heldout_loss, heldout_windows, load_ckpt, lr_at, make_optimizer,
-                             mask_blocks, masked_loss, open_log, parse_block_sizes, save_ckpt)
+    from train.train import (AUX_WEIGHT, heldout_if_due, heldout_loss, heldout_windows, load_ckpt, lr_at,
+                             make_optimizer, mask_blocks, masked_loss, open_log, optimizer_step,
+                             parse_block_sizes, save_ckpt)
 
     torch.set_num_threads(a.threads)
     out, data, init = Path(a.out), Path(a.data), Path(a.init)
@@ -194,16 +195,10 @@ def finetune(a: argparse.Namespace) -> list[float]:
         target = torch.as_tensor(clean)[sel]
         loss = masked_loss(logits, torch.as_tensor(clean), sel)
         cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
-        opt.zero_grad(set_to_none=True)
-        (loss + a.certainty * cert + AUX_WEIGHT * aux).backward()
-        if a.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
+        optimizer_step(model, opt, loss + a.certainty * cert + AUX_WEIGHT * aux, a.clip)
         step += 1
         losses.append(loss.item())
-        hl = ""
-        if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
-            hl = f"{heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id):.4f}"
+        hl = heldout_if_due(model, windows, cfg, a, step)
         el = time.time() - t_start
         log.writerow([step, f"{el:.1f}", B, f"{lr:.3e}", f"{loss.item():.4f}", f"{cert.item():.4f}",
                       f"{aux.item():.4f}", hl])

@@ -119,6 +119,23 @@ def heldout_loss(model: CloverTorch, windows: np.ndarray, B: int, mask_id: int, 
     return tot / cnt
 
 
+def optimizer_step(model: CloverTorch, opt: torch.optim.Optimizer, total: torch.Tensor, clip: float) -> None:
+    """One update on the total loss, gradients clipped to norm clip (0 = off)."""
+    opt.zero_grad(set_to_none=True)
+    total.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+
+
+def heldout_if_due(model: CloverTorch, windows: np.ndarray, cfg: CloverConfig, a: argparse.Namespace,
+                   step: int) -> str:
+    """The held-out loss as a log field every --eval-every steps and at the last step, else ''."""
+    if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
+        return f"{heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id):.4f}"
+    return ""
+
+
 def make_optimizer(model: CloverTorch, a: argparse.Namespace) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for name, p in model.p.items():
@@ -238,16 +255,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         sel = torch.as_tensor(masked)
         logits, aux = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, select=sel)
         loss = masked_loss(logits, torch.as_tensor(clean), sel)
-        opt.zero_grad(set_to_none=True)
-        (loss + AUX_WEIGHT * aux).backward()
-        if a.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
+        optimizer_step(model, opt, loss + AUX_WEIGHT * aux, a.clip)
         step += 1
         losses.append(loss.item())
-        hl = ""
-        if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
-            hl = f"{heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id):.4f}"
+        hl = heldout_if_due(model, windows, cfg, a, step)
         el = time.time() - t_start
         log.writerow([step, f"{el:.1f}", step * a.batch * T, B, f"{lr:.3e}", f"{loss.item():.4f}",
                       f"{aux.item():.4f}", hl])
