@@ -2,11 +2,11 @@
 
 ``convert(src, out, ...)`` plans the whole conversion from the config and the safetensors
 headers (no weights read), writes the GGUF header, metadata and tensor infos, then
-writes the tensor data one tensor at a time, reading each source tensor lazily (memory
-mapped) just before it is needed and releasing the mappings as it goes. A stacked expert
-tensor is built in one preallocated output array, expert by expert, and every tensor is
-converted in row chunks, so peak memory is about the largest output tensor plus a few
-tens of MB, not the model size.
+writes the tensor data one tensor at a time, reading the source just before it is needed
+(the safetensors library's partial reads of the memory-mapped files) and releasing the
+mappings as it goes. A stacked expert tensor is built in one preallocated output array,
+expert by expert, and every tensor is read and converted in row chunks, so peak memory is
+about the largest output tensor plus a few tens of MB, not the model size.
 
 Output is written to hidden temporary files next to the output and renamed into place
 at the end; on any failure or interruption the temporaries are removed.
@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +36,7 @@ from gguf.gguf_writer import WriterState
 
 from . import mapping
 from .mapping import (
+    ARCH,
     CloverConfig,
     ConversionError,
     Rule,
@@ -44,7 +45,7 @@ from .mapping import (
     perm_index,
     rule_applies,
 )
-from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, bf16_to_f32, f32_to_bf16
+from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, f32_to_bf16
 from .outputs import check_output, clean_stale_temps, fmt_bytes, temp_path
 from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
 
@@ -60,7 +61,6 @@ __all__ = [
     "HUB_PATTERNS",
 ]
 
-ARCH = "clover"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
 _QTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 _FILE_TYPES = {
@@ -164,7 +164,8 @@ class _Inventory:
 
 
 def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
-    """Shapes and dtypes from a safetensors header alone (the data may be absent)."""
+    """Shapes and dtypes from a safetensors header alone (the data may be absent, which the
+    safetensors library refuses: this is for dry runs on headers-only files)."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -244,10 +245,12 @@ def _open_inventory(folder: Path, dry_run: bool, hub_meta: dict | None = None) -
 
 @dataclass
 class Piece:
-    """One source slab of an output tensor: reader.raw(hf)[index] (index None = all)."""
+    """One source slab of an output tensor: the tensor hf, or in a fused expert tensor, the rows
+    row0.. (as many as the output piece has) of expert ``expert``."""
 
     hf: str
-    index: tuple[Any, ...] | None = None
+    expert: int | None = None
+    row0: int = 0
 
 
 @dataclass
@@ -376,9 +379,8 @@ def _plan_tensors(cfg: CloverConfig, inv: _Inventory) -> list[tuple[Rule, str, t
             if use_fused:
                 fname = rule.fused[0].format(i=i)
                 dt = take(fname, rule.fused_shape(cfg))
-                which = rule.fused[1]
-                sl = {"first": slice(0, I), "second": slice(I, 2 * I), "all": slice(None)}[which]
-                pieces = [Piece(fname, (j, sl)) for j in range(E)]
+                row0 = I if rule.fused[1] == "second" else 0  # "first" / "all" start at row 0
+                pieces = [Piece(fname, j, row0) for j in range(E)]
             else:
                 pieces = []
                 dts = set()
@@ -498,36 +500,36 @@ def add_identity(w: GGUFWriter, folder: Path | None, model_name: str) -> None:
 
 
 def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: str) -> None:
-    """Every key of spec/gguf-layout.md but the identity ones (add_identity), with its exact key string."""
-    a = ARCH
-    w.add_uint32("general.file_type", int(_FILE_TYPES[outtype]))
-    w.add_uint32("general.quantization_version", GGML_QUANT_VERSION)
-    w.add_uint32(f"{a}.context_length", cfg.max_position_embeddings)
-    w.add_uint32(f"{a}.embedding_length", cfg.H)
-    w.add_uint32(f"{a}.block_count", cfg.L)
-    w.add_uint32(f"{a}.feed_forward_length", cfg.I)
-    w.add_uint32(f"{a}.attention.head_count", cfg.nh)
-    w.add_uint32(f"{a}.attention.head_count_kv", cfg.nkv)
-    w.add_uint32(f"{a}.attention.key_length", cfg.dh)
-    w.add_uint32(f"{a}.attention.value_length", cfg.dh)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    w.add_key_value(f"{a}.attention.recurrent_layers", [cfg.is_recurrent(i) for i in range(cfg.L)],
+    """Every key of spec/gguf-layout.md but the identity ones (add_identity): gguf-py's typed
+    helpers for the standard keys, mapping.KEY_* for our own."""
+    w.add_file_type(int(_FILE_TYPES[outtype]))
+    w.add_quantization_version(GGML_QUANT_VERSION)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.H)
+    w.add_block_count(cfg.L)
+    w.add_feed_forward_length(cfg.I)
+    w.add_head_count(cfg.nh)
+    w.add_head_count_kv(cfg.nkv)
+    w.add_key_length(cfg.dh)
+    w.add_value_length(cfg.dh)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_value(mapping.KEY_RECURRENT_LAYERS.format(arch=w.arch), [cfg.is_recurrent(i) for i in range(cfg.L)],
                     gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
-    w.add_uint32(f"{a}.full_attention_interval", cfg.full_attention_interval)
-    w.add_uint32(f"{a}.rope.dimension_count", cfg.rope_dims)
-    w.add_float32(f"{a}.rope.freq_base", cfg.rope_theta)
-    w.add_uint32(f"{a}.expert_count", cfg.E)
-    w.add_uint32(f"{a}.expert_used_count", cfg.num_experts_per_tok)
-    w.add_uint32(f"{a}.expert_feed_forward_length", cfg.I)
-    w.add_uint32(f"{a}.expert_shared_feed_forward_length", cfg.Is)
-    w.add_bool(f"{a}.expert_weights_norm", cfg.norm_topk_prob)
-    w.add_uint32(f"{a}.ssm.conv_kernel", cfg.K)
-    w.add_uint32(f"{a}.ssm.conv_lookahead", cfg.R)
-    w.add_uint32(f"{a}.ssm.state_size", cfg.dk)
-    w.add_uint32(f"{a}.ssm.group_count", cfg.Hk)
-    w.add_uint32(f"{a}.ssm.time_step_rank", cfg.Hv)
-    w.add_uint32(f"{a}.ssm.inner_size", cfg.Hv * cfg.dv)
-    w.add_uint32(f"{a}.diffusion.block_size", cfg.block_size)
+    w.add_full_attention_interval(cfg.full_attention_interval)
+    w.add_rope_dimension_count(cfg.rope_dims)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_expert_count(cfg.E)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.I)
+    w.add_expert_shared_feed_forward_length(cfg.Is)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_ssm_conv_kernel(cfg.K)
+    w.add_uint32(mapping.KEY_CONV_LOOKAHEAD.format(arch=w.arch), cfg.R)
+    w.add_ssm_state_size(cfg.dk)
+    w.add_ssm_group_count(cfg.Hk)
+    w.add_ssm_time_step_rank(cfg.Hv)
+    w.add_ssm_inner_size(cfg.Hv * cfg.dv)
+    w.add_uint32(mapping.KEY_DIFFUSION_BLOCK_SIZE.format(arch=w.arch), cfg.block_size)
     add_tokenizer(w, tok)
 
 
@@ -617,7 +619,8 @@ def plan_conversion(
 
 
 class _Filler:
-    """Converts source slabs into a preallocated output array, chunk by chunk."""
+    """Converts source slabs into a preallocated output array, chunk by chunk: a slab bigger
+    than one chunk is read in row ranges (safetensors partial reads), never whole."""
 
     def __init__(self, reader: CheckpointReader):
         self.nonfinite: dict[str, int] = {}  # tensor -> NaN/Inf values seen in the source
@@ -625,22 +628,19 @@ class _Filler:
         self.touched = 0
         self.read_bytes = 0
 
-    def _count(self, nbytes: int) -> bool:
-        """Account for touched source bytes; True when the maps should be dropped."""
+    def _count(self, nbytes: int) -> None:
+        """Account for touched source bytes; past RELEASE_BYTES, drop the memory maps so that
+        the touched source pages leave our RSS (the next read maps the file again)."""
         self.touched += nbytes
         self.read_bytes += nbytes
-        return self.touched >= RELEASE_BYTES
+        if self.touched >= RELEASE_BYTES:
+            self.reader.close()
+            self.touched = 0
 
-    def _release(self) -> None:
-        # drop the memory maps (no views may be alive) so touched source pages leave our RSS
-        self.reader.close()
-        self.touched = 0
-
-    def _slab(self, piece: Piece, shape2: tuple[int, int]) -> np.ndarray:
-        a = self.reader.raw(piece.hf)
-        if piece.index is not None:
-            a = a[piece.index]
-        return a.reshape(shape2)
+    def _rows(self, piece: Piece, r0: int, r1: int) -> np.ndarray:
+        """Rows r0:r1 of the slab (its first axis), read alone."""
+        rows = slice(piece.row0 + r0, piece.row0 + r1)
+        return self.reader.raw(piece.hf, (rows,) if piece.expert is None else (piece.expert, rows))
 
     def materialize(self, t: TensorPlan) -> np.ndarray:
         store = np.empty(_store_shape(t.shape, t.qtype), dtype=_STORE_DTYPE[t.qtype])
@@ -658,12 +658,18 @@ class _Filler:
         rows, cols = shape2
         sdt = self.reader.dtype(piece.hf)
         step = max(1, CHUNK_ELEMS // max(cols, 1))
-        src = None
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            if src is None:
-                src = self._slab(piece, shape2)
-            block = src[t.row_perm[r0:r1]] if t.row_perm is not None else src[r0:r1]
+            if rows <= step:  # one chunk: the whole slab in one read
+                block = self._rows(piece, 0, rows) if piece.expert is not None else self.reader.raw(piece.hf)
+                block = block.reshape(shape2)
+                if t.row_perm is not None:
+                    block = block[t.row_perm]
+            else:  # a slab of 2+ dims whose first axis is the rows; value heads come in runs of rows
+                want = t.row_perm[r0:r1] if t.row_perm is not None else np.arange(r0, r1)
+                runs = np.split(want, np.flatnonzero(np.diff(want) != 1) + 1)
+                parts = [self._rows(piece, int(run[0]), int(run[-1]) + 1) for run in runs]
+                block = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(r1 - r0, cols)
             if t.col_perm is not None:
                 block = block[:, t.col_perm]
             dst2[r0:r1] = _convert_block(block, sdt, t.qtype, t.rule.fn)
@@ -672,9 +678,7 @@ class _Filler:
                 self.nonfinite[t.name] = self.nonfinite.get(t.name, 0) + bad
             nb = block.nbytes
             del block
-            if self._count(nb):
-                src = None
-                self._release()
+            self._count(nb)
 
 
 def _count_nonfinite(block: np.ndarray, sdt: str) -> int:
@@ -761,10 +765,9 @@ def convert(
     tmps = [temp_path(Path(p)) for p in plan.shard_paths]
     bar = None
     try:
-        w.fout = []
-        for tp in tmps:
-            w.fout.append(open(tp, "wb"))  # noqa: SIM115 - closed by w.close()
-        w.path = plan.out
+        # GGUFWriter.open_output_file would open the final shard names; we hand it the
+        # temporaries (renamed into place at the end) the same way it sets them itself
+        w.fout = [open(tp, "wb") for tp in tmps]  # noqa: SIM115 - closed by w.close()
         w.state = WriterState.EMPTY
         w.write_header_to_file()
         w.write_kv_data_to_file()

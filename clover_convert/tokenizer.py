@@ -10,6 +10,15 @@ Writes what llama.cpp's ``gpt2`` tokenizer with the ``qwen2`` pre-tokenizer read
   UNUSED for padding;
 * ``tokenizer.ggml.merges``: "left right" strings;
 * eos / padding / bos / mask ids and ``add_bos_token``; ``tokenizer.chat_template``.
+
+The keys are written with gguf-py's typed ``GGUFWriter.add_*`` helpers. The files are read
+here, not with ``gguf.vocab``: its ``BpeVocab`` types every added token CONTROL (a
+non-special one such as ``<think>`` must stay USER_DEFINED, or llama.cpp hides it from the
+text) and refuses id holes; its ``SpecialVocab`` takes the eos and bos ids from
+tokenizer_config.json's token names before config.json's ids (ours: config.json, for eos
+then generation_config.json, then the names), ignores generation_config.json, and drops a
+malformed merges list, ``add_bos_token`` or ``chat_template`` (at most with a warning),
+where we raise.
 """
 
 from __future__ import annotations
@@ -172,19 +181,19 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
 
 
 def add_tokenizer(w: GGUFWriter, tok: TokenizerInfo) -> None:
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "qwen2")
-    w.add_array("tokenizer.ggml.tokens", tok.tokens)
-    w.add_array("tokenizer.ggml.token_type", tok.types)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tok.tokens)
+    w.add_token_types(tok.types)
     if tok.merges:
-        w.add_array("tokenizer.ggml.merges", tok.merges)
+        w.add_token_merges(tok.merges)
     if tok.eos_id is not None:
-        w.add_uint32("tokenizer.ggml.eos_token_id", tok.eos_id)
+        w.add_eos_token_id(tok.eos_id)
     if tok.pad_id is not None:
-        w.add_uint32("tokenizer.ggml.padding_token_id", tok.pad_id)
+        w.add_pad_token_id(tok.pad_id)
     if tok.bos_id is not None:
-        w.add_uint32("tokenizer.ggml.bos_token_id", tok.bos_id)
-    w.add_uint32("tokenizer.ggml.mask_token_id", tok.mask_id)
-    w.add_bool("tokenizer.ggml.add_bos_token", tok.add_bos)
+        w.add_bos_token_id(tok.bos_id)
+    w.add_mask_token_id(tok.mask_id)
+    w.add_add_bos_token(tok.add_bos)
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
