@@ -229,3 +229,18 @@ def test_distill_on_policy_rounds(tmp_path):
     rest = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]))
     np.testing.assert_array_equal(np.load(tmp_path / "b" / "round1" / "traj" / "traj.npy"), rows)
     np.testing.assert_array_equal(np.array(full[2:]), np.array(rest))
+
+
+def test_suffix_masks_are_block_suffixes():
+    """--traj-mask suffix: in every block the masked positions are its last n, 1 <= n <= B, and
+    every n occurs."""
+    from train.distill import mask_suffix
+
+    clean = np.arange(4 * 64).reshape(4, 64)
+    noisy, masked = mask_suffix(clean, 8, -1, np.random.default_rng(0))
+    blocks = masked.reshape(4, 8, 8)
+    n = blocks.sum(-1)
+    assert n.min() >= 1 and n.max() <= 8 and len(set(n.ravel().tolist())) == 8
+    for row, k in zip(blocks.reshape(-1, 8), n.ravel()):
+        assert row.tolist() == [False] * (8 - k) + [True] * k
+    assert np.array_equal(noisy == -1, masked) and np.array_equal(noisy[~masked], clean[~masked])

@@ -99,6 +99,16 @@ def certainty_loss(logits, target):
     return -(logp.exp() * logp).sum(-1).mean()
 
 
+def mask_suffix(clean: np.ndarray, B: int, mask_id: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Mask the last n ~ U{1..B} positions of every block: the block's known tokens are a prefix,
+    as when a decode agrees with the sequential one (the first masked position is then the
+    B = 1 prediction, and the model learns how sure it may be of the ones after it)."""
+    N, T = clean.shape
+    n_mask = rng.integers(1, B + 1, size=(N, T // B))
+    masked = (np.arange(B)[None, None, :] >= B - n_mask[..., None]).reshape(N, T)
+    return np.where(masked, mask_id, clean), masked
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -122,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--certainty", type=float, default=0.5, help="weight of the certainty term")
     f.add_argument("--block-sizes", default="16:0.3,32:0.7")
     f.add_argument("--t-min", type=float, default=0.3, help="trajectory blocks: most positions masked")
+    f.add_argument("--traj-mask", choices=("random", "suffix"), default="random",
+                   help="trajectory blocks: random positions masked (as train.train), or a suffix of "
+                        "each block, the states a left-to-right consistent decode passes through")
     f.add_argument("--rounds", type=int, default=1,
                    help="on-policy rounds: the trajectories are made again from the current weights "
                         "at the start of every round after the first (steps / rounds each)")
@@ -185,6 +198,8 @@ def finetune(a: argparse.Namespace) -> list[float]:
         offs = rng.integers(0, len(tokens) - T, size=n_data)
         clean = np.concatenate([rows, tokens[offs[:, None] + np.arange(T)[None, :]]], 0)
         noisy, masked = mask_blocks(clean, B, cfg.mask_token_id, rng, a.t_min)
+        if a.traj_mask == "suffix":
+            noisy[:n_traj], masked[:n_traj] = mask_suffix(clean[:n_traj], B, cfg.mask_token_id, rng)
         is_traj = np.zeros_like(masked)
         is_traj[:n_traj] = True
         lr = lr_at(step, argparse.Namespace(steps=a.steps, warmup=a.warmup, lr=a.lr, min_lr_frac=a.min_lr_frac))
