@@ -32,7 +32,6 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGML_QUANT_VERSION
-from gguf.gguf_writer import WriterState
 
 from . import mapping
 from .mapping import (
@@ -478,9 +477,20 @@ def _default_out_name(folder: Path, src: str, outtype: str) -> str:
     return f"{base}-{outtype}.gguf"
 
 
+class _TempShardWriter(GGUFWriter):
+    """A GGUFWriter whose files are temporaries next to the final shard names (renamed into place
+    once everything is written): GGUFWriter opens the names format_shard_names gives, so the
+    temporaries are substituted there (``temps``: final path -> temporary)."""
+
+    temps: dict[Path, Path] = {}
+
+    def format_shard_names(self, path: Path) -> list[Path]:
+        return [self.temps.get(p, p) for p in super().format_shard_names(path)]
+
+
 def _build_writer(plan_rows: list[TensorPlan], cfg: CloverConfig, tok: TokenizerInfo, outtype: str,
-                  model_name: str, split_max_size: int | None, folder: Path | None = None) -> GGUFWriter:
-    w = GGUFWriter(None, ARCH, split_max_size=split_max_size or 0)
+                  model_name: str, split_max_size: int | None, folder: Path | None = None) -> _TempShardWriter:
+    w = _TempShardWriter(None, ARCH, split_max_size=split_max_size or 0)
     for t in plan_rows:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
     add_identity(w, folder, model_name)
@@ -763,12 +773,10 @@ def convert(
                       plan.src if not Path(plan.src).exists() else plan.folder.resolve().name, plan.split_max_size,
                       plan.folder)
     tmps = [temp_path(Path(p)) for p in plan.shard_paths]
+    w.temps = dict(zip(map(Path, plan.shard_paths), tmps))
     bar = None
     try:
-        # GGUFWriter.open_output_file would open the final shard names; we hand it the
-        # temporaries (renamed into place at the end) the same way it sets them itself
-        w.fout = [open(tp, "wb") for tp in tmps]  # noqa: SIM115 - closed by w.close()
-        w.state = WriterState.EMPTY
+        w.open_output_file(Path(plan.out))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
