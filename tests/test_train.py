@@ -215,7 +215,7 @@ def test_distill_on_policy_rounds(tmp_path):
     common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
               "--batch", "2", "--block-sizes", "1:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
               "--eval-windows", "2", "--threads", "1", "--steps", "4", "--seed", "7", "--lr", "5e-3",
-              "--rounds", "2", "--round-prompts", "3"]
+              "--rounds", "2", "--round-prompts", "3", "--traj-mask", "suffix", "--order", "1"]
     full = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "a")]))
     r1 = tmp_path / "a" / "round1"
     rows = np.load(r1 / "traj" / "traj.npy")
@@ -244,3 +244,26 @@ def test_suffix_masks_are_block_suffixes():
     for row, k in zip(blocks.reshape(-1, 8), n.ravel()):
         assert row.tolist() == [False] * (8 - k) + [True] * k
     assert np.array_equal(noisy == -1, masked) and np.array_equal(noisy[~masked], clean[~masked])
+
+
+def test_order_term_only_on_wrong_later_positions_surer_than_the_first():
+    """order_loss: zero when a later masked position is right, or less sure of its wrong
+    candidate than the block's first masked position is of its target; else positive, and its
+    gradient lowers that later confidence and raises the first position's target."""
+    from train.distill import order_loss
+
+    V = 5
+    logits = torch.zeros(3, V)
+    logits[0, 1] = 4.0            # first masked position: target 1, sure of it
+    logits[1, 2] = 1.0            # later, wrong (target 3), not very sure
+    logits[2, 4] = 2.0            # later, right
+    target = torch.tensor([1, 3, 4])
+    block_of, is_first = np.array([0, 0, 0]), np.array([True, False, False])
+    assert order_loss(logits, target, block_of, is_first).item() == 0.0
+    logits[0, 1] = 0.0            # the first is now unsure of its target: the wrong one counts
+    logits.requires_grad_(True)
+    loss = order_loss(logits, target, block_of, is_first)
+    assert loss.item() > 0
+    loss.backward()
+    assert logits.grad[1, 2] > 0 and logits.grad[0, 1] < 0 and logits.grad[2].abs().sum() == 0
+    assert order_loss(logits, target, np.array([-1, -1, -1]), is_first).item() == 0.0

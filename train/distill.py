@@ -99,6 +99,29 @@ def certainty_loss(logits, target):
     return -(logp.exp() * logp).sum(-1).mean()
 
 
+def order_loss(logits, target, block_of: np.ndarray, is_first: np.ndarray, margin: float = 0.05):
+    """Confidence in decoding order, on suffix-masked blocks: a later masked position whose
+    candidate is wrong must be less sure of it than the block's first masked position (the
+    sequential prediction) is of its target, by a margin. When no position reaches the
+    threshold, the decode unmasks the most confident one; this makes that the first one, the
+    step a sequential decode would take, unless a later one is right.
+    logits [M, V] and target [M] at the masked positions; block_of [M] the block of each
+    (-1: not taking part); is_first [M] the block's first masked position."""
+    import torch
+
+    is_first = is_first & (block_of >= 0)
+    fidx = np.full(int(block_of.max()) + 1 if len(block_of) else 0, -1)
+    fidx[block_of[is_first]] = np.nonzero(is_first)[0]
+    later = (block_of >= 0) & ~is_first
+    if not later.any():
+        return logits.new_zeros(())
+    p = torch.softmax(logits.float(), -1)
+    conf, pred = p.max(-1)
+    p_first = p.gather(1, target[:, None])[:, 0][torch.as_tensor(fidx[block_of[later]])]
+    wrong = (pred[later] != target[later]).float()
+    return (torch.relu(conf[later] - p_first + margin) * wrong).sum() / max(1, int(later.sum()))
+
+
 def mask_suffix(clean: np.ndarray, B: int, mask_id: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Mask the last n ~ U{1..B} positions of every block: the block's known tokens are a prefix,
     as when a decode agrees with the sequential one (the first masked position is then the
@@ -135,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--traj-mask", choices=("random", "suffix"), default="random",
                    help="trajectory blocks: random positions masked (as train.train), or a suffix of "
                         "each block, the states a left-to-right consistent decode passes through")
+    f.add_argument("--order", type=float, default=0.0,
+                   help="weight of the decoding-order term (order_loss; with --traj-mask suffix)")
     f.add_argument("--rounds", type=int, default=1,
                    help="on-policy rounds: the trajectories are made again from the current weights "
                         "at the start of every round after the first (steps / rounds each)")
@@ -210,7 +235,14 @@ def finetune(a: argparse.Namespace) -> list[float]:
         target = torch.as_tensor(clean)[sel]
         loss = masked_loss(logits, torch.as_tensor(clean), sel)
         cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
-        optimizer_step(model, opt, loss + a.certainty * cert + AUX_WEIGHT * aux, a.clip)
+        total = loss + a.certainty * cert + AUX_WEIGHT * aux
+        if a.order:
+            r, c = np.nonzero(masked)
+            block_of = np.where(r < n_traj, r * (T // B) + c // B, -1)
+            is_first = (r < n_traj) & ~masked[r, c - 1] if B > 1 else np.zeros_like(r, dtype=bool)
+            is_first |= (r < n_traj) & (c % B == 0)
+            total = total + a.order * order_loss(logits, target, block_of, is_first)
+        optimizer_step(model, opt, total, a.clip)
         step += 1
         losses.append(loss.item())
         hl = heldout_if_due(model, windows, cfg, a, step)
