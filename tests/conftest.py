@@ -6,7 +6,14 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import signal
+
     config.addinivalue_line("markers", "needs_libclover: skipped when libclover is not built")
+    config.addinivalue_line("markers", "xdist_group(name): run on one pytest-xdist worker (--dist loadgroup)")
+    # a shell starts background jobs (`cmd &`) with SIGINT ignored, and every child would inherit
+    # that: the Ctrl-C tests need children in which SIGINT does what it does at a terminal
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,9 +30,17 @@ def private_calibration_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["CLOVER_CACHE_DIR"] = old
 
 
+# the longest tests (a wheel built and installed in a fresh venv, the README tour) go first, so
+# that pytest-xdist's workers do not all wait for one that started them last
+SLOW_FIRST = ("test_packaging.py", "test_readme.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the tests marked needs_libclover, with the reason, when the library is missing."""
+    """The slow modules first; skip the tests marked needs_libclover, with the reason, when the
+    library is missing."""
     from clover_cpp import _native
+
+    items.sort(key=lambda item: item.path.name not in SLOW_FIRST)  # stable: the rest keep their order
 
     try:
         _native.find_library()

@@ -412,7 +412,10 @@ def _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, threshold, max
     return None
 
 
-GEN_CASES = [(B, th, ms) for B in (1, 2, 4, 8, 16, 32) for th in (0.5, 0.9, 1.0) for ms in (0, 3)]
+# both thread counts of a case on one pytest-xdist worker (--dist loadgroup), which then
+# computes the reference's answer once (REF_CACHE)
+GEN_CASES = [pytest.param(B, th, ms, marks=pytest.mark.xdist_group(f"gen-{B}-{th}-{ms}"))
+             for B in (1, 2, 4, 8, 16, 32) for th in (0.5, 0.9, 1.0) for ms in (0, 3)]
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])

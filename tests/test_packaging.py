@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.needs_libclover
+# one worker builds the wheel once for both tests (pytest-xdist --dist loadgroup)
+pytestmark = [pytest.mark.needs_libclover, pytest.mark.xdist_group("wheel")]
 
 REPO = Path(__file__).resolve().parents[1]
 
