@@ -267,3 +267,22 @@ def test_order_term_only_on_wrong_later_positions_surer_than_the_first():
     loss.backward()
     assert logits.grad[1, 2] > 0 and logits.grad[0, 1] < 0 and logits.grad[2].abs().sum() == 0
     assert order_loss(logits, target, np.array([-1, -1, -1]), is_first).item() == 0.0
+
+
+@pytest.mark.needs_libclover
+def test_fallback_replay_reproduces_the_native_decode(tiny_artifacts):
+    """train.fallback_sim's replay with the spec's fallback gives the native decode's tokens
+    and passes (so its leftmost variant differs from the native one only by that rule)."""
+    from clover_cpp import Clover
+    from train import fallback_sim
+
+    prompt = np.random.default_rng(5).integers(0, 500, size=64).tolist()
+    with Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1, block_size=1) as m1, \
+            Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1, block_size=fallback_sim.B) as mb:
+        base = m1.generate(prompt, max_tokens=40, block_size=1, stop_at_eos=False).tokens
+        r = mb.generate(prompt, max_tokens=40, block_size=fallback_sim.B, threshold=fallback_sim.THRESHOLD,
+                        stop_at_eos=False)
+        out, passes = fallback_sim.decode(mb, prompt, base, False, [0, 0])
+        assert out == r.tokens and passes == r.stats.n_decode_passes
+        left, left_passes = fallback_sim.decode(mb, prompt, base, True, [0, 0])
+        assert len(left) == 40 and (left, left_passes) != (out, passes)  # the rule matters on this model
