@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import numpy as np
@@ -132,6 +132,14 @@ class CloverConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> "CloverConfig":
         """config.json (a dict) validated by :func:`parse_config`: the project's one way in."""
         return parse_config(cfg)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a config.json dict that from_dict reads back (every EOS id kept)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("raw", "eos_token_ids")}
+        d["layer_types"] = list(self.layer_types)
+        if len(self.eos_token_ids) > 1:
+            d["eos_token_id"] = list(self.eos_token_ids)
+        return d
 
     # short names used by the table
     @property

@@ -85,6 +85,5 @@ def test_one_config_class() -> None:
     assert reference.CloverConfig is M.CloverConfig
     cfg = M.CloverConfig.from_dict({**checkpoints.preset_config("tiny"), "eos_token_id": [3, 5]})
     assert cfg.eos_token_id == 3 and cfg.eos_token_ids == (3, 5)
-    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("raw", "eos_token_ids")}
-    again = M.CloverConfig.from_dict({**d, "eos_token_id": list(cfg.eos_token_ids)})
+    again = M.CloverConfig.from_dict(cfg.to_dict())
     assert dataclasses.replace(again, raw={}) == dataclasses.replace(cfg, raw={})

@@ -25,7 +25,6 @@ block calibration ``tau = exp(theta + phi ln(B / B0))`` and the memory/block gat
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -326,11 +325,3 @@ class CloverTorch(nn.Module):
         logits = rms_norm_1p(hn, self.W("model.norm.weight"), c.rms_norm_eps) @ head.T
         return logits, aux / L
 
-
-def config_dict(cfg: CloverConfig) -> dict[str, Any]:
-    """The config as a config.json dict that CloverConfig.from_dict reads back (every EOS id kept)."""
-    d = asdict(cfg)
-    del d["raw"], d["eos_token_ids"]
-    if len(cfg.eos_token_ids) > 1:
-        d["eos_token_id"] = list(cfg.eos_token_ids)
-    return d

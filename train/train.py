@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from clover_testkit.reference import CloverConfig
 from train.args import add_optimizer_args
-from train.model import CloverTorch, config_dict
+from train.model import CloverTorch
 
 PRESETS = {
     # the default model: 4 layers (3 GDN + 1 full attention), 8 experts top-2
@@ -149,7 +149,7 @@ def save_ckpt(path: Path, model, opt, step: int, rng: np.random.Generator, a, el
     tmp = path.with_name(path.name + ".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                 "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-                "args": vars(a), "config": config_dict(model.cfg), "elapsed": elapsed}, tmp)
+                "args": vars(a), "config": model.cfg.to_dict(), "elapsed": elapsed}, tmp)
     os.replace(tmp, path)
 
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         print(f"weights from {a.init_from}", flush=True)
     if a.resume and ck.is_file():
         step, elapsed = load_ckpt(ck, model, opt, rng)
-    (out / "config.json").write_text(json.dumps(config_dict(cfg), indent=1) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
     (out / "args.json").write_text(json.dumps(vars(a), indent=1) + "\n")
     tokens = np.load(data / "train.npy").astype(np.int64)
     sizes, probs = parse_block_sizes(a.block_sizes)
