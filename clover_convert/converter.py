@@ -482,7 +482,9 @@ class _TempShardWriter(GGUFWriter):
     once everything is written): GGUFWriter opens the names format_shard_names gives, so the
     temporaries are substituted there (``temps``: final path -> temporary)."""
 
-    temps: dict[Path, Path] = {}
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.temps: dict[Path, Path] = {}
 
     def format_shard_names(self, path: Path) -> list[Path]:
         return [self.temps.get(p, p) for p in super().format_shard_names(path)]

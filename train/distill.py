@@ -237,10 +237,9 @@ def finetune(a: argparse.Namespace) -> list[float]:
         cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
         total = loss + a.certainty * cert + AUX_WEIGHT * aux
         if a.order:
-            r, c = np.nonzero(masked)
+            r, c = np.nonzero(masked)   # the masked positions, in the order of logits' rows
             block_of = np.where(r < n_traj, r * (T // B) + c // B, -1)
-            is_first = (r < n_traj) & ~masked[r, c - 1] if B > 1 else np.zeros_like(r, dtype=bool)
-            is_first |= (r < n_traj) & (c % B == 0)
+            is_first = (c % B == 0) | ~masked[r, c - 1]  # its block's first masked position
             total = total + a.order * order_loss(logits, target, block_of, is_first)
         optimizer_step(model, opt, total, a.clip)
         step += 1
