@@ -136,10 +136,19 @@ convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress
     CLOVER_RPC_SERVER_PATH="$asan_build/bin/ggml-rpc-server" "$PY" -m pytest -q tests/test_rpc.py
 }
 
+# The suite on one pytest-xdist worker per core (the wheel tests and the reference cases that share
+# work stay on one worker: --dist loadgroup), unless the arguments choose (-n / -p no:xdist).
+# OpenMP threads that sleep when idle: spinning ones of two workers would fight for the cores.
+run_tests() {
+    local par=(-n "$JOBS" --dist loadgroup)
+    case " $* " in *" -n"*|*" -p no:xdist "*|*"--numprocesses"*) par=() ;; esac
+    OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} "$PY" -m pytest -q "${par[@]}" "$@"
+}
+
 case "${1:-}" in
     setup) setup ;;
     demo)  setup; "$VENV/bin/clover" demo ;;
-    test)  setup; shift; "$PY" -m pytest -q "$@" ;;
+    test)  setup; shift; run_tests "$@" ;;
     asan)  setup; asan ;;
     bench) setup llama-bench llama-diffusion-cli llama-quantize; shift; "$PY" benchmarks/run_all.py "$@" ;;
     *)     sed -n '2,15p' "$0"; exit 2 ;;

@@ -301,16 +301,16 @@ class CloverReference:
         c, p = self.cfg, f"model.layers.{i}.mlp."
         W = lambda name: self.w[p + name]  # noqa: E731
         probs = softmax(x @ W("gate.weight").T, axis=-1)             # [n, E]
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :c.num_experts_per_tok]  # [n, k]
+        pw = np.take_along_axis(probs, top, axis=-1)
+        if c.norm_topk_prob:
+            pw = pw / pw.sum(axis=-1, keepdims=True)
         out = np.zeros_like(x)
-        for t in range(x.shape[0]):
-            top = np.argsort(-probs[t], kind="stable")[:c.num_experts_per_tok]
-            pw = probs[t, top]
-            if c.norm_topk_prob:
-                pw = pw / pw.sum()
-            for e, pe in zip(top, pw):
-                e_ = f"experts.{e}."
-                hmid = silu(W(e_ + "gate_proj.weight") @ x[t]) * (W(e_ + "up_proj.weight") @ x[t])
-                out[t] += pe * (W(e_ + "down_proj.weight") @ hmid)
+        for e in np.unique(top):  # the tokens routed to expert e (each at most once), together
+            rows, slot = np.nonzero(top == e)
+            e_, xe = f"experts.{e}.", x[rows]
+            hmid = silu(xe @ W(e_ + "gate_proj.weight").T) * (xe @ W(e_ + "up_proj.weight").T)
+            out[rows] += pw[rows, slot][:, None] * (hmid @ W(e_ + "down_proj.weight").T)
         hs = silu(x @ W("shared_expert.gate_proj.weight").T) * (x @ W("shared_expert.up_proj.weight").T)
         shared = hs @ W("shared_expert.down_proj.weight").T
         return out + sigmoid(x @ W("shared_expert_gate.weight").T) * shared
@@ -371,12 +371,12 @@ class CloverReference:
             p = f"model.layers.{i}.linear_attn."
             beta = sigmoid(rec["b"])                                             # [n, Hv]
             g = -np.exp(self.w[p + "A_log"]) * softplus(rec["a"] + self.w[p + "dt_bias"])
-            S = mem.state[i].astype(np.float64)
-            for t in range(len(rec["u"])):
-                for j in range(c.linear_num_value_heads):
-                    kt, vt = rec["k"][t, j // r], rec["v"][t, j]
-                    S[j] *= math.exp(g[t, j])
-                    S[j] += np.outer(kt, beta[t, j] * (vt - S[j].T @ kt))
+            S = mem.state[i].astype(np.float64)                                  # [Hv, dk, dv]
+            k = rec["k"][:, np.arange(c.linear_num_value_heads) // r]            # [n, Hv, dk]
+            for t in range(len(rec["u"])):  # the delta rule, all value heads at once
+                S *= np.exp(g[t])[:, None, None]
+                err = beta[t][:, None] * (rec["v"][t] - np.einsum("hkv,hk->hv", S, k[t]))
+                S += k[t][:, :, None] * err[:, None, :]
             mem.state[i] = S.astype(np.float32)
             U = np.concatenate([mem.conv_tail[i], rec["u"]], axis=0)
             mem.conv_tail[i] = U[len(U) - (c.linear_conv_kernel_dim - 1):].copy()

@@ -16,6 +16,18 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def xdist_group_kept(request: pytest.FixtureRequest) -> None:
+    """Under pytest-xdist's --dist loadgroup, a test marked xdist_group carries its group in its
+    node id. Without it (pytest-xdist issue 1386) the groups are split across workers, and two of
+    them would build the wheel in build/ at the same time: fail those tests, saying why."""
+    item = request.node
+    if getattr(request.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail("pytest-xdist lost this test's xdist_group (this pytest / pytest-xdist pair breaks "
+                    "--dist loadgroup): install the versions pyproject.toml's test extra names", pytrace=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_calibration_cache(tmp_path_factory: pytest.TempPathFactory):
     """block_size="auto" keeps its cost curve in $CLOVER_CACHE_DIR: never the user's cache."""

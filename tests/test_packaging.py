@@ -50,10 +50,11 @@ def test_wheel_carries_the_native_parts(wheel: Path) -> None:
 
 def test_fresh_venv_runs_demo_and_python(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # no pip of its own (ensurepip costs seconds): this environment's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True,
-                       timeout=900, env=_clean_env())
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", str(wheel)],
+                       capture_output=True, text=True, timeout=900, env=_clean_env())
     assert r.returncode == 0, r.stderr[-3000:]
     env = _clean_env(CLOVER_CACHE_DIR=str(tmp_path / "cache"))
     run = dict(capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)  # outside the repository

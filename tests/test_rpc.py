@@ -136,7 +136,7 @@ def test_switch_saves_and_restores_memory_over_rpc(remote, local, tiny_artifacts
         first = m.generate(toks, max_tokens=1, block_size=1, stop_at_eos=False)
         assert m.n_committed == 512
         m.set_cost_curve(curve, curve)
-        second = m.generate(toks + first.tokens, max_tokens=40, block_size="auto", threshold=0.5,
+        second = m.generate(toks + first.tokens, max_tokens=6, block_size="auto", threshold=0.5,
                             stop_at_eos=False)
         assert second.stats.n_reused == 512 and second.stats.block_size == 512
         results.append(first.tokens + second.tokens)
