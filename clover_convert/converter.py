@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import ml_dtypes
 import numpy as np
@@ -82,6 +82,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 CHUNK_ELEMS = 4 * 1024 * 1024          # source elements converted per step
 RELEASE_BYTES = 64 * 1024 * 1024       # unmap the sources after touching this many bytes
+WRITEBACK_BYTES = 256 * 1024 * 1024    # start writing the output to disk after this many bytes
 
 
 # ---------------------------------------------------------------------------
@@ -485,9 +486,28 @@ class _TempShardWriter(GGUFWriter):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.temps: dict[Path, Path] = {}
+        self._written: dict[int, int] = {}  # file descriptor -> bytes handed to the disk so far
 
     def format_shard_names(self, path: Path) -> list[Path]:
         return [self.temps.get(p, p) for p in super().format_shard_names(path)]
+
+    def write_tensor_data(self, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
+        super().write_tensor_data(tensor, *args, **kwargs)
+        if hasattr(os, "posix_fadvise"):
+            for f in self.fout or []:
+                self._start_writeback(f)
+
+    def _start_writeback(self, f: Any) -> None:
+        """Start writing the file's new bytes to disk now, without waiting for them (Linux's
+        POSIX_FADV_DONTNEED starts the write-back of dirty pages, and drops pages already
+        written): the disk works while the next tensors are converted, the final fsync has
+        little left to wait for, and a big conversion does not fill the page cache."""
+        fd, end = f.fileno(), f.tell()
+        start = self._written.get(fd, 0)
+        if end - start >= WRITEBACK_BYTES:
+            f.flush()
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+            self._written[fd] = end
 
 
 def _build_writer(plan_rows: list[TensorPlan], cfg: CloverConfig, tok: TokenizerInfo, outtype: str,
@@ -631,14 +651,21 @@ def plan_conversion(
 
 
 class _Filler:
-    """Converts source slabs into a preallocated output array, chunk by chunk: a slab bigger
-    than one chunk is read in row ranges (safetensors partial reads), never whole."""
+    """Converts source slabs into an output array, chunk by chunk, reading the sources in place
+    (views of their memory maps) and casting straight into the output where numpy can.
+
+    The output arrays live in two buffers used in turn (the writer holds one tensor while the
+    next is filled: never more): reused, their pages are not faulted in and zeroed again for
+    every tensor, which had cost more than the conversion itself."""
 
     def __init__(self, reader: CheckpointReader):
         self.nonfinite: dict[str, int] = {}  # tensor -> NaN/Inf values seen in the source
         self.reader = reader
         self.touched = 0
         self.read_bytes = 0
+        self._buffers: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._turn = 0
+        self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="clover-chunk")
 
     def _count(self, nbytes: int) -> None:
         """Account for touched source bytes; past RELEASE_BYTES, drop the memory maps so that
@@ -650,12 +677,22 @@ class _Filler:
             self.touched = 0
 
     def _rows(self, piece: Piece, r0: int, r1: int) -> np.ndarray:
-        """Rows r0:r1 of the slab (its first axis), read alone."""
+        """Rows r0:r1 of the slab (its first axis), a view."""
         rows = slice(piece.row0 + r0, piece.row0 + r1)
-        return self.reader.raw(piece.hf, (rows,) if piece.expert is None else (piece.expert, rows))
+        return self.reader.view(piece.hf, (rows,) if piece.expert is None else (piece.expert, rows))
+
+    def _output(self, t: TensorPlan) -> np.ndarray:
+        """The next buffer in turn, grown to the tensor if needed, as the tensor's store array."""
+        self._turn ^= 1
+        if self._buffers[self._turn].nbytes < t.nbytes:
+            self._buffers[self._turn] = np.empty(0, np.uint8)  # the old one goes before the new one comes
+            self._buffers[self._turn] = np.empty(t.nbytes, np.uint8)
+        dtype = np.dtype(_STORE_DTYPE[t.qtype])
+        return self._buffers[self._turn][:t.nbytes].view(dtype).reshape(_store_shape(t.shape, t.qtype))
 
     def materialize(self, t: TensorPlan) -> np.ndarray:
-        store = np.empty(_store_shape(t.shape, t.qtype), dtype=_STORE_DTYPE[t.qtype])
+        """The tensor's output array: valid until the call after next (its buffer is reused)."""
+        store = self._output(t)
         piece_shape = t.shape[1:] if t.stacked else t.shape
         if len(piece_shape) == 1:
             shape2 = (1, piece_shape[0])
@@ -667,56 +704,74 @@ class _Filler:
         return store
 
     def _fill(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan) -> None:
+        """The slab's chunks of rows, converted on every core at once (numpy's casts and
+        reductions release the GIL)."""
+        rows, cols = shape2
+        step = max(1, CHUNK_ELEMS // max(cols, 1))
+        jobs = [self._pool.submit(self._fill_rows, dst2, piece, shape2, t, r0, min(rows, r0 + step))
+                for r0 in range(0, rows, step)]
+        try:
+            for job in jobs:
+                nbytes, bad = job.result()
+                if bad:
+                    self.nonfinite[t.name] = self.nonfinite.get(t.name, 0) + bad
+                self._count(nbytes)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
+
+    def _fill_rows(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan,
+                   r0: int, r1: int) -> tuple[int, int]:
+        """Rows r0:r1 of the slab into dst2: (source bytes read, NaN/Inf values among them)."""
         rows, cols = shape2
         sdt = self.reader.dtype(piece.hf)
-        step = max(1, CHUNK_ELEMS // max(cols, 1))
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            if rows <= step:  # one chunk: the whole slab in one read
-                block = self._rows(piece, 0, rows) if piece.expert is not None else self.reader.raw(piece.hf)
-                block = block.reshape(shape2)
-                if t.row_perm is not None:
-                    block = block[t.row_perm]
-            else:  # a slab of 2+ dims whose first axis is the rows; value heads come in runs of rows
-                want = t.row_perm[r0:r1] if t.row_perm is not None else np.arange(r0, r1)
-                runs = np.split(want, np.flatnonzero(np.diff(want) != 1) + 1)
-                parts = [self._rows(piece, int(run[0]), int(run[-1]) + 1) for run in runs]
-                block = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(r1 - r0, cols)
-            if t.col_perm is not None:
-                block = block[:, t.col_perm]
-            dst2[r0:r1] = _convert_block(block, sdt, t.qtype, t.rule.fn)
-            bad = _count_nonfinite(block, sdt)
-            if bad:
-                self.nonfinite[t.name] = self.nonfinite.get(t.name, 0) + bad
-            nb = block.nbytes
-            del block
-            self._count(nb)
+        if r1 - r0 == rows:  # one chunk: the whole slab
+            block = self._rows(piece, 0, rows) if piece.expert is not None else self.reader.view(piece.hf)
+            block = block.reshape(shape2)
+            if t.row_perm is not None:
+                block = block[t.row_perm]
+        else:  # a slab of 2+ dims whose first axis is the rows; value heads come in runs of rows
+            want = t.row_perm[r0:r1] if t.row_perm is not None else np.arange(r0, r1)
+            runs = np.split(want, np.flatnonzero(np.diff(want) != 1) + 1)
+            parts = [self._rows(piece, int(run[0]), int(run[-1]) + 1) for run in runs]
+            block = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(r1 - r0, cols)
+        if t.col_perm is not None:
+            block = block[:, t.col_perm]
+        _convert_into(dst2[r0:r1], block, sdt, t.qtype, t.rule.fn)
+        return block.nbytes, _count_nonfinite(block, sdt)
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+
+_EXPONENT = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
 
 
 def _count_nonfinite(block: np.ndarray, sdt: str) -> int:
-    """NaN / Inf values in a source block (bf16 as its bits: exponent all ones)."""
-    if sdt == "BF16":
-        return int(np.count_nonzero((block & 0x7F80) == 0x7F80))
-    if block.dtype.kind == "f":
-        return int(block.size - np.count_nonzero(np.isfinite(block)))
-    return 0
+    """NaN / Inf values in a source block: those whose exponent bits are all ones (the max of
+    the exponents says whether to count at all, in one fast pass)."""
+    if sdt not in _EXPONENT or block.size == 0:
+        return 0
+    bits, ones = _EXPONENT[sdt]
+    exponent = block.view(bits) & bits(ones)
+    return int(np.count_nonzero(exponent == ones)) if exponent.max() == ones else 0
+
+
+def _convert_into(dst: np.ndarray, block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> None:
+    """dst = block converted to qt: a plain cast (or copy) in one pass straight into dst; a
+    transform, bf16 rounding of wider floats (NaN payloads kept) or quantization go through
+    _convert_block."""
+    if fn is None and (qt in (QT.F32, QT.F16) or (qt == QT.BF16 and sdt == "BF16")):
+        src = block.view(ml_dtypes.bfloat16) if sdt == "BF16" and qt != QT.BF16 else block
+        np.copyto(dst, src, casting="unsafe")  # numpy's (ml_dtypes') cast, the same as astype
+    else:
+        dst[...] = _convert_block(block, sdt, qt, fn)
 
 
 def _convert_block(block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> np.ndarray:
-    if fn is None:
-        if qt == QT.BF16 and sdt == "BF16":
-            return block  # raw bits pass through
-        if qt == QT.F16 and sdt == "F16":
-            return block
-        if qt == QT.F32 and sdt == "F32":
-            return block
-    if sdt == "BF16":
-        bf16 = np.ascontiguousarray(block).view(ml_dtypes.bfloat16)  # one C pass, no GIL, exact
-        if fn is None and qt == QT.F16:
-            return bf16.astype(np.float16)
-        x = bf16.astype(np.float32)
-    else:
-        x = block.astype(np.float32)
+    """The block through float32: transformed (fn), then rounded or quantized to qt."""
+    x = block.view(ml_dtypes.bfloat16).astype(np.float32) if sdt == "BF16" else block.astype(np.float32)
     x = apply_fn(fn, x)
     if qt == QT.F32:
         return x
@@ -786,26 +841,29 @@ def convert(
             from tqdm import tqdm
 
             bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Converting", leave=False)
-        # two stages: the next tensor is read and converted on a worker thread while this one is
-        # written (numpy's casts and file writes release the GIL); at most two tensors in memory
+        # two stages: the next tensor is read and converted (its chunks on every core) while this
+        # one is written (numpy's casts and file writes release the GIL); at most two tensors in memory
         filler = _Filler(reader)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-convert") as pool:
-            ahead = pool.submit(filler.materialize, plan.tensors[0]) if plan.tensors else None
-            try:
-                for k, t in enumerate(plan.tensors):
-                    if bar is not None:
-                        bar.set_postfix_str(t.name, refresh=False)
-                    assert ahead is not None
-                    arr = ahead.result()
-                    ahead = pool.submit(filler.materialize, plan.tensors[k + 1]) if k + 1 < len(plan.tensors) else None
-                    w.write_tensor_data(arr)
-                    del arr
-                    if bar is not None:
-                        bar.update(t.nbytes)
-            except BaseException:
-                if ahead is not None:
-                    ahead.cancel()
-                raise
+        try:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-convert") as pool:
+                ahead = pool.submit(filler.materialize, plan.tensors[0]) if plan.tensors else None
+                try:
+                    for k, t in enumerate(plan.tensors):
+                        if bar is not None:
+                            bar.set_postfix_str(t.name, refresh=False)
+                        assert ahead is not None
+                        arr = ahead.result()
+                        ahead = pool.submit(filler.materialize, plan.tensors[k + 1]) if k + 1 < len(plan.tensors) else None
+                        w.write_tensor_data(arr)
+                        del arr
+                        if bar is not None:
+                            bar.update(t.nbytes)
+                except BaseException:
+                    if ahead is not None:
+                        ahead.cancel()
+                    raise
+        finally:
+            filler.close()
         w.flush()
         for f in w.fout:
             os.fsync(f.fileno())

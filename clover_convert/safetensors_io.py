@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import struct
@@ -107,6 +108,16 @@ class SafetensorsFile:
         for name in h.offset_keys():  # file order
             s = h.get_slice(name)
             self._info[name] = (s.get_dtype(), tuple(s.get_shape()))
+        self._map: np.ndarray | None = None
+        self._offsets = self._data_offsets()
+
+    def _data_offsets(self) -> dict[str, int]:
+        """Where each tensor's bytes start in the file. The library has checked the header (its
+        length, the JSON, offsets that tile the data exactly) but does not tell the offsets."""
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        return {name: 8 + n + int(header[name]["data_offsets"][0]) for name in self._info}
 
     def _open(self) -> Any:
         if self._handle is None:
@@ -163,6 +174,23 @@ class SafetensorsFile:
             raise _err(f"{self.path}: tensor {name!r}: {e}") from None
         return a.view(np.uint16) if dtype == "BF16" else a
 
+    def view(self, name: str, index: tuple[Any, ...] | None = None) -> np.ndarray:
+        """The tensor, or ``index`` of it, as a read-only view of the file's memory map in its
+        storage dtype (bf16 as uint16): nothing is copied, the page cache is read in place."""
+        dtype, shape = self._entry(name)
+        if dtype not in DTYPES:
+            raise _err(f"{self.path}: tensor {name!r}: dtype {dtype} cannot be read (only {', '.join(DTYPES)})")
+        if self._map is None:
+            self._open()  # the same one-line errors as raw() if the file went away
+            with open(self.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            if hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_SEQUENTIAL)  # a converter reads it front to back: read ahead
+            self._map = np.frombuffer(mm, dtype=np.uint8)
+        start = self._offsets[name]
+        a = self._map[start:start + self.nbytes(name)].view(DTYPES[dtype]).reshape(shape)
+        return a if index is None else a[index]
+
     def read_f32(self, name: str) -> np.ndarray:
         """The tensor converted to a new float32 array."""
         a = self.raw(name)
@@ -173,6 +201,7 @@ class SafetensorsFile:
         h, self._handle = self._handle, None
         if h is not None:
             h.__exit__(None, None, None)
+        self._map = None  # unmapped once the last view of it is gone
 
     def __enter__(self) -> "SafetensorsFile":
         return self
@@ -265,6 +294,9 @@ class CheckpointReader:
 
     def raw(self, name: str, index: tuple[Any, ...] | None = None) -> np.ndarray:
         return self._file(name).raw(name, index)
+
+    def view(self, name: str, index: tuple[Any, ...] | None = None) -> np.ndarray:
+        return self._file(name).view(name, index)
 
     def read_f32(self, name: str) -> np.ndarray:
         return self._file(name).read_f32(name)

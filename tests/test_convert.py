@@ -273,16 +273,16 @@ def test_chunked_partial_reads_give_the_same_file(fx, tmp_path, monkeypatch, var
     every few KB: the output is the same bytes as reading whole slabs in one go."""
     want, _ = fx.gguf(variant, outtype)
     partial: list[tuple] = []
-    real_raw = CheckpointReader.raw
+    real_view = CheckpointReader.view
 
     def spy(self, name, index=None):
         if index is not None:
             partial.append(index)
-        return real_raw(self, name, index)
+        return real_view(self, name, index)
 
     monkeypatch.setattr(conv_mod, "CHUNK_ELEMS", 40 * 64)
     monkeypatch.setattr(conv_mod, "RELEASE_BYTES", 4096)
-    monkeypatch.setattr(CheckpointReader, "raw", spy)
+    monkeypatch.setattr(CheckpointReader, "view", spy)
     out = tmp_path / "chunked.gguf"
     convert(fx.ckpt(variant), out, outtype=outtype, progress=False)
     assert out.read_bytes() == want.read_bytes()

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clover_convert import convert
@@ -147,23 +148,37 @@ def test_full_disk_leaves_nothing_partial(tiny_artifacts, tmp_path: Path, tool: 
     assert out.read_bytes() == b"OLD" and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_nan_weights_are_reported(tiny_artifacts, tmp_path: Path, capsys) -> None:
+# NaN, +Inf, -Inf, then a large finite value (not counted), as each source dtype stores them
+NONFINITE_BITS = {"f32": ("<f4", [float("nan"), float("inf"), -float("inf"), 65504.0]),
+                  "f16": ("<u2", [0x7E00, 0x7C00, 0xFC00, 0x7BFF]), "bf16": ("<u2", [0x7FC1, 0x7F80, 0xFF80, 0x7F7F])}
+
+
+@pytest.mark.parametrize("dtype", sorted(NONFINITE_BITS))
+def test_nan_weights_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
     import json
-    import shutil
     import struct
 
+    from clover_testkit.checkpoints import write_checkpoint
+
     ck = tmp_path / "ck"
-    shutil.copytree(tiny_artifacts["ckpt"], ck)
+    write_checkpoint(ck, preset="tiny", dtype="f32" if dtype == "f16" else dtype)
     st = ck / "model.safetensors"
+    if dtype == "f16":  # the generator writes f32 or bf16: an f16 checkpoint is its f32 one cast
+        from safetensors.numpy import load_file, save_file
+
+        save_file({k: v.astype(np.float16) for k, v in load_file(st).items()}, str(st))
     raw = bytearray(st.read_bytes())
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
-    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
-    at = 8 + n + header[name]["data_offsets"][0]
-    raw[at:at + 8] = struct.pack("<ff", float("nan"), float("inf"))
+    name = next(k for k, v in header.items() if k.endswith("down_proj.weight"))
+    at = 8 + n + header[name]["data_offsets"][0] + 64  # not at a chunk's start
+    fmt, values = NONFINITE_BITS[dtype]
+    bad = np.array(values, dtype=fmt).tobytes()
+    raw[at:at + len(bad)] = bad
     st.write_bytes(bytes(raw))
     convert(ck, tmp_path / "m.gguf", outtype="f16", progress=False)
-    assert "2 NaN/Inf value(s)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.strip() == "warning: blk.0.ffn_down_exps.weight: 3 NaN/Inf value(s) in the checkpoint", err
 
 
 def _clover(*args) -> subprocess.CompletedProcess:
