@@ -486,7 +486,7 @@ class _TempShardWriter(GGUFWriter):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.temps: dict[Path, Path] = {}
-        self._written: dict[int, int] = {}  # file descriptor -> bytes handed to the disk so far
+        self._written: dict[int, tuple[int, int]] = {}  # fd -> (dropped up to, write-back started up to)
 
     def format_shard_names(self, path: Path) -> list[Path]:
         return [self.temps.get(p, p) for p in super().format_shard_names(path)]
@@ -503,11 +503,12 @@ class _TempShardWriter(GGUFWriter):
         written): the disk works while the next tensors are converted, the final fsync has
         little left to wait for, and a big conversion does not fill the page cache."""
         fd, end = f.fileno(), f.tell()
-        start = self._written.get(fd, 0)
-        if end - start >= WRITEBACK_BYTES:
+        dropped, started = self._written.get(fd, (0, 0))
+        if end - started >= WRITEBACK_BYTES:
             f.flush()
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-            self._written[fd] = end
+            # from the range started last time (written by now, mostly: dropped) to the end
+            os.posix_fadvise(fd, dropped, end - dropped, os.POSIX_FADV_DONTNEED)
+            self._written[fd] = (started, end)
 
 
 def _build_writer(plan_rows: list[TensorPlan], cfg: CloverConfig, tok: TokenizerInfo, outtype: str,
