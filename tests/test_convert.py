@@ -291,6 +291,31 @@ def test_chunked_partial_reads_give_the_same_file(fx, tmp_path, monkeypatch, var
         assert any(len(ix) == 2 and isinstance(ix[0], int) and ix[1].start >= 32 for ix in partial)  # up half
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_write_back_started_as_the_output_grows(fx, tmp_path, monkeypatch):
+    """Every few KB the written range goes to POSIX_FADV_DONTNEED (write-back starts, pages
+    already on disk are dropped), each call from where the last-but-one range began: the
+    ranges cover the tensor data without a hole, and the file is the same bytes."""
+    want, _ = fx.gguf("bf16", "f16")
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append((offset, offset + length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(conv_mod, "WRITEBACK_BYTES", 8192)
+    monkeypatch.setattr(conv_mod.os, "posix_fadvise", spy)
+    out = tmp_path / "m.gguf"
+    convert(fx.ckpt("bf16"), out, outtype="f16", progress=False)
+    assert out.read_bytes() == want.read_bytes()
+    assert len(calls) >= 10 and calls[0][0] == 0
+    for (s0, e0), (s1, e1) in zip(calls, calls[1:]):
+        assert s0 <= s1 < e0 < e1 and e1 - e0 >= 8192  # each repeats the range begun before it
+    assert calls[-1][1] > out.stat().st_size // 2  # the tail is the final fsync's
+
+
 def test_q8_0_falls_back_to_f16_for_odd_rows(tmp_path):
     src = tmp_path / "odd"
     write_checkpoint(src, "tiny", dtype="bf16", config_overrides={"moe_intermediate_size": 48})

@@ -124,6 +124,32 @@ def test_partial_reads_and_reopening(tmp_path):
     f.close()
 
 
+def test_views_read_the_file_in_place(tmp_path):
+    """view() gives what raw() gives, without a copy: read-only views of one memory map, the
+    header's offsets honoured for every tensor (a gap of metadata and alignment included)."""
+    rng = np.random.default_rng(5)
+    a, b, c = _tensors(rng)
+    fused = f32_to_bf16(rng.standard_normal((4, 6, 8)).astype(np.float32))
+    p = tmp_path / "v.safetensors"
+    write_safetensors(p, {"a": (a, "F32"), "b": (b, "F16"), "c": (c, "BF16"), "fused": (fused, "BF16")},
+                      metadata={"format": "pt", "note": "x" * 13})
+    f = SafetensorsFile(p)
+    for name in f.names():
+        v = f.view(name)
+        assert v.dtype == f.raw(name).dtype and not v.flags.writeable
+        np.testing.assert_array_equal(v, f.raw(name))
+    np.testing.assert_array_equal(f.view("fused", (2, slice(3, 6))), fused[2, 3:6])
+    assert np.shares_memory(f.view("a"), f.view("a"))  # the same mapping, nothing copied
+    held = f.view("c")
+    f.close()  # drops the map; a view still held keeps its pages valid, the next read maps anew
+    np.testing.assert_array_equal(held, c)
+    np.testing.assert_array_equal(f.view("b"), b)
+    assert not np.shares_memory(held, f.view("c"))
+    with SafetensorsFile(p) as g:
+        with pytest.raises(CheckpointError, match="no tensor named 'zz'"):
+            g.view("zz")
+
+
 def _write_raw(path, header: bytes, data: bytes = b""):
     path.write_bytes(struct.pack("<Q", len(header)) + header + data)
 
