@@ -182,15 +182,20 @@ class SafetensorsFile:
         dtype, shape = self._entry(name)
         if dtype not in DTYPES:
             raise _err(f"{self.path}: tensor {name!r}: dtype {dtype} cannot be read (only {', '.join(DTYPES)})")
-        if self._map is None:
-            self._open()  # the same one-line errors as raw() if the file went away
-            with open(self.path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = self._map  # one read: close() may drop the map meanwhile (the converter's threads)
+        if data is None:
+            try:
+                with open(self.path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                raise _err(f"{self.path}: cannot read: {e.strerror or e}") from None
             if hasattr(mm, "madvise"):
                 mm.madvise(mmap.MADV_SEQUENTIAL)  # a converter reads it front to back: read ahead
-            self._map = np.frombuffer(mm, dtype=np.uint8)
+            data = self._map = np.frombuffer(mm, dtype=np.uint8)
         start = self._offsets[name]
-        a = self._map[start:start + self.nbytes(name)].view(DTYPES[dtype]).reshape(shape)
+        if start + self.nbytes(name) > len(data):
+            raise _err(f"{self.path}: tensor {name!r}: the file is shorter than its header says (truncated?)")
+        a = data[start:start + self.nbytes(name)].view(DTYPES[dtype]).reshape(shape)
         return a if index is None else a[index]
 
     def read_f32(self, name: str) -> np.ndarray:

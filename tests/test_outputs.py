@@ -150,7 +150,7 @@ def test_full_disk_leaves_nothing_partial(tiny_artifacts, tmp_path: Path, tool: 
 
 # NaN, +Inf, -Inf, then a large finite value (not counted), as each source dtype stores them
 NONFINITE_BITS = {"f32": ("<f4", [float("nan"), float("inf"), -float("inf"), 65504.0]),
-                  "f16": ("<u2", [0x7E00, 0x7C00, 0xFC00, 0x7BFF]), "bf16": ("<u2", [0x7FC1, 0x7F80, 0xFF80, 0x7F7F])}
+                  "f16": ("<u2", [0x7E00, 0x7C00, 0xFC00, 0x7BFF]), "bf16": ("<u2", [0x7FC1, 0x7F80, 0xFF80, 0x477F])}
 
 
 @pytest.mark.parametrize("dtype", sorted(NONFINITE_BITS))
