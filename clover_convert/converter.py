@@ -692,25 +692,22 @@ class _Filler:
         return self._buffers[self._turn][:t.nbytes].view(dtype).reshape(_store_shape(t.shape, t.qtype))
 
     def materialize(self, t: TensorPlan) -> np.ndarray:
-        """The tensor's output array: valid until the call after next (its buffer is reused)."""
+        """The tensor's output array: valid until the call after next (its buffer is reused).
+        Its slabs' chunks of rows are converted on every core at once (numpy's casts and
+        reductions release the GIL); a stacked tensor's experts are chunks of their own."""
         store = self._output(t)
         piece_shape = t.shape[1:] if t.stacked else t.shape
         if len(piece_shape) == 1:
             shape2 = (1, piece_shape[0])
         else:
             shape2 = (piece_shape[0], math.prod(piece_shape[1:]))
-        for j, piece in enumerate(t.pieces):
-            dst = store[j] if t.stacked else store
-            self._fill(dst.reshape(shape2[0], -1), piece, shape2, t)
-        return store
-
-    def _fill(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan) -> None:
-        """The slab's chunks of rows, converted on every core at once (numpy's casts and
-        reductions release the GIL)."""
         rows, cols = shape2
         step = max(1, CHUNK_ELEMS // max(cols, 1))
-        jobs = [self._pool.submit(self._fill_rows, dst2, piece, shape2, t, r0, min(rows, r0 + step))
-                for r0 in range(0, rows, step)]
+        jobs = []
+        for j, piece in enumerate(t.pieces):
+            dst2 = (store[j] if t.stacked else store).reshape(rows, -1)
+            jobs += [self._pool.submit(self._fill_rows, dst2, piece, shape2, t, r0, min(rows, r0 + step))
+                     for r0 in range(0, rows, step)]
         try:
             for job in jobs:
                 nbytes, bad = job.result()
@@ -721,6 +718,7 @@ class _Filler:
             for job in jobs:
                 job.cancel()
             raise
+        return store
 
     def _fill_rows(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan,
                    r0: int, r1: int) -> tuple[int, int]:
