@@ -666,7 +666,8 @@ class _Filler:
         self.read_bytes = 0
         self._buffers: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
         self._turn = 0
-        self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="clover-chunk")
+        self._workers = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="clover-chunk")
 
     def _count(self, nbytes: int) -> None:
         """Account for touched source bytes; past RELEASE_BYTES, drop the memory maps so that
@@ -702,7 +703,7 @@ class _Filler:
         else:
             shape2 = (piece_shape[0], math.prod(piece_shape[1:]))
         rows, cols = shape2
-        step = max(1, CHUNK_ELEMS // max(cols, 1))
+        step = max(1, self._chunk_elems(t) // max(cols, 1))
         jobs = []
         for j, piece in enumerate(t.pieces):
             dst2 = (store[j] if t.stacked else store).reshape(rows, -1)
@@ -719,6 +720,17 @@ class _Filler:
                 job.cancel()
             raise
         return store
+
+    def _chunk_elems(self, t: TensorPlan) -> int:
+        """Source elements per chunk. A plain cast reads the source in place and writes the
+        output in place: big chunks, nothing allocated. Anything else (a permutation, a
+        transform, bf16 rounding, quantization) makes temporaries of several times the chunk on
+        every worker, so its chunks shrink with the number of workers: the memory bound (2x the
+        largest tensor + 300 MB) holds on a machine of many cores too."""
+        cast = t.qtype in (QT.F32, QT.F16) or (
+            t.qtype == QT.BF16 and all(self.reader.dtype(p.hf) == "BF16" for p in t.pieces))
+        plain = cast and t.rule.fn is None and t.row_perm is None and t.col_perm is None
+        return CHUNK_ELEMS if plain else max(CHUNK_ELEMS // self._workers, min(CHUNK_ELEMS, 1 << 16))
 
     def _fill_rows(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan,
                    r0: int, r1: int) -> tuple[int, int]:

@@ -316,6 +316,24 @@ def test_write_back_started_as_the_output_grows(fx, tmp_path, monkeypatch):
     assert calls[-1][1] > out.stat().st_size // 2  # the tail is the final fsync's
 
 
+def test_chunks_that_allocate_shrink_with_the_cores(fx, monkeypatch):
+    """A plain cast converts big chunks in place; a chunk that makes temporaries (quantization,
+    a permutation, a transform) is 1/workers of that, so 16 cores hold what 1 core would."""
+    monkeypatch.setattr(conv_mod.os, "cpu_count", lambda: 16)
+    for outtype in ("f16", "q8_0"):
+        plan = conv_mod.plan_conversion(fx.ckpt("bf16"), None, outtype)
+        filler = conv_mod._Filler(CheckpointReader(plan.folder))
+        try:
+            kinds = set()
+            for t in plan.tensors:
+                plain = t.qtype in (QT.F32, QT.F16) and t.rule.fn is None and t.row_perm is None and t.col_perm is None
+                assert filler._chunk_elems(t) == (conv_mod.CHUNK_ELEMS if plain else conv_mod.CHUNK_ELEMS // 16), t.name
+                kinds.add(plain)
+            assert kinds == {True, False}, outtype  # both kinds in both output types
+        finally:
+            filler.close()
+
+
 def test_q8_0_falls_back_to_f16_for_odd_rows(tmp_path):
     src = tmp_path / "odd"
     write_checkpoint(src, "tiny", dtype="bf16", config_overrides={"moe_intermediate_size": 48})
