@@ -138,11 +138,13 @@ convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress
 
 # The suite on one pytest-xdist worker per core (the wheel tests and the reference cases that share
 # work stay on one worker: --dist loadgroup), unless the arguments choose (-n / -p no:xdist).
-# OpenMP threads that sleep when idle: spinning ones of two workers would fight for the cores.
+# With several workers, OpenMP threads sleep when idle: spinning ones of two workers would fight
+# for the cores (in one process, spinning is what keeps the 2-thread decoding tests fast).
 run_tests() {
-    local par=(-n "$JOBS" --dist loadgroup)
-    case " $* " in *" -n"*|*" -p no:xdist "*|*"--numprocesses"*) par=() ;; esac
-    OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} "$PY" -m pytest -q "${par[@]}" "$@"
+    case " $* " in
+        *" -n"*|*" -p no:xdist "*|*"--numprocesses"*) "$PY" -m pytest -q "$@" ;;
+        *) OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} "$PY" -m pytest -q -n "$JOBS" --dist loadgroup "$@" ;;
+    esac
 }
 
 case "${1:-}" in
