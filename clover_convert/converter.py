@@ -44,7 +44,7 @@ from .mapping import (
     perm_index,
     rule_applies,
 )
-from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, f32_to_bf16
+from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, f32_to_bf16, read_header
 from .outputs import check_output, clean_stale_temps, fmt_bytes, temp_path
 from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
 
@@ -166,22 +166,11 @@ class _Inventory:
 def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]] | None:
     """Shapes and dtypes from a safetensors header alone (the data may be absent, which the
     safetensors library refuses: this is for dry runs on headers-only files)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return None
-            n = int.from_bytes(head, "little")
-            if n > 100 * 1024 * 1024:
-                return None
-            raw = f.read(n)
-        hdr = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(hdr, dict):
+    read = read_header(path)
+    if read is None:
         return None
     out = {}
-    for name, info in hdr.items():
+    for name, info in read[1].items():
         if name == "__metadata__":
             continue
         if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or not isinstance(info.get("dtype"), str):

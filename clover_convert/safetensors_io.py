@@ -38,6 +38,7 @@ __all__ = [
     "f32_to_bf16",
     "write_safetensors",
     "write_safetensors_lazy",
+    "read_header",
     "DTYPES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -98,6 +99,27 @@ def f32_to_bf16(f32: np.ndarray) -> np.ndarray:
 # reading
 
 
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]] | None:
+    """(where the data starts, the JSON header) of a safetensors file, as written and unchecked;
+    None when its first bytes are not a header. The library gives neither the data offsets nor
+    anything of a file whose data is absent (dry runs on headers-only files need the shapes)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return (8 + n, header) if isinstance(header, dict) else None
+
+
 class SafetensorsFile:
     """One .safetensors file: header read and checked on opening, data copied out on demand."""
 
@@ -116,10 +138,8 @@ class SafetensorsFile:
     def _data_offsets(self) -> dict[str, int]:
         """Where each tensor's bytes start in the file. The library has checked the header (its
         length, the JSON, offsets that tile the data exactly) but does not tell the offsets."""
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        return {name: 8 + n + int(header[name]["data_offsets"][0]) for name in self._info}
+        data_start, header = read_header(self.path) or (0, {})
+        return {name: data_start + int(header[name]["data_offsets"][0]) for name in self._info}
 
     def _open(self) -> Any:
         if self._handle is None:
