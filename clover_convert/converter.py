@@ -716,9 +716,8 @@ class _Filler:
         transform, bf16 rounding, quantization) makes temporaries of several times the chunk on
         every worker, so its chunks shrink with the number of workers: the memory bound (2x the
         largest tensor + 300 MB) holds on a machine of many cores too."""
-        cast = t.qtype in (QT.F32, QT.F16) or (
-            t.qtype == QT.BF16 and all(self.reader.dtype(p.hf) == "BF16" for p in t.pieces))
-        plain = cast and t.rule.fn is None and t.row_perm is None and t.col_perm is None
+        plain = t.row_perm is None and t.col_perm is None and all(
+            _is_plain_cast(self.reader.dtype(p.hf), t.qtype, t.rule.fn) for p in t.pieces)
         return CHUNK_ELEMS if plain else max(CHUNK_ELEMS // self._workers, min(CHUNK_ELEMS, 1 << 16))
 
     def _fill_rows(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan,
@@ -758,11 +757,16 @@ def _count_nonfinite(block: np.ndarray, sdt: str) -> int:
     return int(np.count_nonzero(exponent == ones)) if exponent.max() == ones else 0
 
 
+def _is_plain_cast(sdt: str, qt: QT, fn: str | None) -> bool:
+    """A source dtype to qt that numpy casts (or copies) in one pass, with nothing allocated."""
+    return fn is None and (qt in (QT.F32, QT.F16) or (qt == QT.BF16 and sdt == "BF16"))
+
+
 def _convert_into(dst: np.ndarray, block: np.ndarray, sdt: str, qt: QT, fn: str | None) -> None:
     """dst = block converted to qt: a plain cast (or copy) in one pass straight into dst; a
     transform, bf16 rounding of wider floats (NaN payloads kept) or quantization go through
     _convert_block."""
-    if fn is None and (qt in (QT.F32, QT.F16) or (qt == QT.BF16 and sdt == "BF16")):
+    if _is_plain_cast(sdt, qt, fn):
         src = block.view(ml_dtypes.bfloat16) if sdt == "BF16" and qt != QT.BF16 else block
         np.copyto(dst, src, casting="unsafe")  # numpy's (ml_dtypes') cast, the same as astype
     else:
