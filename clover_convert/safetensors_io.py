@@ -183,12 +183,17 @@ class SafetensorsFile:
         dtype, shape = self._entry(name)
         return (math.prod(shape) * _bits(dtype) + 7) // 8
 
+    def _readable(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """The tensor's dtype and shape, if it is one of the dtypes we read."""
+        dtype, shape = self._entry(name)
+        if dtype not in DTYPES:
+            raise _err(f"{self.path}: tensor {name!r}: dtype {dtype} cannot be read (only {', '.join(DTYPES)})")
+        return dtype, shape
+
     def raw(self, name: str, index: tuple[Any, ...] | None = None) -> np.ndarray:
         """The tensor, or ``index`` of it (ints and slices, read without the rest), as a new
         array in its storage dtype (bf16 as uint16)."""
-        dtype = self._entry(name)[0]
-        if dtype not in DTYPES:
-            raise _err(f"{self.path}: tensor {name!r}: dtype {dtype} cannot be read (only {', '.join(DTYPES)})")
+        dtype = self._readable(name)[0]
         h = self._open()
         try:
             a = h.get_tensor(name) if index is None else h.get_slice(name)[index]
@@ -199,9 +204,7 @@ class SafetensorsFile:
     def view(self, name: str, index: tuple[Any, ...] | None = None) -> np.ndarray:
         """The tensor, or ``index`` of it, as a read-only view of the file's memory map in its
         storage dtype (bf16 as uint16): nothing is copied, the page cache is read in place."""
-        dtype, shape = self._entry(name)
-        if dtype not in DTYPES:
-            raise _err(f"{self.path}: tensor {name!r}: dtype {dtype} cannot be read (only {', '.join(DTYPES)})")
+        dtype, shape = self._readable(name)
         data = self._map  # one read: close() may drop the map meanwhile (the converter's threads)
         if data is None:
             try:
@@ -213,9 +216,10 @@ class SafetensorsFile:
                 mm.madvise(mmap.MADV_SEQUENTIAL)  # a converter reads it front to back: read ahead
             data = self._map = np.frombuffer(mm, dtype=np.uint8)
         start = self._offsets[name]
-        if start + self.nbytes(name) > len(data):
+        end = start + self.nbytes(name)
+        if end > len(data):
             raise _err(f"{self.path}: tensor {name!r}: the file is shorter than its header says (truncated?)")
-        a = data[start:start + self.nbytes(name)].view(DTYPES[dtype]).reshape(shape)
+        a = data[start:end].view(DTYPES[dtype]).reshape(shape)
         return a if index is None else a[index]
 
     def read_f32(self, name: str) -> np.ndarray:

@@ -339,7 +339,7 @@ def test_ctrl_c_exits_130_with_one_line(files, tmp_path) -> None:
     procs = {k: subprocess.Popen(c, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
              for k, c in cmds.items()}
     for k, p in procs.items():  # busy: the generators have printed text, the server its address
-        if k != "chat" and k != "bench":
+        if k not in ("chat", "bench"):
             assert select.select([p.stderr if k == "serve" else p.stdout], [], [], 60)[0], k
     time.sleep(max(0.0, t0 + 1.5 - time.monotonic()))  # chat and bench print nothing while busy
     for p in procs.values():

@@ -155,9 +155,7 @@ NONFINITE_BITS = {"f32": ("<f4", [float("nan"), float("inf"), -float("inf"), 655
 
 @pytest.mark.parametrize("dtype", sorted(NONFINITE_BITS))
 def test_nan_weights_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
-    import json
-    import struct
-
+    from clover_convert.safetensors_io import read_header
     from clover_testkit.checkpoints import write_checkpoint
 
     ck = tmp_path / "ck"
@@ -168,10 +166,9 @@ def test_nan_weights_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
 
         save_file({k: v.astype(np.float16) for k, v in load_file(st).items()}, str(st))
     raw = bytearray(st.read_bytes())
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
+    data_start, header = read_header(st)
     name = next(k for k, v in header.items() if k.endswith("down_proj.weight"))
-    at = 8 + n + header[name]["data_offsets"][0] + 64  # not at a chunk's start
+    at = data_start + header[name]["data_offsets"][0] + 64  # not at a chunk's start
     fmt, values = NONFINITE_BITS[dtype]
     bad = np.array(values, dtype=fmt).tobytes()
     raw[at:at + len(bad)] = bad

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from clover_cpp import Clover
+from clover_testkit.reference import softmax
 from train.evaluate import prompts
 
 B, THRESHOLD, NEW = 32, 0.9, 128
@@ -25,8 +26,7 @@ B, THRESHOLD, NEW = 32, 0.9, 128
 def _probs(logits: np.ndarray, mask: int) -> np.ndarray:
     x = logits.astype(np.float64)
     x[:, mask] = -np.inf                      # the mask token is never a candidate
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    return softmax(x, axis=-1)
 
 
 def decode(m: Clover, prompt: list[int], base: list[int], leftmost: bool, tally: list[int]) -> tuple[list[int], int]:
