@@ -20,8 +20,10 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -475,29 +477,46 @@ class _TempShardWriter(GGUFWriter):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.temps: dict[Path, Path] = {}
-        self._written: dict[int, tuple[int, int]] = {}  # fd -> (dropped up to, write-back started up to)
 
     def format_shard_names(self, path: Path) -> list[Path]:
         return [self.temps.get(p, p) for p in super().format_shard_names(path)]
 
-    def write_tensor_data(self, tensor: np.ndarray, *args: Any, **kwargs: Any) -> None:
-        super().write_tensor_data(tensor, *args, **kwargs)
-        if hasattr(os, "posix_fadvise"):
-            for f in self.fout or []:
-                self._start_writeback(f)
-
-    def _start_writeback(self, f: Any) -> None:
-        """Start writing the file's new bytes to disk now, without waiting for them (Linux's
-        POSIX_FADV_DONTNEED starts the write-back of dirty pages, and drops pages already
-        written): the disk works while the next tensors are converted, the final fsync has
-        little left to wait for, and a big conversion does not fill the page cache."""
-        fd, end = f.fileno(), f.tell()
-        dropped, started = self._written.get(fd, (0, 0))
-        if end - started >= WRITEBACK_BYTES:
+    def lay_out_tensor_data(self) -> dict[str, tuple[int, int]]:
+        """After write_ti_data_to_file: where each tensor's bytes go, name -> (fd, offset), laid
+        out as write_tensor_data lays them (each at the next multiple of the alignment, padding
+        after the last). Every file is sized to its end now, so the padding is the zeros of
+        the holes, and the tensors can be written in any order, from any thread (os.pwrite)."""
+        assert self.fout is not None
+        where: dict[str, tuple[int, int]] = {}
+        for f, tensors in zip(self.fout, self.tensors):
             f.flush()
+            pos = f.tell()
+            for name, ti in tensors.items():
+                pos = self.ggml_pad(pos, self.data_alignment)
+                where[name] = (f.fileno(), pos)
+                pos += ti.nbytes
+            os.ftruncate(f.fileno(), self.ggml_pad(pos, self.data_alignment) if tensors else pos)
+        return where
+
+
+class _WriteBack:
+    """Starts writing a file's new bytes to disk as they come, without waiting for them (Linux's
+    POSIX_FADV_DONTNEED starts the write-back of dirty pages, and drops pages already written):
+    the disk works while the next tensors are converted, the final fsync has little left to
+    wait for, and a big conversion does not fill the page cache."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[int, tuple[int, int]] = {}  # fd -> (dropped up to, write-back started up to)
+
+    def written_up_to(self, fd: int, end: int) -> None:
+        """The file's bytes before ``end`` are all written (to the page cache)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        dropped, started = self._ranges.get(fd, (0, 0))
+        if end - started >= WRITEBACK_BYTES:
             # from the range started last time (written by now, mostly: dropped) to the end
             os.posix_fadvise(fd, dropped, end - dropped, os.POSIX_FADV_DONTNEED)
-            self._written[fd] = (started, end)
+            self._ranges[fd] = (started, end)
 
 
 def _build_writer(plan_rows: list[TensorPlan], cfg: CloverConfig, tok: TokenizerInfo, outtype: str,
@@ -641,26 +660,26 @@ def plan_conversion(
 
 
 class _Filler:
-    """Converts source slabs into an output array, chunk by chunk, reading the sources in place
-    (views of their memory maps) and casting straight into the output where numpy can.
-
-    The output arrays live in two buffers used in turn (the writer holds one tensor while the
-    next is filled: never more): reused, their pages are not faulted in and zeroed again for
-    every tensor, which had cost more than the conversion itself."""
+    """Converts source slabs straight into the output file, chunk by chunk, on every core:
+    each chunk is read in place (a view of the source's memory map), cast into a buffer of its
+    worker's (reused) and written at its place in the file (os.pwrite). Numpy's casts and file
+    writes release the GIL, so the workers cast and write at once, and nothing of the size of
+    a tensor is held: before, a tensor was converted into one of two tensor-sized buffers and
+    written by one thread while the next was converted, and the cores waited on each other."""
 
     def __init__(self, reader: CheckpointReader):
         self.nonfinite: dict[str, int] = {}  # tensor -> NaN/Inf values seen in the source
         self.reader = reader
         self.touched = 0
         self.read_bytes = 0
-        self._buffers: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
-        self._turn = 0
+        self._local = threading.local()  # each worker's output buffer
         self._workers = os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="clover-chunk")
 
     def _count(self, nbytes: int) -> None:
         """Account for touched source bytes; past RELEASE_BYTES, drop the memory maps so that
-        the touched source pages leave our RSS (the next read maps the file again)."""
+        the touched source pages leave our RSS (the next read maps the file again; views that
+        chunks still read keep the old map until they are done)."""
         self.touched += nbytes
         self.read_bytes += nbytes
         if self.touched >= RELEASE_BYTES:
@@ -672,32 +691,21 @@ class _Filler:
         rows = slice(piece.row0 + r0, piece.row0 + r1)
         return self.reader.view(piece.hf, (rows,) if piece.expert is None else (piece.expert, rows))
 
-    def _output(self, t: TensorPlan) -> np.ndarray:
-        """The next buffer in turn, grown to the tensor if needed, as the tensor's store array."""
-        self._turn ^= 1
-        if self._buffers[self._turn].nbytes < t.nbytes:
-            self._buffers[self._turn] = np.empty(0, np.uint8)  # the old one goes before the new one comes
-            self._buffers[self._turn] = np.empty(t.nbytes, np.uint8)
-        dtype = np.dtype(_STORE_DTYPE[t.qtype])
-        return self._buffers[self._turn][:t.nbytes].view(dtype).reshape(_store_shape(t.shape, t.qtype))
-
-    def materialize(self, t: TensorPlan) -> np.ndarray:
-        """The tensor's output array: valid until the call after next (its buffer is reused).
-        Its slabs' chunks of rows are converted on every core at once (numpy's casts and
-        reductions release the GIL); a stacked tensor's experts are chunks of their own."""
-        store = self._output(t)
+    def submit(self, t: TensorPlan, fd: int, offset: int) -> list[Future]:
+        """Queue the tensor's chunks, to be written to fd at offset; wait() for them. A stacked
+        tensor's experts are slabs of their own, one after the other in the file."""
         piece_shape = t.shape[1:] if t.stacked else t.shape
-        if len(piece_shape) == 1:
-            shape2 = (1, piece_shape[0])
-        else:
-            shape2 = (piece_shape[0], math.prod(piece_shape[1:]))
+        shape2 = (1, piece_shape[0]) if len(piece_shape) == 1 else (piece_shape[0], math.prod(piece_shape[1:]))
         rows, cols = shape2
+        assert t.stacked or len(t.pieces) == 1, t.name
+        slab_bytes = t.nbytes // len(t.pieces)
         step = max(1, self._chunk_elems(t) // max(cols, 1))
-        jobs = []
-        for j, piece in enumerate(t.pieces):
-            dst2 = (store[j] if t.stacked else store).reshape(rows, -1)
-            jobs += [self._pool.submit(self._fill_rows, dst2, piece, shape2, t, r0, min(rows, r0 + step))
-                     for r0 in range(0, rows, step)]
+        return [self._pool.submit(self._fill_rows, piece, shape2, t, r0, min(rows, r0 + step),
+                                  fd, offset + j * slab_bytes + r0 * (slab_bytes // rows))
+                for j, piece in enumerate(t.pieces) for r0 in range(0, rows, step)]
+
+    def wait(self, t: TensorPlan, jobs: list[Future]) -> None:
+        """Wait for a tensor's chunks (the first error is raised, the rest are cancelled)."""
         try:
             for job in jobs:
                 nbytes, bad = job.result()
@@ -708,7 +716,6 @@ class _Filler:
             for job in jobs:
                 job.cancel()
             raise
-        return store
 
     def _chunk_elems(self, t: TensorPlan) -> int:
         """Source elements per chunk. A plain cast reads the source in place and writes the
@@ -720,9 +727,17 @@ class _Filler:
             _is_plain_cast(self.reader.dtype(p.hf), t.qtype, t.rule.fn) for p in t.pieces)
         return CHUNK_ELEMS if plain else max(CHUNK_ELEMS // self._workers, min(CHUNK_ELEMS, 1 << 16))
 
-    def _fill_rows(self, dst2: np.ndarray, piece: Piece, shape2: tuple[int, int], t: TensorPlan,
-                   r0: int, r1: int) -> tuple[int, int]:
-        """Rows r0:r1 of the slab into dst2: (source bytes read, NaN/Inf values among them)."""
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """This worker's output buffer, at least nbytes long (reused: no page faults)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.buf = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
+
+    def _fill_rows(self, piece: Piece, shape2: tuple[int, int], t: TensorPlan, r0: int, r1: int,
+                   fd: int, offset: int) -> tuple[int, int]:
+        """Rows r0:r1 of the slab, converted and written to fd at offset: (source bytes read,
+        NaN/Inf values among them)."""
         rows, cols = shape2
         sdt = self.reader.dtype(piece.hf)
         if r1 - r0 == rows:  # one chunk: the whole slab
@@ -737,11 +752,21 @@ class _Filler:
             block = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(r1 - r0, cols)
         if t.col_perm is not None:
             block = block[:, t.col_perm]
-        _convert_into(dst2[r0:r1], block, sdt, t.qtype, t.rule.fn)
+        out = self._buffer((r1 - r0) * (t.nbytes // len(t.pieces) // rows))
+        _convert_into(out.view(_STORE_DTYPE[t.qtype]).reshape(r1 - r0, -1), block, sdt, t.qtype, t.rule.fn)
+        _pwrite_all(fd, out, offset)
         return block.nbytes, _count_nonfinite(block, sdt)
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    """All of data at offset (pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 _EXPONENT = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
@@ -841,31 +866,34 @@ def convert(
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        where = w.lay_out_tensor_data()
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Converting", leave=False)
-        # two stages: the next tensor is read and converted (its chunks on every core) while this
-        # one is written (numpy's casts and file writes release the GIL); at most two tensors in memory
-        filler = _Filler(reader)
+        # the chunks of two tensors queued at a time, so that no worker waits between tensors
+        filler, write_back, queued = _Filler(reader), _WriteBack(), deque()
+
+        def finish(t: TensorPlan, jobs: list[Future]) -> None:
+            filler.wait(t, jobs)
+            fd, offset = where[t.name]
+            write_back.written_up_to(fd, offset + t.nbytes)
+            if bar is not None:
+                bar.set_postfix_str(t.name, refresh=False)
+                bar.update(t.nbytes)
+
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clover-convert") as pool:
-                ahead = pool.submit(filler.materialize, plan.tensors[0]) if plan.tensors else None
-                try:
-                    for k, t in enumerate(plan.tensors):
-                        if bar is not None:
-                            bar.set_postfix_str(t.name, refresh=False)
-                        assert ahead is not None
-                        arr = ahead.result()
-                        ahead = pool.submit(filler.materialize, plan.tensors[k + 1]) if k + 1 < len(plan.tensors) else None
-                        w.write_tensor_data(arr)
-                        del arr
-                        if bar is not None:
-                            bar.update(t.nbytes)
-                except BaseException:
-                    if ahead is not None:
-                        ahead.cancel()
-                    raise
+            for t in plan.tensors:
+                queued.append((t, filler.submit(t, *where[t.name])))
+                if len(queued) == 2:
+                    finish(*queued.popleft())
+            while queued:
+                finish(*queued.popleft())
+        except BaseException:
+            for _, jobs in queued:
+                for job in jobs:
+                    job.cancel()
+            raise
         finally:
             filler.close()
         w.flush()

@@ -605,16 +605,16 @@ def test_interrupted_run_leaves_nothing(fx, tmp_path, monkeypatch):
     src = fx.ckpt("bf16")
     out_dir = tmp_path / "o"
     out_dir.mkdir()
-    real = conv_mod._Filler.materialize
+    real = conv_mod._Filler.submit
     calls = {"n": 0}
 
-    def boom(self, t):
+    def boom(self, t, fd, offset):
         calls["n"] += 1
         if calls["n"] == 10:
             raise KeyboardInterrupt
-        return real(self, t)
+        return real(self, t, fd, offset)
 
-    monkeypatch.setattr(conv_mod._Filler, "materialize", boom)
+    monkeypatch.setattr(conv_mod._Filler, "submit", boom)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out_dir / "m.gguf", outtype="f16", split_max_size="100K", progress=False)
     assert _leftovers(out_dir) == []
