@@ -316,6 +316,41 @@ def test_write_back_started_as_the_output_grows(fx, tmp_path, monkeypatch):
     assert calls[-1][1] > out.stat().st_size // 2  # the tail is the final fsync's
 
 
+@pytest.mark.parametrize("split", [0, 5000])
+def test_tensor_data_laid_out_as_gguf_writer_writes_it(tmp_path, split):
+    """The converter writes each tensor at the offset lay_out_tensor_data gives, in any order
+    (os.pwrite into a file sized up front); the file is the bytes of gguf-py's own
+    write_tensor_data, alignment padding and shards included."""
+    rng = np.random.default_rng(0)
+    tensors = {f"t{i}": rng.standard_normal(n).astype(np.float16) for i, n in enumerate((3, 1000, 17, 2048, 1))}
+
+    def writer(cls, path):
+        w = cls(None, "clover", split_max_size=split)
+        for name, a in tensors.items():
+            w.add_tensor_info(name, a.shape, a.dtype, a.nbytes)
+        w.add_string("general.name", "layout")
+        w.open_output_file(path)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        return w
+
+    theirs = writer(gguf.GGUFWriter, tmp_path / "theirs.gguf")
+    for a in tensors.values():
+        theirs.write_tensor_data(a)
+    theirs.close()
+    ours = writer(conv_mod._TempShardWriter, tmp_path / "ours.gguf")
+    where = ours.lay_out_tensor_data()
+    for name in reversed(tensors):  # any order
+        fd, offset = where[name]
+        conv_mod._pwrite_all(fd, tensors[name], offset)
+    ours.close()
+    shards = sorted(tmp_path.glob("theirs*"))
+    assert len(shards) == 1 if split == 0 else len(shards) > 1
+    for shard in shards:
+        assert (tmp_path / shard.name.replace("theirs", "ours")).read_bytes() == shard.read_bytes(), shard.name
+
+
 def test_chunks_that_allocate_shrink_with_the_cores(fx, monkeypatch):
     """A plain cast converts big chunks in place; a chunk that makes temporaries (quantization,
     a permutation, a transform) is 1/workers of that, so 16 cores hold what 1 core would."""
