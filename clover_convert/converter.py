@@ -82,7 +82,7 @@ HUB_PATTERNS = [
 ]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
-CHUNK_ELEMS = 4 * 1024 * 1024          # source elements converted per step
+CHUNK_ELEMS = 4 * 1024 * 1024          # source elements in the chunks of all workers together
 RELEASE_BYTES = 64 * 1024 * 1024       # unmap the sources after touching this many bytes
 WRITEBACK_BYTES = 256 * 1024 * 1024    # start writing the output to disk after this many bytes
 
@@ -669,6 +669,7 @@ class _Filler:
 
     def __init__(self, reader: CheckpointReader):
         self.nonfinite: dict[str, int] = {}  # tensor -> NaN/Inf values seen in the source
+        self.beyond_f16: dict[str, int] = {}  # tensor -> finite values that became +-inf in f16
         self.reader = reader
         self.touched = 0
         self.read_bytes = 0
@@ -699,7 +700,7 @@ class _Filler:
         rows, cols = shape2
         assert t.stacked or len(t.pieces) == 1, t.name
         slab_bytes = t.nbytes // len(t.pieces)
-        step = max(1, self._chunk_elems(t) // max(cols, 1))
+        step = max(1, self._chunk_elems() // max(cols, 1))
         return [self._pool.submit(self._fill_rows, piece, shape2, t, r0, min(rows, r0 + step),
                                   fd, offset + j * slab_bytes + r0 * (slab_bytes // rows))
                 for j, piece in enumerate(t.pieces) for r0 in range(0, rows, step)]
@@ -708,24 +709,24 @@ class _Filler:
         """Wait for a tensor's chunks (the first error is raised, the rest are cancelled)."""
         try:
             for job in jobs:
-                nbytes, bad = job.result()
+                nbytes, bad, beyond = job.result()
                 if bad:
                     self.nonfinite[t.name] = self.nonfinite.get(t.name, 0) + bad
+                if beyond:
+                    self.beyond_f16[t.name] = self.beyond_f16.get(t.name, 0) + beyond
                 self._count(nbytes)
         except BaseException:
             for job in jobs:
                 job.cancel()
             raise
 
-    def _chunk_elems(self, t: TensorPlan) -> int:
-        """Source elements per chunk. A plain cast reads the source in place and writes the
-        output in place: big chunks, nothing allocated. Anything else (a permutation, a
-        transform, bf16 rounding, quantization) makes temporaries of several times the chunk on
-        every worker, so its chunks shrink with the number of workers: the memory bound (2x the
-        largest tensor + 300 MB) holds on a machine of many cores too."""
-        plain = t.row_perm is None and t.col_perm is None and all(
-            _is_plain_cast(self.reader.dtype(p.hf), t.qtype, t.rule.fn) for p in t.pieces)
-        return CHUNK_ELEMS if plain else max(CHUNK_ELEMS // self._workers, min(CHUNK_ELEMS, 1 << 16))
+    def _chunk_elems(self) -> int:
+        """Source elements per chunk: CHUNK_ELEMS shared by the workers. Each worker holds its
+        chunk's output, and a chunk that is not a plain cast (a permutation, a transform, bf16
+        rounding, quantization) makes temporaries of several times its size, so what the
+        chunks hold is the same on 2 cores or 64: the memory bound (2x the largest tensor +
+        300 MB) holds on any machine. (Bigger chunks for plain casts were no faster here.)"""
+        return max(CHUNK_ELEMS // self._workers, min(CHUNK_ELEMS, 1 << 16))
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         """This worker's output buffer, at least nbytes long (reused: no page faults)."""
@@ -735,9 +736,9 @@ class _Filler:
         return buf[:nbytes]
 
     def _fill_rows(self, piece: Piece, shape2: tuple[int, int], t: TensorPlan, r0: int, r1: int,
-                   fd: int, offset: int) -> tuple[int, int]:
+                   fd: int, offset: int) -> tuple[int, int, int]:
         """Rows r0:r1 of the slab, converted and written to fd at offset: (source bytes read,
-        NaN/Inf values among them)."""
+        NaN/Inf values among them, finite ones past the f16 range when the output is f16)."""
         rows, cols = shape2
         sdt = self.reader.dtype(piece.hf)
         if r1 - r0 == rows:  # one chunk: the whole slab
@@ -755,7 +756,7 @@ class _Filler:
         out = self._buffer((r1 - r0) * (t.nbytes // len(t.pieces) // rows))
         _convert_into(out.view(_STORE_DTYPE[t.qtype]).reshape(r1 - r0, -1), block, sdt, t.qtype, t.rule.fn)
         _pwrite_all(fd, out, offset)
-        return block.nbytes, _count_nonfinite(block, sdt)
+        return (block.nbytes, *_scan_source(block, sdt, to_f16=t.qtype == QT.F16 and t.rule.fn is None))
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
@@ -769,17 +770,27 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-_EXPONENT = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00), "F32": (np.uint32, 0x7F800000)}
+# per source dtype: its bits, its exponent's bits, and the exponent of [2^15, 2^16) (f16's top
+# binade: from there up a value can round past 65504)
+_EXPONENT = {"BF16": (np.uint16, 0x7F80, 0x4700), "F16": (np.uint16, 0x7C00, None),
+             "F32": (np.uint32, 0x7F800000, 0x47000000)}
+F16_OVERFLOW = 65520.0  # from here up f32 (and bf16) values round to inf in f16 (65504 + half an ulp)
 
 
-def _count_nonfinite(block: np.ndarray, sdt: str) -> int:
-    """NaN / Inf values in a source block: those whose exponent bits are all ones (the max of
-    the exponents says whether to count at all, in one fast pass)."""
+def _scan_source(block: np.ndarray, sdt: str, to_f16: bool) -> tuple[int, int]:
+    """(NaN / Inf values, finite values that f16 turns into +-inf when to_f16) in a source
+    block. One fast pass over the exponent bits (their max) says whether to count at all."""
     if sdt not in _EXPONENT or block.size == 0:
-        return 0
-    bits, ones = _EXPONENT[sdt]
+        return 0, 0
+    bits, ones, f16_top = _EXPONENT[sdt]
     exponent = block.view(bits) & bits(ones)
-    return int(np.count_nonzero(exponent == ones)) if exponent.max() == ones else 0
+    top = exponent.max()
+    nonfinite = int(np.count_nonzero(exponent == ones)) if top == ones else 0
+    beyond = 0
+    if to_f16 and f16_top is not None and top >= f16_top:
+        x = np.abs(block.view(ml_dtypes.bfloat16).astype(np.float32) if sdt == "BF16" else block)
+        beyond = int(np.count_nonzero((x >= F16_OVERFLOW) & np.isfinite(x)))
+    return nonfinite, beyond
 
 
 def _is_plain_cast(sdt: str, qt: QT, fn: str | None) -> bool:
@@ -793,7 +804,8 @@ def _convert_into(dst: np.ndarray, block: np.ndarray, sdt: str, qt: QT, fn: str 
     _convert_block."""
     if _is_plain_cast(sdt, qt, fn):
         src = block.view(ml_dtypes.bfloat16) if sdt == "BF16" and qt != QT.BF16 else block
-        np.copyto(dst, src, casting="unsafe")  # numpy's (ml_dtypes') cast, the same as astype
+        with np.errstate(over="ignore"):  # values past f16's range: counted by _scan_source
+            np.copyto(dst, src, casting="unsafe")  # numpy's (ml_dtypes') cast, the same as astype
     else:
         dst[...] = _convert_block(block, sdt, qt, fn)
 
@@ -905,6 +917,9 @@ def convert(
             os.replace(tp, final)
         for name, n in filler.nonfinite.items():  # converted as they are, but the user should know
             print(f"warning: {name}: {n} NaN/Inf value(s) in the checkpoint", file=sys.stderr)
+        for name, n in filler.beyond_f16.items():
+            print(f"warning: {name}: {n} value(s) past the f16 range (+-65504) written as +-inf "
+                  "(--outtype bf16 or f32 keeps them)", file=sys.stderr)
     except BaseException:
         try:
             w.close()

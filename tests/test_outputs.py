@@ -178,6 +178,45 @@ def test_nan_weights_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
     assert err.strip() == "warning: blk.0.ffn_down_exps.weight: 3 NaN/Inf value(s) in the checkpoint", err
 
 
+# values f16 cannot hold (they round to +-inf: from 65520 up) among ones it can, per source dtype
+PAST_F16_BITS = {"f32": ("<f4", [65519.0, 65520.0, -1e5, 3e38, 65504.0]),
+                 "bf16": ("<u2", [0x477F, 0x4780, 0xC780, 0x7F7F, 0x4700])}  # 65280, 65536, -65536, 3.4e38
+
+
+@pytest.mark.parametrize("dtype", sorted(PAST_F16_BITS))
+def test_values_past_the_f16_range_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
+    """f16 turns them into +-inf: one warning line of ours that counts them (numpy's own
+    "overflow encountered in cast" warning is not shown); to bf16 nothing is lost or said."""
+    import warnings
+
+    from gguf import GGUFReader
+
+    from clover_convert.safetensors_io import read_header
+    from clover_testkit.checkpoints import write_checkpoint
+
+    ck = tmp_path / "ck"
+    write_checkpoint(ck, preset="tiny", dtype=dtype)
+    st = ck / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    data_start, header = read_header(st)
+    name = next(k for k, v in header.items() if k.endswith("layers.0.linear_attn.out_proj.weight"))
+    at = data_start + header[name]["data_offsets"][0] + 64
+    fmt, values = PAST_F16_BITS[dtype]
+    bad = np.array(values, dtype=fmt).tobytes()
+    raw[at:at + len(bad)] = bad
+    st.write_bytes(bytes(raw))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        convert(ck, tmp_path / "m.gguf", outtype="f16", progress=False)
+        convert(ck, tmp_path / "m-bf16.gguf", outtype="bf16", progress=False)
+    assert [str(w.message) for w in seen] == []
+    err = capsys.readouterr().err
+    assert err.strip() == ("warning: blk.0.ssm_out.weight: 3 value(s) past the f16 range (+-65504) written as "
+                           "+-inf (--outtype bf16 or f32 keeps them)"), err
+    t = next(t for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "blk.0.ssm_out.weight")
+    assert np.count_nonzero(np.isinf(t.data)) == 3
+
+
 def _clover(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "clover_cpp.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=300)
