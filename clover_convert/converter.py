@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import ml_dtypes
 import numpy as np
@@ -111,12 +111,6 @@ def tensor_nbytes(shape: tuple[int, ...], qt: QT) -> int:
     bs, ts = GGML_QUANT_SIZES[qt]
     n = math.prod(shape)
     return n // bs * ts
-
-
-def _store_shape(shape: tuple[int, ...], qt: QT) -> tuple[int, ...]:
-    if qt == QT.Q8_0:
-        return gguf.quant_shape_to_byte_shape(shape, qt)
-    return shape
 
 
 _STORE_DTYPE = {QT.F32: np.float32, QT.F16: np.float16, QT.BF16: np.uint16, QT.Q8_0: np.uint8}
