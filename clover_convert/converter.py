@@ -756,11 +756,20 @@ class _Filler:
         self._pool.shutdown(cancel_futures=True)
 
 
+_SEEK_AND_WRITE = threading.Lock()  # where os.pwrite is missing (Windows)
+
+
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    """All of data at offset (pwrite may write less than asked)."""
+    """All of data at offset (pwrite may write less than asked). Without os.pwrite (Windows), a
+    seek and a write under one lock do the same."""
     view = memoryview(data).cast("B")
     while view:
-        n = os.pwrite(fd, view, offset)
+        if hasattr(os, "pwrite"):
+            n = os.pwrite(fd, view, offset)
+        else:
+            with _SEEK_AND_WRITE:
+                os.lseek(fd, offset, os.SEEK_SET)
+                n = os.write(fd, view)
         view, offset = view[n:], offset + n
 
 

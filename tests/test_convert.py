@@ -351,6 +351,21 @@ def test_tensor_data_laid_out_as_gguf_writer_writes_it(tmp_path, split):
         assert (tmp_path / shard.name.replace("theirs", "ours")).read_bytes() == shard.read_bytes(), shard.name
 
 
+def test_same_file_without_pwrite(fx, tmp_path, monkeypatch):
+    """Where os.pwrite is missing (Windows), chunks are written by a seek and a write under one
+    lock: the same shards, byte for byte."""
+    shards = {}
+    for pwrite in (True, False):
+        d = tmp_path / f"pwrite-{pwrite}"
+        d.mkdir()
+        with monkeypatch.context() as m:
+            if not pwrite:
+                m.delattr(conv_mod.os, "pwrite")
+            convert(fx.ckpt("bf16"), d / "m.gguf", outtype="f16", split_max_size="100K", progress=False)
+        shards[pwrite] = [p.read_bytes() for p in sorted(d.glob("m-*.gguf"))]
+    assert len(shards[True]) > 1 and shards[False] == shards[True]
+
+
 def test_chunks_shrink_with_the_cores(fx, monkeypatch):
     """Every worker holds its chunk's output (and temporaries of several times a chunk when it
     is not a plain cast), so chunks are 1/workers of CHUNK_ELEMS: 16 cores hold what 1 does."""
