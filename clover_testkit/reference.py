@@ -136,11 +136,10 @@ def bidirectional_conv(tail: np.ndarray, u: np.ndarray, w_conv: np.ndarray,
     U = np.concatenate([tail, u], axis=0)                     # row t+K-1 is token t
     ahead = np.concatenate([u, np.zeros((R, C))], axis=0)     # zeros past the block end
     c = np.zeros((n, C))
-    for t in range(n):
-        for j in range(K):
-            c[t] += w_conv[:, j] * U[t + j]
-        for j in range(R):
-            c[t] += w_look[:, j] * ahead[t + 1 + j]
+    for j in range(K):                                        # all rows t at once, tap by tap
+        c += w_conv[:, j] * U[j:j + n]                        # U[t + j]
+    for j in range(R):
+        c += w_look[:, j] * ahead[1 + j:1 + j + n]            # ahead[t + 1 + j]
     return c
 
 
