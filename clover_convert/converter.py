@@ -694,9 +694,10 @@ class _Filler:
         rows, cols = shape2
         assert t.stacked or len(t.pieces) == 1, t.name
         slab_bytes = t.nbytes // len(t.pieces)
+        row_bytes = slab_bytes // max(rows, 1)  # of the output
         step = max(1, self._chunk_elems() // max(cols, 1))
         return [self._pool.submit(self._fill_rows, piece, shape2, t, r0, min(rows, r0 + step),
-                                  fd, offset + j * slab_bytes + r0 * (slab_bytes // rows))
+                                  fd, offset + j * slab_bytes + r0 * row_bytes, row_bytes)
                 for j, piece in enumerate(t.pieces) for r0 in range(0, rows, step)]
 
     def wait(self, t: TensorPlan, jobs: list[Future]) -> None:
@@ -730,9 +731,10 @@ class _Filler:
         return buf[:nbytes]
 
     def _fill_rows(self, piece: Piece, shape2: tuple[int, int], t: TensorPlan, r0: int, r1: int,
-                   fd: int, offset: int) -> tuple[int, int, int]:
-        """Rows r0:r1 of the slab, converted and written to fd at offset: (source bytes read,
-        NaN/Inf values among them, finite ones past the f16 range when the output is f16)."""
+                   fd: int, offset: int, row_bytes: int) -> tuple[int, int, int]:
+        """Rows r0:r1 of the slab, converted (row_bytes of output each) and written to fd at
+        offset: (source bytes read, NaN/Inf values among them, finite ones past the f16 range
+        when the output is f16)."""
         rows, cols = shape2
         sdt = self.reader.dtype(piece.hf)
         if r1 - r0 == rows:  # one chunk: the whole slab
@@ -747,7 +749,7 @@ class _Filler:
             block = (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(r1 - r0, cols)
         if t.col_perm is not None:
             block = block[:, t.col_perm]
-        out = self._buffer((r1 - r0) * (t.nbytes // len(t.pieces) // rows))
+        out = self._buffer((r1 - r0) * row_bytes)
         _convert_into(out.view(_STORE_DTYPE[t.qtype]).reshape(r1 - r0, -1), block, sdt, t.qtype, t.rule.fn)
         _pwrite_all(fd, out, offset)
         return (block.nbytes, *_scan_source(block, sdt, to_f16=t.qtype == QT.F16 and t.rule.fn is None))
