@@ -148,6 +148,20 @@ def test_full_disk_leaves_nothing_partial(tiny_artifacts, tmp_path: Path, tool: 
     assert out.read_bytes() == b"OLD" and not list(tmp_path.glob(".*.tmp"))
 
 
+def _plant(st: Path, suffix: str, fmt: str, values: list) -> None:
+    """Overwrite the first values of the tensor whose name ends with suffix, 64 bytes in (not at
+    a chunk's start), with values stored as fmt."""
+    from clover_convert.safetensors_io import read_header
+
+    raw = bytearray(st.read_bytes())
+    data_start, header = read_header(st)
+    name = next(k for k in header if k.endswith(suffix))
+    at = data_start + header[name]["data_offsets"][0] + 64
+    bad = np.array(values, dtype=fmt).tobytes()
+    raw[at:at + len(bad)] = bad
+    st.write_bytes(bytes(raw))
+
+
 # NaN, +Inf, -Inf, then a large finite value (not counted), as each source dtype stores them
 NONFINITE_BITS = {"f32": ("<f4", [float("nan"), float("inf"), -float("inf"), 65504.0]),
                   "f16": ("<u2", [0x7E00, 0x7C00, 0xFC00, 0x7BFF]), "bf16": ("<u2", [0x7FC1, 0x7F80, 0xFF80, 0x477F])}
@@ -155,7 +169,6 @@ NONFINITE_BITS = {"f32": ("<f4", [float("nan"), float("inf"), -float("inf"), 655
 
 @pytest.mark.parametrize("dtype", sorted(NONFINITE_BITS))
 def test_nan_weights_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
-    from clover_convert.safetensors_io import read_header
     from clover_testkit.checkpoints import write_checkpoint
 
     ck = tmp_path / "ck"
@@ -165,14 +178,7 @@ def test_nan_weights_are_reported(tmp_path: Path, capsys, dtype: str) -> None:
         from safetensors.numpy import load_file, save_file
 
         save_file({k: v.astype(np.float16) for k, v in load_file(st).items()}, str(st))
-    raw = bytearray(st.read_bytes())
-    data_start, header = read_header(st)
-    name = next(k for k, v in header.items() if k.endswith("down_proj.weight"))
-    at = data_start + header[name]["data_offsets"][0] + 64  # not at a chunk's start
-    fmt, values = NONFINITE_BITS[dtype]
-    bad = np.array(values, dtype=fmt).tobytes()
-    raw[at:at + len(bad)] = bad
-    st.write_bytes(bytes(raw))
+    _plant(st, "down_proj.weight", *NONFINITE_BITS[dtype])
     convert(ck, tmp_path / "m.gguf", outtype="f16", progress=False)
     err = capsys.readouterr().err
     assert err.strip() == "warning: blk.0.ffn_down_exps.weight: 3 NaN/Inf value(s) in the checkpoint", err
@@ -191,20 +197,11 @@ def test_values_past_the_f16_range_are_reported(tmp_path: Path, capsys, dtype: s
 
     from gguf import GGUFReader
 
-    from clover_convert.safetensors_io import read_header
     from clover_testkit.checkpoints import write_checkpoint
 
     ck = tmp_path / "ck"
     write_checkpoint(ck, preset="tiny", dtype=dtype)
-    st = ck / "model.safetensors"
-    raw = bytearray(st.read_bytes())
-    data_start, header = read_header(st)
-    name = next(k for k, v in header.items() if k.endswith("layers.0.linear_attn.out_proj.weight"))
-    at = data_start + header[name]["data_offsets"][0] + 64
-    fmt, values = PAST_F16_BITS[dtype]
-    bad = np.array(values, dtype=fmt).tobytes()
-    raw[at:at + len(bad)] = bad
-    st.write_bytes(bytes(raw))
+    _plant(ck / "model.safetensors", "layers.0.linear_attn.out_proj.weight", *PAST_F16_BITS[dtype])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         convert(ck, tmp_path / "m.gguf", outtype="f16", progress=False)
