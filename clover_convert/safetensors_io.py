@@ -9,8 +9,9 @@ imported, the library gives bf16 tensors as ``ml_dtypes.bfloat16`` bit for bit; 
 hands them out as their ``np.uint16`` bit patterns, the converter's storage dtype for BF16.
 ``write_safetensors`` is the library's ``save_file``. What stays ours: the sharded index
 (``model.safetensors.index.json``) and its checks, which dtypes we read and write, a writer
-that streams tensor by tensor, and the errors: every one raised for a malformed file or folder is a ``CheckpointError`` whose
-message is a single line naming the file (and the tensor, where there is one).
+that streams tensor by tensor, and the errors: every one raised for a malformed file or
+folder is a ``CheckpointError`` whose message is a single line naming the file (and the
+tensor, where there is one).
 """
 
 from __future__ import annotations
