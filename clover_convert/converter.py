@@ -565,6 +565,7 @@ def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: 
     w.add_ssm_time_step_rank(cfg.Hv)
     w.add_ssm_inner_size(cfg.Hv * cfg.dv)
     w.add_uint32(mapping.KEY_DIFFUSION_BLOCK_SIZE.format(arch=w.arch), cfg.block_size)
+    w.add_string(mapping.KEY_SEMANTICS.format(arch=w.arch), cfg.clover_semantics)
     add_tokenizer(w, tok)
 
 

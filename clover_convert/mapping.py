@@ -67,6 +67,9 @@ __all__ = [
     "KEY_RECURRENT_LAYERS",
     "KEY_CONV_LOOKAHEAD",
     "KEY_DIFFUSION_BLOCK_SIZE",
+    "KEY_SEMANTICS",
+    "CONFIG_SEMANTICS",
+    "SEMANTICS",
 ]
 
 
@@ -85,6 +88,14 @@ ARCH = "clover"
 KEY_RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # bool per layer: GDN (linear_attention)
 KEY_CONV_LOOKAHEAD = "{arch}.ssm.conv_lookahead"            # R, the lookahead conv taps
 KEY_DIFFUSION_BLOCK_SIZE = "{arch}.diffusion.block_size"    # B0, the training block size
+KEY_SEMANTICS = "{arch}.semantics"                          # string: SEMANTICS, what the weights were trained for
+
+# Which semantics the weights were trained for (spec/model.md): config.json's CONFIG_SEMANTICS key
+# and the GGUF's KEY_SEMANTICS. "causal-shift" (spec v2) is the only current one: a causal
+# committed prefix, logits at t predict the token at t+1. Weights of the retired in-place
+# semantics (spec v1: logits at t for the token at t, bidirectional commits) have no such key.
+CONFIG_SEMANTICS = "clover_semantics"
+SEMANTICS = "causal-shift"
 
 
 # ---------------------------------------------------------------------------
@@ -127,6 +138,7 @@ class CloverConfig:
     max_position_embeddings: int
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()  # every EOS id (config.json may give a list); eos_token_id is the first
+    clover_semantics: str = SEMANTICS     # CONFIG_SEMANTICS: what the weights were trained for
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "CloverConfig":
@@ -239,6 +251,28 @@ MAX_INT = 2**31 - 1  # GGUF stores sizes as u32 and llama.cpp reads them into in
 MAX_F32 = 3.4e38
 
 
+_RETRAIN = "retrain or re-export them with train/ of this version (python -m train.export --run RUN --out FOLDER)"
+
+
+def _check_semantics(cfg: dict[str, Any], model_type: Any) -> str:
+    """config.json's CONFIG_SEMANTICS must be SEMANTICS. A ``model_type: "clover"`` config (a real
+    config.json) must say so; a dict without model_type (a preset, a test's config) gets SEMANTICS."""
+    if CONFIG_SEMANTICS not in cfg:
+        if model_type is None:
+            return SEMANTICS
+        raise ConversionError(
+            f'config.json has no "{CONFIG_SEMANTICS}": "{SEMANTICS}": these weights were trained for the '
+            f"retired in-place semantics (spec v1); {_RETRAIN}"
+        )
+    v = cfg[CONFIG_SEMANTICS]
+    if v != SEMANTICS:
+        raise ConversionError(
+            f'config.json: {CONFIG_SEMANTICS} must be "{SEMANTICS}" (spec v2), got {v!r}: these weights were '
+            f"not trained for the semantics this version runs; {_RETRAIN}"
+        )
+    return SEMANTICS
+
+
 def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     """Validate config.json (a dict) and return a :class:`CloverConfig`.
 
@@ -249,6 +283,7 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     mt = cfg.get("model_type")
     if mt is not None and mt != "clover":
         raise _err("model_type", "must be 'clover'", mt)
+    semantics = _check_semantics(cfg, mt)
 
     def req_int(key: str, minimum: int = 1) -> int:
         if key not in cfg or cfg[key] is None:
@@ -370,6 +405,7 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         rms_norm_eps=eps, block_size=B0, mask_token_id=mask, eos_token_id=token_id("eos_token_id"),
         bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("pad_token_id"),
         tie_word_embeddings=tied, max_position_embeddings=ctx, raw=cfg, eos_token_ids=token_ids("eos_token_id"),
+        clover_semantics=semantics,
     )
 
 

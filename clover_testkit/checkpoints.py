@@ -40,6 +40,7 @@ import click
 import numpy as np
 from tokenizers import Tokenizer
 
+from clover_convert.mapping import CONFIG_SEMANTICS, SEMANTICS
 from clover_convert.safetensors_io import INDEX_NAME, SINGLE_NAME, write_safetensors_lazy
 
 from . import bpe
@@ -178,6 +179,7 @@ Accents: café, naïve, résumé, über, señor, façade, jalapeño, coöperate.
 HF_IDENTITY: dict[str, Any] = {
     "model_type": "clover",
     "architectures": ["CloverForBlockDiffusion"],
+    CONFIG_SEMANTICS: SEMANTICS,  # the semantics the weights are for (spec/model.md); without it they are refused
     "hidden_act": "silu",
     "attention_bias": False,
     "attention_dropout": 0.0,

@@ -33,6 +33,7 @@ def test_tiny_is_fast_and_complete(tmp_path):
     on_disk = json.loads((tmp_path / "config.json").read_text())
     assert on_disk == cfg
     assert cfg["model_type"] == "clover" and cfg["architectures"] == ["CloverForBlockDiffusion"]
+    assert cfg["clover_semantics"] == "causal-shift"  # what the converter asks of every config.json
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert cfg["vocab_size"] % 64 == 0
     r = CheckpointReader(tmp_path)

@@ -444,6 +444,7 @@ def test_metadata_every_key(fx):
         "clover.ssm.time_step_rank": (cfg["linear_num_value_heads"], U32),
         "clover.ssm.inner_size": (cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"], U32),
         "clover.diffusion.block_size": (cfg["block_size"], U32),
+        "clover.semantics": ("causal-shift", gguf.GGUFValueType.STRING),
         "tokenizer.ggml.mask_token_id": (cfg["mask_token_id"], U32),
         "tokenizer.ggml.eos_token_id": (cfg["eos_token_id"], U32),
         "tokenizer.ggml.model": ("gpt2", gguf.GGUFValueType.STRING),
@@ -766,6 +767,33 @@ BAD_CONFIGS = [
     (dict(rms_norm_eps=-1.0), "error: config.json: rms_norm_eps must be a positive number, got -1.0"),
     (dict(model_type="llama"), "error: config.json: model_type must be 'clover', got 'llama'"),
 ]
+
+_RETRAIN = "retrain or re-export them with train/ of this version (python -m train.export --run RUN --out FOLDER)"
+
+
+@pytest.mark.parametrize("value,message", [
+    (_DEL, 'error: config.json has no "clover_semantics": "causal-shift": these weights were trained for the '
+           f"retired in-place semantics (spec v1); {_RETRAIN}"),
+    ("in-place", 'error: config.json: clover_semantics must be "causal-shift" (spec v2), got \'in-place\': these '
+                 f"weights were not trained for the semantics this version runs; {_RETRAIN}"),
+], ids=["missing", "wrong"])
+def test_config_without_current_semantics_refused(fx, tmp_path, value, message):
+    """Weights trained for the retired in-place semantics (spec v1) have no "clover_semantics":
+    the converter refuses them with one line, exit 1, no traceback, no output file."""
+    src = _copy_ckpt(fx, tmp_path)
+    _edit_config(src, clover_semantics=value)
+    assert _run_fail(src, tmp_path) == message
+    assert not (tmp_path / "out" / "m.gguf").exists()
+    with pytest.raises(ConversionError, match="clover_semantics"):
+        convert(src, tmp_path / "out" / "m2.gguf")
+
+
+def test_config_semantics_round_trip():
+    from clover_convert.mapping import CloverConfig
+    cfg = CloverConfig.from_dict(preset_config("tiny"))
+    assert cfg.clover_semantics == "causal-shift"
+    assert cfg.to_dict()["clover_semantics"] == "causal-shift"
+    assert CloverConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
 
 
 @pytest.mark.parametrize("changes,message", BAD_CONFIGS, ids=[m.split(": ")[2].split()[0] for _, m in BAD_CONFIGS])
