@@ -1,68 +1,96 @@
 """Numpy reference implementation of Clover (the oracle for the native code).
 
-Follows spec/model.md (the model as this repository implements it). It is
-meant to be obviously correct, not fast: all math is float64, loops are written out
-per token and per head where that reads more clearly. Only numpy is used.
+Follows /work/shared/clover-architecture.md, spec v2 (spec/model.md: causal commit,
+next-token shift, decode blocks right after the committed text). It is meant to be
+obviously correct, not fast: all math is float64, loops are written out per token and per
+head where that reads more clearly. Only numpy is used.
 
 API::
 
     cfg = CloverConfig.from_dict(config_json_dict)
     model = CloverReference(cfg, weights)          # or CloverReference.from_pretrained(folder)
     mem = model.new_memory()
-    logits = model.block_pass(mem, tokens, block_size)   # [n, vocab] float64, mem unchanged
-    model.commit(mem, tokens, block_size)                # writes the block into mem
-    rest = model.prefill(mem, prompt_tokens, block_size) # commits full blocks, returns the tail
+    logits = model.commit(mem, tokens)                   # [n, vocab]: causal, writes mem
+    logits = model.block_pass(mem, tokens, block_size)   # [n, vocab]: canvas, mem unchanged
+    logits, layers = model.trace(mem, tokens, block_size)  # block pass + intermediates
+    logits = causal_logits(model, tokens)                # commit on a fresh memory
+    ppl = perplexity(model, tokens)
     res = generate(model, prompt_tokens, max_tokens=..., block_size=...)
 
 Project decisions (beyond the spec):
 
-* Blocks are aligned at absolute position 0: ``block_pass`` and ``commit`` require
-  ``mem.n_committed % block_size == 0`` and ``1 <= len(tokens) <= block_size``
-  (ValueError otherwise). Logits at position t predict the token AT t (no shift).
+* Next-token shift: the logits row of position t predicts the token at position t+1,
+  for committed and canvas positions alike.
+* ``commit(mem, tokens)`` (n >= 1 tokens, positions ``mem.n_committed ...``) is causal:
+  each token is processed exactly as a block of ONE (block size 1: look-ahead taps see
+  zeros, the block softmax has the token alone so o_blk = v, the memory read uses the
+  state BEFORE the token, attention sees the committed keys up to and including the
+  token), then written into the memory. It returns the [n, V] logits of the committed
+  positions. There is no block size and no alignment: the memory, and every logit, is
+  that of an autoregressive pass and does not depend on how the commits are split.
+* ``block_pass(mem, tokens, block_size)``: a canvas of 1 <= n <= block_size tokens at
+  positions ``mem.n_committed .. +n-1`` (any n_committed), bidirectional inside the
+  canvas, look-ahead taps inside the canvas only (zeros past its end), tau computed with
+  B = block_size. It does not change mem.
 * Block calibration: ``tau_j = exp(theta_j + phi_j * ln(B / B0))``, B the run-time
   block size, B0 = ``config.block_size``.
 * Conv: causal taps read the committed conv tail (last K-1 pre-conv rows u of the
-  committed tokens; zeros when fewer were committed); lookahead taps read zeros past
-  the n tokens given to the pass (they never see beyond the block).
+  committed tokens; zeros when fewer were committed).
 * q/k L2 norm: ``x / sqrt(sum x^2 + 1e-6)``; memory read ``S_j^T q^ / sqrt(dk)``; value
   head j uses key head ``j // (Hv / Hk)``. Block attention logits are ``tau * q^.k^``.
 * Full attention: RoPE NeoX style (rotate_half) on the first ``int(dh *
   partial_rotary_factor)`` dims at absolute positions; keys = committed cache + all n
-  block tokens; q_proj rows per head are [dh query, dh gate]; out = attn * sigmoid(gate).
+  canvas tokens; q_proj rows per head are [dh query, dh gate]; out = attn * sigmoid(gate).
   The KV cache stores k after k_norm and RoPE.
-* Commit recomputes the block on its final tokens, then per GDN layer runs
-  ``S <- exp(g_t) S; S <- S + k^_t (beta_t (v_t - S^T k^_t))^T`` for t in order, in
-  float64, and stores S as float32 (one rounding per commit). Conv tail = last K-1 rows
-  of [tail ; u] (float64). The KV cache is float64.
+* Memory is float64 throughout (GDN state S, conv tail, KV cache): no rounding, so a
+  commit split any way gives the same memory. Per token the GDN write is
+  ``S <- exp(g) S; S <- S + k^ (beta (v - S^T k^))^T``; conv tail = last K-1 rows of
+  [tail ; u].
 * MoE: softmax over all E, top-k (ties: lower expert index), renormalised when
   norm_topk_prob; shared expert gated by sigmoid(x . w_shared_gate).
 
-Decoding (``generate``):
+Decoding (``generate``, spec "Decoding"):
 
+* The prompt must not be empty (ValueError). It is committed whole; L_last = the
+  logits row of its last token. (max_tokens <= 0: nothing runs, all counters 0.)
+* Decode block k has size B_k = ``block_schedule[k]`` (the last entry repeats) or
+  ``block_size``, and starts at p = n_committed (right after the committed text). Its
+  canvas is B_k mask tokens; n_cand = min(B_k, max_tokens - generated); the candidate
+  positions are 0..n_cand-1 (positions past the budget are never candidates and stay
+  masked).
+* Each step: if some masked position i > 0 exists, ONE block pass over the whole canvas
+  (all B_k tokens) gives the pass logits (n_steps += 1); otherwise no pass runs. The
+  candidate logits of masked position i are L_last for i = 0 (fixed for the block), else
+  pass row i-1.
 * The mask token is never a candidate: its logit is set to -inf first.
-* temperature 0: candidate = argmax (ties: lowest id), confidence = softmax prob.
+  temperature 0: candidate = argmax (ties: lowest id), confidence = softmax prob.
   temperature > 0: logits / T, top-k (0 = off; ties keep lower ids), top-p (1.0 = off;
   smallest prefix of the prob-sorted tokens whose cumulative prob >= top_p, at least
   one), renormalise, sample. One ``np.random.default_rng(seed)`` for the whole
-  generation; per step the masked positions are sampled in increasing position order,
-  each with one ``rng.random()`` draw u, token = first index whose cumulative prob > u.
-  Confidence = the sampled token's prob in that renormalised distribution.
+  generation; every step, the masked positions (position 0 included) are sampled in
+  increasing position order, each with one ``rng.random()`` draw u, token = first index
+  whose cumulative prob > u. Confidence = the sampled token's prob in that distribution.
 * Unmask every masked position with confidence >= threshold; if none, the single most
   confident (ties: lowest position). With max_steps S > 0, at step s (0-based within
-  the block) at least ceil(masked / (S - s)) of the most confident are unmasked
-  (ties: lowest position), so a block never takes more than S steps.
-* Decode blocks always have B positions; the first one holds the prompt's partial last
-  block (fixed tokens). A finished block is committed, except the final block of the
-  generation (after which we stop), which is not committed.
-* Stop after the block containing EOS (any of ``config.eos_token_ids``, generated
-  tokens only) when stop_at_eos, or once the generated tokens >= max_tokens. The output
-  ends before the first EOS and is cut to max_tokens.
-* ``step_callback(block_start, canvas_tokens_list, n_masked)`` is called after each
-  step; if it returns True, generation stops: the output holds the completed blocks
-  only (the current block counts as completed if it has no masks left).
-* Counters: ``n_steps`` = decode block passes (one per denoising step);
-  ``n_forward`` = every block pass + every commit (prefill commits included);
-  ``tokens_per_forward`` = len(res.tokens) / n_steps (decode passes only; 0.0 if none).
+  the block, steps without a pass included) at least ceil(masked / (S - s)) of the most
+  confident are unmasked (ties: lowest position), so a block never takes more than S steps.
+* ``step_callback(block_start, canvas_tokens_list, n_masked)`` is called after every step
+  (also steps without a pass); if it returns True, generation stops: the output holds
+  the completed blocks only (the current block counts as completed if it has no
+  candidate masked any more), finish_reason "cancelled".
+* A finished block appends canvas[:n_cand] to the output. Stop when it holds EOS (any of
+  ``config.eos_token_ids``, when stop_at_eos; finish_reason "eos") or the budget is
+  reached ("max_tokens"); otherwise commit the block's B_k tokens (L_last = the last row
+  of that commit). The final block is not committed. The output ends before the first
+  EOS and is cut to max_tokens.
+* Counters (as the native engine counts them): ``n_steps`` = block passes;
+  ``n_commits`` = decode blocks committed (the prompt's commit not counted);
+  ``n_forward`` = prompt forwards ceil(len(prompt) / ubatch_tokens(B_0)) + n_steps + the
+  block commits that cannot ride on a pass (a block commit rides on the next block's
+  first step iff that step runs a pass, i.e. iff the next block's n_cand > 1; else it is
+  a forward of its own); ``tokens_per_forward`` = len(tokens) / (n_forward - prompt
+  forwards), 0.0 when that is 0. B = 1 is plain autoregressive decoding: one 1-token
+  commit per generated token after the first, no block pass ever.
 """
 
 from __future__ import annotations
@@ -79,7 +107,8 @@ import numpy as np
 from clover_convert import mapping
 
 __all__ = ["CloverConfig", "CloverReference", "Memory", "generate", "GenerateResult",
-           "bidirectional_conv", "block_tau", "rms_norm_1p"]
+           "causal_logits", "perplexity", "ubatch_tokens", "bidirectional_conv", "block_tau",
+           "rms_norm_1p"]
 
 QK_NORM_EPS = 1e-6
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -162,8 +191,8 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, rot: int, theta: float) -> n
 
 @dataclass
 class Memory:
-    """Everything committed so far. Per layer index: GDN state S [Hv, dk, dv] float32 and
-    conv tail [K-1, C] float64 (linear layers); keys/values [nkv, T, dh] float64 (full)."""
+    """Everything committed so far, all float64. Per layer index: GDN state S [Hv, dk, dv]
+    and conv tail [K-1, C] (linear layers); keys/values [nkv, T, dh] (full attention)."""
     n_committed: int
     state: dict[int, np.ndarray]
     conv_tail: dict[int, np.ndarray]
@@ -236,7 +265,7 @@ class CloverReference:
         for i, lt in enumerate(c.layer_types):
             if lt == LINEAR:
                 mem.state[i] = np.zeros((c.linear_num_value_heads, c.linear_key_head_dim,
-                                         c.linear_value_head_dim), np.float32)
+                                         c.linear_value_head_dim))
                 mem.conv_tail[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.conv_dim))
             else:
                 mem.keys[i] = np.zeros((c.num_key_value_heads, 0, c.head_dim))
@@ -260,7 +289,7 @@ class CloverReference:
         q = l2_norm(cs[:, :Hk * dk].reshape(n, Hk, dk))
         k = l2_norm(cs[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk))
         v = cs[:, 2 * Hk * dk:].reshape(n, Hv, dv)
-        S = mem.state[i].astype(np.float64)
+        S = mem.state[i]
         tau = block_tau(W("block_calib"), B, c.block_size)
         lam = sigmoid(m)
         o = np.zeros((n, Hv, dv))
@@ -315,27 +344,27 @@ class CloverReference:
         return out + sigmoid(x @ W("shared_expert_gate.weight").T) * shared
 
     # -- passes ---------------------------------------------------------------------
-    def _check(self, mem: Memory, tokens: Sequence[int], B: int) -> np.ndarray:
-        if not isinstance(B, (int, np.integer)) or B < 1:
-            raise ValueError(f"block_size must be a positive integer, got {B!r}")
-        if mem.n_committed % B:
-            raise ValueError(f"n_committed={mem.n_committed} is not a multiple of block_size={B}")
+    def _tokens(self, tokens: Sequence[int]) -> np.ndarray:
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if not 1 <= len(toks) <= B:
-            raise ValueError(f"a block pass takes 1..{B} tokens, got {len(toks)}")
-        if toks.min() < 0 or toks.max() >= self.cfg.vocab_size:
+        if len(toks) and (toks.min() < 0 or toks.max() >= self.cfg.vocab_size):
             raise ValueError("token id outside the vocabulary")
         return toks
 
     def trace(self, mem: Memory, tokens: Sequence[int], block_size: int) -> tuple[np.ndarray, list[dict]]:
         """Block pass that also returns per-layer intermediates (for checks and commit).
 
+        The canvas is tokens (1 <= n <= block_size) at positions mem.n_committed .. +n-1.
         Each layer's dict has x_in (normed mixer input), mix (mixer output), h (after the
         mixer residual), x_out (layer output); GDN layers add u, conv (pre-silu), q, k
         (L2-normed, per key head), v, b, a, m, z (projections), tau and o (mixed, pre-norm);
         attention layers add k, v as appended to the KV cache ([nkv, n, dh], k after RoPE).
         """
-        toks = self._check(mem, tokens, block_size)
+        B = block_size
+        if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
+            raise ValueError(f"block_size must be a positive integer, got {B!r}")
+        toks = self._tokens(tokens)
+        if not 1 <= len(toks) <= B:
+            raise ValueError(f"a block pass takes 1..{B} tokens, got {len(toks)}")
         c = self.cfg
         pos = mem.n_committed + np.arange(len(toks))
         x = self.w["model.embed_tokens.weight"][toks]
@@ -344,7 +373,7 @@ class CloverReference:
             p = f"model.layers.{i}."
             xn = rms_norm_1p(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
             if lt == LINEAR:
-                mix, rec = self._gdn(i, xn, mem, block_size)
+                mix, rec = self._gdn(i, xn, mem, B)
             else:
                 mix, rec = self._attn(i, xn, mem, pos)
             h = x + mix
@@ -356,39 +385,61 @@ class CloverReference:
         return logits, layers
 
     def block_pass(self, mem: Memory, tokens: Sequence[int], block_size: int) -> np.ndarray:
+        """Logits [n, V] of the canvas tokens (row t predicts position t+1); mem unchanged."""
         return self.trace(mem, tokens, block_size)[0]
 
-    def commit(self, mem: Memory, tokens: Sequence[int], block_size: int) -> None:
-        _, layers = self.trace(mem, tokens, block_size)
+    def _write_token(self, mem: Memory, layers: list[dict]) -> None:
+        """Write ONE token, traced as a block of one on mem, into mem."""
         c = self.cfg
         r = c.linear_num_value_heads // c.linear_num_key_heads
         for i, (lt, rec) in enumerate(zip(c.layer_types, layers)):
+            assert len(rec["x_out"]) == 1
             if lt == FULL:
                 mem.keys[i] = np.concatenate([mem.keys[i], rec["k"]], axis=1)
                 mem.values[i] = np.concatenate([mem.values[i], rec["v"]], axis=1)
                 continue
             p = f"model.layers.{i}.linear_attn."
-            beta = sigmoid(rec["b"])                                             # [n, Hv]
-            g = -np.exp(self.w[p + "A_log"]) * softplus(rec["a"] + self.w[p + "dt_bias"])
-            S = mem.state[i].astype(np.float64)                                  # [Hv, dk, dv]
-            k = rec["k"][:, np.arange(c.linear_num_value_heads) // r]            # [n, Hv, dk]
-            for t in range(len(rec["u"])):  # the delta rule, all value heads at once
-                S *= np.exp(g[t])[:, None, None]
-                err = beta[t][:, None] * (rec["v"][t] - np.einsum("hkv,hk->hv", S, k[t]))
-                S += k[t][:, :, None] * err[:, None, :]
-            mem.state[i] = S.astype(np.float32)
+            beta = sigmoid(rec["b"][0])                                          # [Hv]
+            g = -np.exp(self.w[p + "A_log"]) * softplus(rec["a"][0] + self.w[p + "dt_bias"])
+            k = rec["k"][0][np.arange(c.linear_num_value_heads) // r]            # [Hv, dk]
+            v = rec["v"][0]                                                      # [Hv, dv]
+            S = mem.state[i] * np.exp(g)[:, None, None]                          # [Hv, dk, dv]
+            err = beta[:, None] * (v - np.einsum("hkv,hk->hv", S, k))
+            mem.state[i] = S + k[:, :, None] * err[:, None, :]
             U = np.concatenate([mem.conv_tail[i], rec["u"]], axis=0)
             mem.conv_tail[i] = U[len(U) - (c.linear_conv_kernel_dim - 1):].copy()
-        mem.n_committed += len(layers[0]["x_out"])
+        mem.n_committed += 1
 
-    def prefill(self, mem: Memory, prompt_tokens: Sequence[int], block_size: int) -> list[int]:
-        if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        toks = [int(t) for t in prompt_tokens]
-        n_full = len(toks) // block_size * block_size
-        for s in range(0, n_full, block_size):
-            self.commit(mem, toks[s:s + block_size], block_size)
-        return toks[n_full:]
+    def commit(self, mem: Memory, tokens: Sequence[int]) -> np.ndarray:
+        """Causal commit of n >= 1 tokens at positions mem.n_committed...: each token is a
+        block of one (block size 1), traced on the memory before it, then written. Returns
+        the [n, V] logits of the committed positions (row t predicts position t+1)."""
+        toks = self._tokens(tokens)
+        if len(toks) < 1:
+            raise ValueError("commit takes at least one token")
+        rows = []
+        for t in toks:
+            logits, layers = self.trace(mem, [int(t)], 1)
+            self._write_token(mem, layers)
+            rows.append(logits[0])
+        return np.stack(rows)
+
+
+def causal_logits(model: CloverReference, tokens: Sequence[int]) -> np.ndarray:
+    """The autoregressive logits [n, V] of tokens: a commit on a fresh memory."""
+    return model.commit(model.new_memory(), tokens)
+
+
+def perplexity(model: CloverReference, tokens: Sequence[int]) -> float:
+    """exp of the mean next-token cross-entropy: tokens 1..n-1 predicted from rows 0..n-2."""
+    toks = [int(t) for t in tokens]
+    if len(toks) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    logits = causal_logits(model, toks)[:-1]
+    mx = logits.max(axis=-1, keepdims=True)
+    logz = (mx + np.log(np.exp(logits - mx).sum(axis=-1, keepdims=True)))[:, 0]
+    nll = logz - logits[np.arange(len(toks) - 1), toks[1:]]
+    return float(np.exp(nll.mean()))
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -396,10 +447,10 @@ class CloverReference:
 @dataclass
 class GenerateResult:
     tokens: list[int]
-    n_forward: int            # block passes + commits, prefill commits included
-    n_steps: int              # decode block passes (denoising steps)
-    tokens_per_forward: float # len(tokens) / n_steps
-    n_commits: int = 0        # commits, prefill included
+    n_forward: int            # prompt forwards + block passes + block commits that ride on no pass
+    n_steps: int              # block passes
+    tokens_per_forward: float # len(tokens) / (n_forward - prompt forwards), 0.0 when that is 0
+    n_commits: int = 0        # decode blocks committed (the prompt's commit not counted)
     finish_reason: str = ""   # "eos", "max_tokens" or "cancelled"
 
 
@@ -433,8 +484,8 @@ def _candidates(logits: np.ndarray, mask_id: int, temperature: float, top_k: int
 
 
 def ubatch_tokens(block_size: int) -> int:
-    """Tokens per llama_decode in libclover for block size B: whole blocks, at least two (a
-    commit and the next pass), about 512 (the prompt prefill)."""
+    """Tokens per llama_decode in libclover for block size B (whole blocks, at least two: a
+    commit and the next pass; about 512): the prompt's commit takes ceil(n / this) forwards."""
     return block_size * max(2, -(-512 // block_size))
 
 
@@ -444,71 +495,81 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
              stop_at_eos: bool = True,
              step_callback: Callable[[int, list[int], int], Any] | None = None,
              block_schedule: Sequence[int] | None = None) -> GenerateResult:
-    """block_schedule: the B of each decode block in turn (the first one also commits the
-    prompt; the last one repeats), as chosen by block_size="auto"; overrides block_size."""
-    schedule = list(block_schedule) if block_schedule else [block_size]
-    cfg, B = model.cfg, schedule[0]
+    """Block-diffusion decoding (module docstring, "Decoding"). block_schedule: the B of
+    each decode block in turn (the last one repeats), as chosen by block_size="auto";
+    overrides block_size."""
+    schedule = [int(b) for b in block_schedule] if block_schedule else [block_size]
+    cfg = model.cfg
+    if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in schedule):
+        raise ValueError(f"block sizes must be positive integers, got {schedule!r}")
+    prompt = [int(t) for t in prompt_tokens]
+    if not prompt:
+        raise ValueError("the prompt must not be empty")
     if cfg.mask_token_id is None:
         raise ValueError("config has no mask_token_id")
     if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or max_steps < 0:
         raise ValueError("bad sampling parameters")
     mask, eos = cfg.mask_token_id, set(cfg.eos_token_ids) if stop_at_eos else set()
+    block_of = lambda k: schedule[min(k, len(schedule) - 1)]  # noqa: E731
     rng = np.random.default_rng(seed)
-    mem = model.new_memory()
-    n_commits = n_steps = 0
     out: list[int] = []
+    n_steps = n_commits = n_solo_commits = n_prompt_forwards = 0
     reason = "max_tokens"
     if max_tokens > 0:
-        rest = model.prefill(mem, prompt_tokens, B)
-        n_commits = len(prompt_tokens) // B
+        mem = model.new_memory()
+        L_last = model.commit(mem, prompt)[-1]
+        n_prompt_forwards = -(-len(prompt) // ubatch_tokens(schedule[0]))
+        k = 0
         while True:
-            start = mem.n_committed
-            canvas = list(rest) + [mask] * (B - len(rest))
+            B, start = block_of(k), mem.n_committed
+            canvas = [mask] * B
             # positions at or past the token budget are never candidates: they stay masked
-            n_cand = min(B - len(rest), max_tokens - len(out))
-            masked = [p for p in range(len(rest), len(rest) + n_cand)]
-            step, cancelled = 0, False
+            n_cand = min(B, max_tokens - len(out))
+            masked = list(range(n_cand))
+            step, cancelled, pass_logits = 0, False, None
             while masked:
-                logits = model.block_pass(mem, canvas, B)
-                n_steps += 1
-                cand, conf = _candidates(logits[masked], mask, temperature, top_k, top_p, rng)
+                if any(i > 0 for i in masked):
+                    pass_logits = model.block_pass(mem, canvas, B)
+                    n_steps += 1
+                rows = np.stack([L_last if i == 0 else pass_logits[i - 1] for i in masked])
+                cand, conf = _candidates(rows, mask, temperature, top_k, top_p, rng)
                 if np.any(cand == mask):             # would never terminate
                     raise RuntimeError("the mask token was chosen as a candidate")
-                ranked = sorted(range(len(masked)), key=lambda i: (-conf[i], masked[i]))
+                ranked = sorted(range(len(masked)), key=lambda j: (-conf[j], masked[j]))
                 n_unmask = max(1, int(np.sum(conf >= threshold)))
                 if max_steps > 0:
                     left = max_steps - step
                     n_unmask = max(n_unmask, len(masked) if left <= 0 else -(-len(masked) // left))
-                for i in ranked[:n_unmask]:
-                    canvas[masked[i]] = int(cand[i])
-                masked = [p for p in masked if canvas[p] == mask]
+                for j in ranked[:n_unmask]:
+                    canvas[masked[j]] = int(cand[j])
+                masked = [i for i in masked if canvas[i] == mask]
                 step += 1
                 if step_callback is not None and step_callback(start, list(canvas), len(masked)):
                     cancelled = True
                     break
             if not masked:
-                out.extend(canvas[len(rest):len(rest) + n_cand])
+                out.extend(canvas[:n_cand])
             if cancelled:
                 reason = "cancelled"
                 break
-            if any(t in eos for t in canvas[len(rest):]):
+            if any(t in eos for t in canvas[:n_cand]):
                 reason = "eos"
                 break
             if len(out) >= max_tokens:
                 break
-            model.commit(mem, canvas, B)
+            L_last = model.commit(mem, canvas)[-1]
             n_commits += 1
-            rest = []
-            B = schedule[min(n_commits - len(prompt_tokens) // schedule[0], len(schedule) - 1)]
+            k += 1
+            # the commit rides on the next block's first step iff that step runs a pass
+            if min(block_of(k), max_tokens - len(out)) <= 1:
+                n_solo_commits += 1
     for idx, t in enumerate(out):
         if t in eos:
             out = out[:idx]
             break
     out = out[:max(max_tokens, 0)]
-    # forwards as libclover runs them: the prompt's blocks in ubatches, then one per denoising
-    # step (a commit rides on the next block's first step)
-    n_full = len(prompt_tokens) // schedule[0] * schedule[0] if max_tokens > 0 else 0
-    n_prefill_calls = -(-n_full // ubatch_tokens(schedule[0]))
-    return GenerateResult(tokens=out, n_forward=n_steps + n_prefill_calls, n_steps=n_steps,
-                          tokens_per_forward=len(out) / n_steps if n_steps else 0.0,
+    n_decode_forwards = n_steps + n_solo_commits
+    return GenerateResult(tokens=out, n_forward=n_prompt_forwards + n_decode_forwards,
+                          n_steps=n_steps,
+                          tokens_per_forward=len(out) / n_decode_forwards if n_decode_forwards else 0.0,
                           n_commits=n_commits, finish_reason=reason)

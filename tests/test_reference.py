@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from clover_testkit.reference import (CloverConfig, CloverReference, GenerateResult, Memory, hf_tensor_shapes,
-                                  bidirectional_conv, block_tau, generate, rope_neox)
+                                      bidirectional_conv, block_tau, causal_logits, generate, perplexity,
+                                      rope_neox, ubatch_tokens)
 
 MASK, EOS = 63, 62
 
@@ -77,13 +78,14 @@ def model(cfg, weights) -> CloverReference:
     return CloverReference(cfg, weights)
 
 
-def assert_mem_equal(a: Memory, b: Memory) -> None:
+def assert_mem_equal(a: Memory, b: Memory, tol: float = 0.0) -> None:
     assert a.n_committed == b.n_committed
     for d in ("state", "conv_tail", "keys", "values"):
         da, db = getattr(a, d), getattr(b, d)
         assert da.keys() == db.keys()
         for k in da:
-            np.testing.assert_array_equal(da[k], db[k])
+            assert da[k].dtype == db[k].dtype == np.float64
+            np.testing.assert_allclose(da[k], db[k], rtol=tol, atol=tol)
 
 
 # ------------------------------------------------------------------------- config
@@ -132,65 +134,119 @@ def naive_commit_state(model, S0, rec, layer):
     return S
 
 
-@pytest.mark.parametrize("B", [4, 2])
-def test_commit_matches_naive_recurrence(model, B):
+def test_commit_matches_naive_recurrence(model):
+    toks = [3, 14, 15, 9, 26, 5, 35, 8]
     mem = model.new_memory()
-    toks = [3, 14, 15, 9, 26, 5, 35, 8][:2 * B]
-    model.commit(mem, toks[:B], B)                  # non-zero starting state
-    before = mem.copy()
-    _, layers = model.trace(mem, toks[B:], B)
-    model.commit(mem, toks[B:], B)
-    assert mem.n_committed == 2 * B
+    model.commit(mem, toks[:4])                      # non-zero starting state
     K = model.cfg.linear_conv_kernel_dim
-    for i, lt in enumerate(model.cfg.layer_types):
-        if lt == "full_attention":
-            np.testing.assert_array_equal(mem.keys[i][:, B:], layers[i]["k"])
-            assert mem.keys[i].shape[1] == 2 * B
-            continue
-        want = naive_commit_state(model, before.state[i], layers[i], i)
-        assert mem.state[i].dtype == np.float32
-        np.testing.assert_allclose(mem.state[i], want, rtol=1e-5, atol=1e-6)
-        assert np.abs(want).max() > 1e-2
-        tail = np.concatenate([before.conv_tail[i], layers[i]["u"]])[-(K - 1):]
-        np.testing.assert_array_equal(mem.conv_tail[i], tail)
+    for n, t in enumerate(toks[4:]):
+        before = mem.copy()
+        _, layers = model.trace(mem, [t], 1)         # the token as a block of one
+        model.commit(mem, [t])
+        assert mem.n_committed == 5 + n
+        for i, lt in enumerate(model.cfg.layer_types):
+            if lt == "full_attention":
+                np.testing.assert_array_equal(mem.keys[i][:, -1:], layers[i]["k"])
+                np.testing.assert_array_equal(mem.values[i][:, -1:], layers[i]["v"])
+                assert mem.keys[i].shape[1] == 5 + n
+                continue
+            want = naive_commit_state(model, before.state[i], layers[i], i)
+            assert mem.state[i].dtype == np.float64
+            np.testing.assert_allclose(mem.state[i], want, rtol=1e-12, atol=1e-14)
+            assert np.abs(want).max() > 1e-2
+            tail = np.concatenate([before.conv_tail[i], layers[i]["u"]])[-(K - 1):]
+            np.testing.assert_array_equal(mem.conv_tail[i], tail)
 
 
-def test_prefill_equals_block_commits(model):
-    toks = [int(t) for t in np.random.default_rng(1).integers(0, 60, 14)]
-    for B in (4, 1):
-        a, b = model.new_memory(), model.new_memory()
-        rest = model.prefill(a, toks, B)
-        n_full = len(toks) // B * B
-        assert rest == toks[n_full:]
-        for s in range(0, n_full, B):
-            model.commit(b, toks[s:s + B], B)
-        assert_mem_equal(a, b)
-        assert a.n_committed == n_full
-    # a block committed at once is not the same as per-token commits (block structure matters)
-    a, b = model.new_memory(), model.new_memory()
-    model.commit(a, toks[:4], 4)
-    for t in toks[:4]:
-        model.commit(b, [t], 1)
-    assert not np.allclose(a.state[0], b.state[0])
+def test_commit_does_not_depend_on_the_split(model):
+    toks = [int(t) for t in np.random.default_rng(1).integers(0, 60, 11)]
+    one = model.new_memory()
+    l_one = model.commit(one, toks)
+    assert l_one.shape == (11, 64) and l_one.dtype == np.float64 and one.n_committed == 11
+    each, rows = model.new_memory(), []
+    for t in toks:
+        rows.append(model.commit(each, [t]))
+    np.testing.assert_allclose(np.concatenate(rows), l_one, rtol=1e-12, atol=1e-12)
+    assert_mem_equal(each, one, 1e-12)
+    chunks, rows, s = model.new_memory(), [], 0
+    for n in (3, 1, 5, 2):
+        rows.append(model.commit(chunks, toks[s:s + n]))
+        s += n
+    np.testing.assert_allclose(np.concatenate(rows), l_one, rtol=1e-12, atol=1e-12)
+    assert_mem_equal(chunks, one, 1e-12)
+    np.testing.assert_array_equal(causal_logits(model, toks), l_one)
+    with pytest.raises(ValueError):
+        model.commit(model.new_memory(), [])
+    with pytest.raises(ValueError):
+        model.commit(model.new_memory(), [64])
 
 
-def test_block_pass_does_not_change_memory_and_checks_alignment(model):
+def test_commit_of_one_token_is_a_block_pass_of_size_one(model):
     mem = model.new_memory()
-    model.commit(mem, [1, 2, 3, 4], 4)
+    model.commit(mem, [7, 3, 50])
+    for t in (11, MASK, 2):
+        want = model.block_pass(mem, [t], 1)
+        np.testing.assert_array_equal(model.commit(mem, [t]), want)
+    # a block of one: o_blk = v (softmax over the token alone), whatever tau
+    _, layers = model.trace(mem, [9], 1)
+    rec = layers[0]
+    c = model.cfg
+    lam = 1 / (1 + np.exp(-rec["m"]))
+    S = mem.state[0]
+    for j in range(c.linear_num_value_heads):
+        kh = j // (c.linear_num_value_heads // c.linear_num_key_heads)
+        o_mem = S[j].T @ rec["q"][0, kh] / math.sqrt(c.linear_key_head_dim)
+        np.testing.assert_allclose(rec["o"][0, j], lam[0, j] * o_mem + (1 - lam[0, j]) * rec["v"][0, j],
+                                   rtol=1e-12, atol=1e-14)
+
+
+def test_committed_logits_are_causal_and_block_pass_is_not(model):
+    toks = [5, 17, 3, 22, 9, 41, 30]
+    base = causal_logits(model, toks)
+    for t in range(len(toks)):                     # change token t: rows < t unchanged, row t changes
+        other = list(toks)
+        other[t] = (toks[t] + 1) % 60
+        l2 = causal_logits(model, other)
+        np.testing.assert_array_equal(l2[:t], base[:t])
+        assert not np.allclose(l2[t], base[t])
+    # block pass rows see later canvas tokens (bidirectional inside the canvas)
+    mem = model.new_memory()
+    model.commit(mem, toks[:3])
+    a = model.block_pass(mem, [1, 2, 3, 4], 4)
+    b = model.block_pass(mem, [1, 2, 3, 8], 4)
+    assert not np.allclose(a[0], b[0]) and not np.allclose(a[2], b[2])
+
+
+def test_perplexity_by_hand(model):
+    toks = [5, 17, 3, 22, 9]
+    logits = causal_logits(model, toks)
+    nll = []
+    for t in range(1, len(toks)):
+        p = np.exp(logits[t - 1] - logits[t - 1].max())
+        nll.append(-math.log(p[toks[t]] / p.sum()))
+    assert perplexity(model, toks) == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-12)
+    with pytest.raises(ValueError):
+        perplexity(model, [5])
+
+
+def test_block_pass_does_not_change_memory_and_needs_no_alignment(model):
+    mem = model.new_memory()
+    model.commit(mem, [1, 2, 3, 4, 5])              # 5 committed: any block size may follow
     snap = mem.copy()
     l1 = model.block_pass(mem, [5, 6, MASK], 4)
     l2 = model.block_pass(mem, [5, 6, MASK], 4)
     assert l1.shape == (3, 64) and l1.dtype == np.float64
     np.testing.assert_array_equal(l1, l2)
     assert_mem_equal(mem, snap)
-    with pytest.raises(ValueError):
-        model.block_pass(mem, [1, 2, 3], 3)          # 4 committed, not a multiple of 3
+    assert model.block_pass(mem, [1, 2, 3], 3).shape == (3, 64)
     with pytest.raises(ValueError):
         model.block_pass(mem, [1] * 5, 4)
     with pytest.raises(ValueError):
         model.block_pass(mem, [], 4)
-    # bidirectional inside the block: the first position sees later block tokens
-    assert not np.allclose(model.block_pass(mem, [5, 6, 7], 4)[0], model.block_pass(mem, [5, 6, 8], 4)[0])
+    with pytest.raises(ValueError):
+        model.block_pass(mem, [1], 0)
+    # the block size enters through tau: same canvas, another B, other logits
+    assert not np.allclose(model.block_pass(mem, [5, 6, 7], 3), model.block_pass(mem, [5, 6, 7], 8))
 
 
 # ------------------------------------------------------------------------- mixers, written out again
@@ -203,7 +259,7 @@ def _sig(x):
 def second_block(model):
     """Memory after one committed block, and the trace of the next (partial) block."""
     mem = model.new_memory()
-    model.commit(mem, [3, 14, 15, 9], 4)
+    model.commit(mem, [3, 14, 15, 9])
     logits, layers = model.trace(mem, [26, MASK, 35], 4)
     return mem, logits, layers
 
@@ -329,7 +385,7 @@ def test_bidirectional_conv_taps():
 
 def test_model_conv_never_reads_past_block_end(model):
     mem = model.new_memory()
-    model.commit(mem, [7, 8, 9, 10], 4)
+    model.commit(mem, [7, 8, 9, 10])
     K = model.cfg.linear_conv_kernel_dim
     w_c = model.w["model.layers.0.linear_attn.conv1d.weight"][:, 0, :]
     _, full = model.trace(mem, [11, 12, 13, 14], 4)
@@ -345,7 +401,8 @@ def test_model_conv_never_reads_past_block_end(model):
     assert not np.allclose(full[0]["conv"][:2], c)
     assert not np.allclose(full[0]["conv"][:2], other[0]["conv"][:2])
     # causal taps of the first row read the committed tail (last K-1 rows of block 0)
-    np.testing.assert_array_equal(mem.conv_tail[0], model.trace(model.new_memory(), [7, 8, 9, 10], 4)[1][0]["u"][1:])
+    np.testing.assert_allclose(mem.conv_tail[0], model.trace(model.new_memory(), [7, 8, 9, 10], 4)[1][0]["u"][1:],
+                               rtol=1e-12, atol=1e-14)
 
 
 def test_block_calibration(cfg, weights):
@@ -424,63 +481,135 @@ def test_from_pretrained_generated_checkpoint(tmp_path):
 PROMPT = [5, 17, 3, 22, 9, 41]
 
 
+
+def greedy(logits: np.ndarray) -> int:
+    l = logits.copy()
+    l[MASK] = -np.inf
+    return int(np.argmax(l))
+
+
+def test_generate_argument_checks(model):
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [], max_tokens=4, block_size=4)
+    with pytest.raises(ValueError):
+        generate(model, PROMPT, max_tokens=4, block_size=0)
+    with pytest.raises(ValueError):
+        generate(model, PROMPT, max_tokens=4, block_size=4, top_p=0.0)
+    r = generate(model, PROMPT, max_tokens=0, block_size=4)
+    assert (r.tokens, r.n_forward, r.n_steps, r.n_commits, r.tokens_per_forward) == ([], 0, 0, 0, 0.0)
+
+
 def test_b1_is_autoregressive(model):
-    res = generate(model, PROMPT, max_tokens=6, block_size=1, stop_at_eos=False)
-    mem = model.new_memory()
-    for t in PROMPT:
-        model.commit(mem, [t], 1)
-    want = []
-    for _ in range(6):
-        logits = model.block_pass(mem, [MASK], 1)[0]
-        logits[MASK] = -np.inf
-        want.append(int(np.argmax(logits)))
-        model.commit(mem, [want[-1]], 1)
+    for kw in (dict(block_size=1), dict(block_size=4, block_schedule=[1])):
+        steps = []
+        res = generate(model, PROMPT, max_tokens=6, stop_at_eos=False, threshold=1.0,
+                       step_callback=lambda s, c, n: steps.append((s, c, n)) and False, **kw)
+        want = []
+        for _ in range(6):
+            want.append(greedy(causal_logits(model, PROMPT + want)[-1]))
+        assert res.tokens == want
+        assert res.n_steps == 0                          # no block pass ever
+        assert res.n_commits == 5                        # one 1-token commit per token after the first
+        assert res.n_forward == 1 + 5 and res.tokens_per_forward == pytest.approx(6 / 5)
+        assert steps == [(6 + i, [t], 0) for i, t in enumerate(want)]
+
+
+def test_b1_sampling_is_autoregressive_sampling(model):
+    """temperature > 0 at B = 1: one rng draw per token, from the causal logits."""
+    T, seed = 1.3, 4
+    res = generate(model, PROMPT, max_tokens=5, block_size=1, temperature=T, seed=seed, stop_at_eos=False)
+    rng, want = np.random.default_rng(seed), []
+    for _ in range(5):
+        z = causal_logits(model, PROMPT + want)[-1] / T
+        z[MASK] = -np.inf
+        p = np.exp(z - z.max())
+        cdf = np.cumsum(p / p.sum())
+        want.append(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")))
     assert res.tokens == want
-    assert res.n_steps == 6 and res.tokens_per_forward == 1.0
-    assert res.n_forward == 6 + 1      # passes (decode commits ride on them) + one prefill call
 
 
-def test_greedy_threshold_behaviour(model):
-    steps = []
-    cb = lambda start, canvas, n_masked: steps.append((start, n_masked)) and False  # noqa: E731
+def test_counters_by_hand(model):
+    """threshold 0: every candidate is unmasked in a block's first step, so a block with
+    n_cand > 1 costs one pass and a block with n_cand = 1 none."""
+    starts = []
+    cb = lambda s, c, n: starts.append((s, c.count(MASK), n)) and False  # noqa: E731
+    # prompt 6, B 4, 10 tokens: blocks at 6, 10, 14 with 4, 4, 2 candidates
+    r = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=0.0, step_callback=cb, stop_at_eos=False)
+    assert starts == [(6, 0, 0), (10, 0, 0), (14, 2, 0)]   # the last block: 2 positions past the budget
+    assert (len(r.tokens), r.n_steps, r.n_commits, r.n_forward) == (10, 3, 2, 1 + 3)
+    assert r.tokens_per_forward == pytest.approx(10 / 3) and r.finish_reason == "max_tokens"
+    # 9 tokens: the last block has 1 candidate (no pass), so the commit before it is a forward of its own
+    starts.clear()
+    r = generate(model, PROMPT, max_tokens=9, block_size=4, threshold=0.0, step_callback=cb, stop_at_eos=False)
+    assert starts == [(6, 0, 0), (10, 0, 0), (14, 3, 0)]
+    assert (len(r.tokens), r.n_steps, r.n_commits, r.n_forward) == (9, 2, 2, 1 + 2 + 1)
+    assert r.tokens_per_forward == pytest.approx(9 / 3)
+    # schedule 4, 2, 1 (1 repeats): blocks at 6, 10, 12, 13
+    starts.clear()
+    r = generate(model, PROMPT, max_tokens=8, block_size=32, block_schedule=[4, 2, 1], threshold=0.0,
+                 step_callback=cb, stop_at_eos=False)
+    assert [s for s, _, _ in starts] == [6, 10, 12, 13]
+    assert (len(r.tokens), r.n_steps, r.n_commits, r.n_forward) == (8, 2, 3, 1 + 2 + 2)
+    assert r.tokens_per_forward == pytest.approx(8 / 4)
+    # the prompt's forwards: ubatches of ubatch_tokens(B_0) tokens
+    assert (ubatch_tokens(1), ubatch_tokens(4), ubatch_tokens(32), ubatch_tokens(300)) == (512, 512, 512, 600)
+
+
+def test_budget_inside_a_block(model):
+    """threshold 0: every pass sees an all-mask canvas, so a shorter budget gives a prefix."""
+    full = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=0.0, stop_at_eos=False)
+    assert len(full.tokens) == 10 and MASK not in full.tokens
+    for m in range(1, 10):
+        r = generate(model, PROMPT, max_tokens=m, block_size=4, threshold=0.0, stop_at_eos=False)
+        assert r.tokens == full.tokens[:m] and r.finish_reason == "max_tokens"
+        assert r.n_commits == (m - 1) // 4
+    # and the first token of any decode run is the argmax of the prompt's last committed logits
+    assert full.tokens[0] == greedy(causal_logits(model, PROMPT)[-1])
+    # position 0 of every block comes from the previous commit's last row (greedy)
+    for k in (1, 2):
+        assert full.tokens[4 * k] == greedy(causal_logits(model, PROMPT + full.tokens[:4 * k])[-1])
+
+
+def test_step_cap_and_threshold(model):
+    steps, canvases = [], []
+    cb = lambda start, canvas, n_masked: steps.append((start, n_masked)) or canvases.append(canvas)  # noqa: E731
     r1 = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=1.0, step_callback=cb,
                   stop_at_eos=False)
-    # prompt 6 tokens: 1 prefill block, first decode block at 4 has 2 masks, then 4, 4
-    assert [s for s in steps if s[0] == 4] == [(4, 1), (4, 0)]
-    assert [s for s in steps if s[0] == 8] == [(8, 3), (8, 2), (8, 1), (8, 0)]
-    assert r1.n_steps == 10 and len(r1.tokens) == 10 and r1.n_commits == 1 + 2
-    assert r1.n_forward == r1.n_steps + 1   # the prefill call; decode commits ride on passes
+    # threshold 1: one position per step; blocks at 6, 10 (4 candidates), 14 (2)
+    assert steps == [(6, 3), (6, 2), (6, 1), (6, 0), (10, 3), (10, 2), (10, 1), (10, 0), (14, 1), (14, 0)]
+    assert len(r1.tokens) == 10 and r1.n_commits == 2 and MASK not in r1.tokens
+    # a step runs a pass iff, before it, some candidate position i > 0 was masked
+    befores = [[MASK] * 4] + canvases[:3] + [[MASK] * 4] + canvases[4:7] + [[MASK] * 4] + canvases[8:9]
+    n_cands = [4] * 8 + [2] * 2
+    passes = sum(any(b[i] == MASK for i in range(1, n)) for b, n in zip(befores, n_cands))
+    assert r1.n_steps == passes and 7 <= passes <= 10
+    assert r1.n_forward == 1 + r1.n_steps
+    steps.clear()
     r0 = generate(model, PROMPT, max_tokens=10, block_size=4, threshold=0.0, stop_at_eos=False)
-    assert r0.n_steps == 3 and r0.tokens_per_forward == pytest.approx(10 / 3)
-    assert MASK not in r1.tokens and MASK not in r0.tokens
+    assert r0.n_steps == 3
     # max_steps cap: at most 2 steps per block even with threshold 1
     steps.clear()
-    r2 = generate(model, [], max_tokens=12, block_size=4, threshold=1.0, max_steps=2,
+    r2 = generate(model, PROMPT, max_tokens=12, block_size=4, threshold=1.0, max_steps=2,
                   step_callback=cb, stop_at_eos=False)
-    assert [n for _, n in steps] == [2, 0, 2, 0, 2, 0] and r2.n_steps == 6
+    assert [n for _, n in steps] == [2, 0, 2, 0, 2, 0] and r2.n_steps == 6   # 2 masked left: one is > 0
     # max_steps 3 on 4 masks: ceil(4/3)=2, then ceil(2/2)=1, then 1
     steps.clear()
-    generate(model, [], max_tokens=4, block_size=4, threshold=1.0, max_steps=3, step_callback=cb)
+    generate(model, PROMPT, max_tokens=4, block_size=4, threshold=1.0, max_steps=3, step_callback=cb)
     assert [n for _, n in steps] == [2, 1, 0]
 
 
-def test_max_tokens_cut_and_eos_stop(cfg, weights, model):
+def test_eos_inside_a_block(cfg, weights, model):
     full = generate(model, PROMPT, max_tokens=14, block_size=4, stop_at_eos=False)
     assert len(full.tokens) == 14
-    cut = generate(model, PROMPT, max_tokens=5, block_size=4, stop_at_eos=False)
-    assert cut.tokens == full.tokens[:5] and cut.finish_reason == "max_tokens"
-    assert cut.n_commits == 2           # prefill + first decode block; the last is not committed
     # make a token the greedy run produces be EOS: output stops before its first occurrence
-    pos = 7
-    eos = full.tokens[pos]
+    eos = full.tokens[5]
     first = full.tokens.index(eos)
     me = CloverReference(dataclasses.replace(cfg, eos_token_id=eos, eos_token_ids=(eos,)), weights)
     r = generate(me, PROMPT, max_tokens=14, block_size=4)
     assert r.tokens == full.tokens[:first] and r.finish_reason == "eos"
-    n_blocks = (len(PROMPT) + first) // 4 - len(PROMPT) // 4 + 1   # decode blocks run
-    assert r.n_commits == 1 + n_blocks - 1
+    assert r.n_commits == first // 4                 # the blocks before the one holding EOS
     r_no = generate(me, PROMPT, max_tokens=14, block_size=4, stop_at_eos=False)
-    assert r_no.tokens == full.tokens
+    assert r_no.tokens == full.tokens and r_no.finish_reason == "max_tokens"
 
 
 def test_sampling_seeded_and_never_mask(model):
@@ -490,8 +619,8 @@ def test_sampling_seeded_and_never_mask(model):
     c = generate(model, PROMPT, seed=2, **kw)
     assert a.tokens == b.tokens and a.tokens != c.tokens
     assert MASK not in a.tokens + c.tokens
-    greedy = generate(model, PROMPT, max_tokens=12, block_size=4, stop_at_eos=False)
-    assert a.tokens != greedy.tokens
+    greedy_run = generate(model, PROMPT, max_tokens=12, block_size=4, stop_at_eos=False)
+    assert a.tokens != greedy_run.tokens
     # top_k = 1 sampling is greedy at any temperature
     k1 = generate(model, PROMPT, max_tokens=12, block_size=4, temperature=2.0, top_k=1,
                   threshold=0.0, stop_at_eos=False)
@@ -502,12 +631,15 @@ def test_sampling_seeded_and_never_mask(model):
 def test_cancel(model):
     r = generate(model, PROMPT, max_tokens=12, block_size=4, threshold=1.0,
                  step_callback=lambda s, c, n: True)
-    assert r.tokens == [] and r.finish_reason == "cancelled" and r.n_steps == 1
+    assert r.tokens == [] and r.finish_reason == "cancelled" and r.n_steps == 1 and r.n_commits == 0
     # cancelling right after a finished block keeps that block
     r = generate(model, PROMPT, max_tokens=12, block_size=4, threshold=0.0,
-                 step_callback=lambda s, c, n: n == 0 and s == 4, stop_at_eos=False)
-    assert len(r.tokens) == 2 and r.finish_reason == "cancelled"
+                 step_callback=lambda s, c, n: n == 0 and s == 10, stop_at_eos=False)
+    assert len(r.tokens) == 8 and r.finish_reason == "cancelled" and r.n_commits == 1
     assert isinstance(r, GenerateResult)
+    # B = 1: the callback also runs after steps without a pass
+    r = generate(model, PROMPT, max_tokens=12, block_size=1, step_callback=lambda s, c, n: s == 7)
+    assert len(r.tokens) == 2 and r.finish_reason == "cancelled" and r.n_steps == 0 and r.n_commits == 1
 
 
 def test_mask_token_is_never_a_candidate(model):
@@ -515,6 +647,11 @@ def test_mask_token_is_never_a_candidate(model):
     class MaskLover(CloverReference):
         def block_pass(self, mem, tokens, block_size):
             logits = super().block_pass(mem, tokens, block_size)
+            logits[:, MASK] += 1e3
+            return logits
+
+        def commit(self, mem, tokens):
+            logits = super().commit(mem, tokens)
             logits[:, MASK] += 1e3
             return logits
     lover = MaskLover(model.cfg, model.w)
@@ -526,17 +663,22 @@ def test_mask_token_is_never_a_candidate(model):
 
 @pytest.mark.parametrize("threshold,max_steps", [(1.0, 0), (0.3, 0), (1.0, 3)])
 def test_unmask_choice_replayed(model, threshold, max_steps):
-    """Replay each step of one greedy block and check which positions were unmasked."""
+    """Replay each step of one greedy block: position 0 from the prompt's last logits, position
+    i > 0 from pass row i-1; check which positions were unmasked and count the passes."""
     canvases = []
-    generate(model, [], max_tokens=4, block_size=4, threshold=threshold, max_steps=max_steps,
-             step_callback=lambda s, c, n: canvases.append(c))
-    prev, mem = [MASK] * 4, model.new_memory()
+    r = generate(model, PROMPT, max_tokens=4, block_size=4, threshold=threshold, max_steps=max_steps,
+                 step_callback=lambda s, c, n: canvases.append(c))
+    mem = model.new_memory()
+    L_last = model.commit(mem, PROMPT)[-1]
+    prev, passes = [MASK] * 4, 0
     for step, cur in enumerate(canvases):
-        logits = model.block_pass(mem, prev, 4)
         masked = [p for p in range(4) if prev[p] == MASK]
+        if any(p > 0 for p in masked):
+            logits = model.block_pass(mem, prev, 4)
+            passes += 1
         conf, tok = {}, {}
         for p in masked:
-            lg = np.delete(logits[p], MASK)            # the mask token is not a candidate
+            lg = np.delete(L_last if p == 0 else logits[p - 1], MASK)   # the mask token is not a candidate
             pr = np.exp(lg - lg.max()) / np.exp(lg - lg.max()).sum()
             conf[p], tok[p] = pr.max(), int(np.argmax(pr))
             tok[p] += tok[p] >= MASK
@@ -548,7 +690,8 @@ def test_unmask_choice_replayed(model, threshold, max_steps):
         assert [p for p in masked if cur[p] != MASK] == want
         assert all(cur[p] == tok[p] for p in want)
         prev = cur
-    assert MASK not in prev
+    assert MASK not in prev and r.tokens == prev
+    assert r.n_steps == passes and r.n_forward == 1 + passes and r.n_commits == 0
 
 
 def test_top_p_tiny_is_greedy(model):
