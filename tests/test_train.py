@@ -1,4 +1,5 @@
-"""Training code: torch forward == numpy reference, masking, resume (needs torch)."""
+"""Training code (spec v2: causal clean stream, shifted decode blocks): torch forward == a
+token-by-token loop (and the numpy reference), masks and losses, resume, export (needs torch)."""
 
 from __future__ import annotations
 
@@ -39,33 +40,263 @@ def random_model(cfg: CloverConfig, seed: int = 0) -> CloverTorch:
     return m
 
 
-@pytest.mark.parametrize("B", [4, 2, 8, 3])
-def test_forward_matches_reference(B):
+# ---------------------------------------------------------------- the oracle: spec v2, token by token
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _rmsnorm1p(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def _l2(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def _rope(x, pos, rot, theta):
+    """x [n, dh] at positions pos [n] (NeoX rotate_half on the first rot dims)."""
+    half = rot // 2
+    out = x.copy()
+    for t, ps in enumerate(pos):
+        for d in range(half):
+            ang = ps * theta ** (-2.0 * d / rot)
+            x1, x2 = x[t, d], x[t, d + half]
+            out[t, d] = x1 * np.cos(ang) - x2 * np.sin(ang)
+            out[t, d + half] = x2 * np.cos(ang) + x1 * np.sin(ang)
+    return out
+
+
+class SlowClover:
+    """A plain float64 loop over spec v2: memory = per GDN layer (S, conv tail), per attention
+    layer the committed K, V; `step` runs n canvas tokens against it (block size Bsz) and,
+    with commit, absorbs them one by one. Independent of train/model.py's chunked algebra."""
+
+    def __init__(self, cfg, weights):
+        self.c, self.w = cfg, {k: np.asarray(v, np.float64) for k, v in weights.items()}
+
+    def new_memory(self):
+        c, mem = self.c, {"n": 0}
+        for i, lt in enumerate(c.layer_types):
+            if lt == "linear_attention":
+                mem[i] = [np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)),
+                          np.zeros((c.linear_conv_kernel_dim - 1, c.conv_dim))]
+            else:
+                mem[i] = [np.zeros((0, c.num_key_value_heads, c.head_dim)),
+                          np.zeros((0, c.num_key_value_heads, c.head_dim))]
+        return mem
+
+    def _gdn(self, i, x, mem, Bsz, commit):
+        c, w, p = self.c, self.w, f"model.layers.{i}.linear_attn."
+        Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        K, R, n = c.linear_conv_kernel_dim, c.linear_conv_lookahead, len(x)
+        S, tail = mem[i]
+        u = x @ w[p + "in_proj_qkv.weight"].T
+        z = x @ w[p + "in_proj_z.weight"].T
+        bl, al, ml = (x @ w[p + f"in_proj_{s}.weight"].T for s in "bam")
+        U = np.concatenate([tail, u, np.zeros((R, u.shape[1]))])
+        wc = w[p + "conv1d.weight"][:, 0]
+        cv = np.zeros_like(u)
+        for t in range(n):
+            for j in range(K):
+                cv[t] += wc[:, j] * U[t + j]
+            for j in range(R):
+                cv[t] += w[p + "conv1d_lookahead.weight"][:, 0, j] * U[K - 1 + t + 1 + j]
+        cv = _silu(cv)
+        q = _l2(cv[:, :Hk * dk].reshape(n, Hk, dk))
+        k = _l2(cv[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk))
+        v = cv[:, 2 * Hk * dk:].reshape(n, Hv, dv)
+        tau = np.exp(w[p + "block_calib"][0] + w[p + "block_calib"][1] * np.log(Bsz / c.block_size))
+        y = np.zeros((n, Hv, dv))
+        for t in range(n):
+            for j in range(Hv):
+                kh = j // (Hv // Hk)
+                o_mem = S[j].T @ q[t, kh] / np.sqrt(dk)
+                sc = np.array([tau[j] * q[t, kh] @ k[s, kh] for s in range(n)])
+                e = np.exp(sc - sc.max())
+                o_blk = (e / e.sum()) @ v[:, j]
+                lam = 1.0 / (1.0 + np.exp(-ml[t, j]))
+                o = lam * o_mem + (1 - lam) * o_blk
+                o = o / np.sqrt((o * o).mean() + c.rms_norm_eps)
+                y[t, j] = w[p + "norm.weight"] * o * _silu(z[t, j * dv:(j + 1) * dv])
+        if commit:
+            S = S.copy()
+            for t in range(n):
+                for j in range(Hv):
+                    kh = j // (Hv // Hk)
+                    beta = 1.0 / (1.0 + np.exp(-bl[t, j]))
+                    g = -np.exp(w[p + "A_log"][j]) * np.log1p(np.exp(al[t, j] + w[p + "dt_bias"][j]))
+                    S[j] = np.exp(g) * S[j]
+                    S[j] = S[j] + np.outer(k[t, kh], beta * (v[t, j] - S[j].T @ k[t, kh]))
+            mem[i] = [S, np.concatenate([tail, u])[-(K - 1):]]
+        return y.reshape(n, Hv * dv) @ w[p + "out_proj.weight"].T
+
+    def _attn(self, i, x, mem, commit):
+        c, w, p = self.c, self.w, f"model.layers.{i}.self_attn."
+        nh, nkv, dh, n = c.num_attention_heads, c.num_key_value_heads, c.head_dim, len(x)
+        qf = (x @ w[p + "q_proj.weight"].T).reshape(n, nh, 2 * dh)
+        k = (x @ w[p + "k_proj.weight"].T).reshape(n, nkv, dh)
+        v = (x @ w[p + "v_proj.weight"].T).reshape(n, nkv, dh)
+        pos = mem["n"] + np.arange(n)
+        q = _rmsnorm1p(qf[..., :dh], w[p + "q_norm.weight"], c.rms_norm_eps)
+        k = _rmsnorm1p(k, w[p + "k_norm.weight"], c.rms_norm_eps)
+        q = np.stack([_rope(q[:, h], pos, c.rotary_dim, c.rope_theta) for h in range(nh)], 1)
+        k = np.stack([_rope(k[:, h], pos, c.rotary_dim, c.rope_theta) for h in range(nkv)], 1)
+        Kc, Vc = np.concatenate([mem[i][0], k]), np.concatenate([mem[i][1], v])
+        out = np.zeros((n, nh, dh))
+        for t in range(n):
+            for h in range(nh):
+                sc = Kc[:, h // (nh // nkv)] @ q[t, h] / np.sqrt(dh)
+                e = np.exp(sc - sc.max())
+                out[t, h] = (e / e.sum()) @ Vc[:, h // (nh // nkv)]
+        out = out / (1.0 + np.exp(-qf[..., dh:]))
+        if commit:
+            mem[i] = [Kc, Vc]
+        return out.reshape(n, nh * dh) @ w[p + "o_proj.weight"].T
+
+    def _moe(self, i, x):
+        c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
+        out = np.zeros_like(x)
+        for t in range(len(x)):
+            lg = w[p + "gate.weight"] @ x[t]
+            pr = np.exp(lg - lg.max())
+            pr /= pr.sum()
+            top = np.argsort(-pr, kind="stable")[:c.num_experts_per_tok]
+            wt = pr[top] / (pr[top].sum() if c.norm_topk_prob else 1.0)
+            for e, we in zip(top, wt):
+                h = _silu(w[p + f"experts.{e}.gate_proj.weight"] @ x[t]) * (w[p + f"experts.{e}.up_proj.weight"] @ x[t])
+                out[t] += we * (w[p + f"experts.{e}.down_proj.weight"] @ h)
+            hs = _silu(w[p + "shared_expert.gate_proj.weight"] @ x[t]) * (w[p + "shared_expert.up_proj.weight"] @ x[t])
+            sg = 1.0 / (1.0 + np.exp(-(w[p + "shared_expert_gate.weight"] @ x[t])))
+            out[t] += sg * (w[p + "shared_expert.down_proj.weight"] @ hs)
+        return out
+
+    def step(self, mem, tokens, Bsz, commit):
+        """Logits [n, V] of the n tokens run as one block of size Bsz; commit: absorb them."""
+        c, w = self.c, self.w
+        h = w["model.embed_tokens.weight"][np.asarray(tokens)]
+        for i, lt in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            x = _rmsnorm1p(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            h = h + (self._gdn(i, x, mem, Bsz, commit) if lt == "linear_attention" else self._attn(i, x, mem, commit))
+            h = h + self._moe(i, _rmsnorm1p(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps))
+        if commit:
+            mem["n"] += len(tokens)
+        head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+        return _rmsnorm1p(h, w["model.norm.weight"], c.rms_norm_eps) @ head.T
+
+    def training_logits(self, clean, noisy, B, o):
+        """(clean logits [T, V]: each token committed as a block of one; noisy logits [(nb-1)B, V]:
+        the block passes of noisy[o+bB : o+(b+1)B] against the memory of clean[:o+bB])."""
+        import copy
+        T = len(clean)
+        mem, cl, nl = self.new_memory(), [], []
+        for t in range(T):
+            if t >= o and (t - o) % B == 0 and t + B <= T:
+                nl.append(self.step(copy.deepcopy(mem), noisy[t:t + B], B, commit=False))
+            cl.append(self.step(mem, [clean[t]], 1, commit=True)[0])
+        return np.stack(cl), np.concatenate(nl)
+
+
+def _states_at_block_starts(slow, clean, B, o):
+    """The oracle's GDN states S at every decode block start (after clean[:p])."""
+    mem, out = slow.new_memory(), []
+    for t in range(len(clean)):
+        if t >= o and (t - o) % B == 0 and t + B <= len(clean):
+            out.append({i: m[0].copy() for i, m in mem.items() if i != "n" and m[0].ndim == 3})
+        slow.step(mem, [clean[t]], 1, commit=True)
+    return out, mem
+
+
+@pytest.mark.parametrize("B,o", [(4, 1), (4, 4), (4, 3), (3, 2), (8, 5), (2, 1)])
+def test_forward_matches_token_by_token_loop(B, o):
+    """forward_train (chunked delta rule, one batched pass) == a plain loop over spec v2:
+    every clean token committed as a block of one, every decode block passed against the
+    memory of the clean tokens before its start; float64, <= 1e-6 relative."""
     cfg = tiny_cfg()
     model = random_model(cfg)
-    ref = CloverReference(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
-    rng = np.random.default_rng(B)
-    N, nb = 2, 3
-    T = nb * B
+    slow = SlowClover(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
+    rng = np.random.default_rng(10 * B + o)
+    N, T = 2, 3 * B if B > 2 else 8
     clean = rng.integers(0, 48, size=(N, T))
     noisy = np.where(rng.random((N, T)) < 0.5, cfg.mask_token_id, clean)
     trace: dict = {}
     with torch.no_grad():
-        logits, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, trace=trace)
+        cl, nl, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, o, trace=trace)
+    assert cl.shape == (N, T, cfg.vocab_size) and nl.shape == (N, (T // B - 1) * B, cfg.vocab_size)
+    for n in range(N):
+        want_c, want_n = slow.training_logits(clean[n], noisy[n], B, o)
+        scale = np.abs(want_c).max()
+        np.testing.assert_allclose(cl[n].numpy(), want_c, rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(nl[n].numpy(), want_n, rtol=0, atol=1e-6 * scale)
+        states, mem = _states_at_block_starts(slow, clean[n], B, o)
+        for i, S in trace["states"].items():
+            for b in range(len(states)):
+                np.testing.assert_allclose(S[n, b].numpy(), states[b][i], rtol=0, atol=1e-9)
+            np.testing.assert_allclose(trace["final_state"][i][n].numpy(), mem[i][0], rtol=0, atol=1e-9)
+            np.testing.assert_allclose(trace["conv_tail"][i][n].numpy(), mem[i][1], rtol=0, atol=1e-12)
+
+
+def test_forward_is_causal():
+    """Clean logits at t depend on clean[:t+1] only; a decode block's logits on its canvas and
+    the clean tokens before its start only."""
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    rng = np.random.default_rng(3)
+    B, o, T = 4, 2, 12
+    clean = rng.integers(0, 48, size=(1, T))
+    noisy = np.where(rng.random((1, T)) < 0.5, cfg.mask_token_id, clean)
+    cut = o + B          # the start of the second decode block
+    clean2 = clean.copy()
+    clean2[0, cut:] = rng.integers(0, 48, size=T - cut)
+    noisy2 = noisy.copy()
+    noisy2[0, cut:] = rng.integers(0, 48, size=T - cut)
+    with torch.no_grad():
+        c1, n1, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, o)
+        c2, n2, _ = model.forward_train(torch.as_tensor(clean2), torch.as_tensor(noisy2), B, o)
+    assert torch.allclose(c1[:, :cut], c2[:, :cut], rtol=0, atol=1e-12)
+    assert not torch.allclose(c1[:, cut:], c2[:, cut:])
+    assert torch.allclose(n1[:, :B], n2[:, :B], rtol=0, atol=1e-12)     # block 0: [o, o + B)
+    # outside the decode blocks the noisy input is ignored
+    noisy3 = noisy.copy()
+    noisy3[0, :o] = cfg.mask_token_id
+    with torch.no_grad():
+        _, n3, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy3), B, o)
+    assert torch.equal(n1, n3)
+
+
+def _new_reference_api() -> bool:
+    import inspect
+
+    from clover_testkit.reference import CloverReference
+    return "block_size" not in inspect.signature(CloverReference.commit).parameters
+
+
+@pytest.mark.skipif(not _new_reference_api(), reason="clover_testkit.reference still has the retired commit(mem, tokens, B)")
+@pytest.mark.parametrize("B,o", [(4, 1), (4, 4), (3, 2)])
+def test_forward_matches_reference(B, o):
+    """forward_train == the numpy reference (commit is causal; block_pass against the memory)."""
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    ref = CloverReference(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
+    rng = np.random.default_rng(B + o)
+    N, T = 2, 3 * B
+    clean = rng.integers(0, 48, size=(N, T))
+    noisy = np.where(rng.random((N, T)) < 0.5, cfg.mask_token_id, clean)
+    with torch.no_grad():
+        cl, nl, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, o)
     for n in range(N):
         mem = ref.new_memory()
-        for b in range(nb):
-            sl = slice(b * B, (b + 1) * B)
-            want = ref.block_pass(mem, noisy[n, sl], B)
-            np.testing.assert_allclose(logits[n, sl].numpy(), want, rtol=1e-5, atol=1e-6)
-            ref.commit(mem, clean[n, sl], B)
-            for i, S in mem.state.items():   # states after committing block b (f32 in the reference)
-                np.testing.assert_allclose(trace["states"][i][n, b + 1].numpy(), S, rtol=1e-5, atol=1e-6)
-        for i, tail in mem.conv_tail.items():
-            np.testing.assert_allclose(trace["conv_tail"][i][n].numpy(), tail, rtol=1e-5, atol=1e-6)
-        for i, k in mem.keys.items():
-            np.testing.assert_allclose(trace["keys"][i][n].numpy(), k, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(trace["values"][i][n].numpy(), mem.values[i], rtol=1e-5, atol=1e-6)
+        got = ref.commit(mem, clean[n, :o])
+        np.testing.assert_allclose(cl[n, :o].numpy(), got, rtol=1e-5, atol=1e-5)
+        for b in range(T // B - 1):
+            p = o + b * B
+            np.testing.assert_allclose(nl[n, b * B:(b + 1) * B].numpy(), ref.block_pass(mem, noisy[n, p:p + B], B),
+                                       rtol=1e-5, atol=1e-5)
+            got = ref.commit(mem, clean[n, p:min(p + B, T)])
+            np.testing.assert_allclose(cl[n, p:p + B].numpy(), got, rtol=1e-5, atol=1e-5)
+        if o + (T // B - 1) * B < T:
+            got = ref.commit(mem, clean[n, o + (T // B - 1) * B:])
+            np.testing.assert_allclose(cl[n, o + (T // B - 1) * B:].numpy(), got, rtol=1e-5, atol=1e-5)
 
 
 def test_hf_roundtrip_and_tied():
@@ -78,25 +309,54 @@ def test_hf_roundtrip_and_tied():
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in a.hf_state_dict()
 
 
-def test_mask_and_loss_only_on_masked():
+def test_masks_on_shifted_blocks():
     cfg = tiny_cfg()
     rng = np.random.default_rng(0)
-    clean = rng.integers(0, 48, size=(3, 16))
-    noisy, masked = tr.mask_blocks(clean, 4, cfg.mask_token_id, rng, t_min=0.05)
-    assert np.array_equal(noisy[~masked], clean[~masked])
-    assert np.all(noisy[masked] == cfg.mask_token_id)
-    per_block = masked.reshape(3, 4, 4).sum(-1)
-    assert per_block.min() >= 1
-    # the loss ignores the logits of unmasked positions
+    B, T = 4, 16
+    for o in range(1, B + 1):
+        clean = rng.integers(0, 48, size=(3, T))
+        noisy, masked = tr.mask_blocks(clean, B, o, cfg.mask_token_id, rng, t_min=0.05)
+        assert np.array_equal(noisy[~masked], clean[~masked])
+        assert np.all(noisy[masked] == cfg.mask_token_id)
+        assert not masked[:, :o].any() and not masked[:, o + (T // B - 1) * B:].any()
+        per_block = masked[:, o:o + (T // B - 1) * B].reshape(3, T // B - 1, B).sum(-1)
+        assert per_block.min() >= 1
+
+
+def test_diffusion_loss_on_masked_positions_after_the_block_start():
+    """The diffusion loss reads the noisy logits at q - 1 for exactly the masked q > p
+    (p = the block start), against clean[q]; no other logits reach it."""
+    cfg = tiny_cfg()
+    B, o, T = 4, 3, 16
+    masked = np.zeros((2, T), dtype=bool)
+    masked[0, [3, 4, 6, 7, 11]] = True      # blocks start at 3, 7, 11: 3, 7 and 11 are block starts
+    masked[1, [5, 9, 10, 14]] = True
+    sel = tr.diffusion_select(masked, B, o)
+    assert np.nonzero(sel[0])[0].tolist() == [3, 5]
+    assert np.nonzero(sel[1])[0].tolist() == [4, 8, 9, 13]
+    rng = np.random.default_rng(1)
+    clean = rng.integers(0, 48, size=(2, T))
+    noisy = np.where(masked, cfg.mask_token_id, clean)
     model = random_model(cfg)
-    logits, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4)
-    loss = tr.masked_loss(logits, torch.as_tensor(clean), torch.as_tensor(masked))
-    poked = logits.detach().clone()
-    poked[torch.as_tensor(~masked)] += torch.randn(int((~masked).sum()), cfg.vocab_size, dtype=poked.dtype) * 10
-    assert torch.allclose(loss, tr.masked_loss(poked, torch.as_tensor(clean), torch.as_tensor(masked)))
-    logits2 = logits.detach().clone().requires_grad_(True)
-    tr.masked_loss(logits2, torch.as_tensor(clean), torch.as_tensor(masked)).backward()
-    assert torch.all(logits2.grad[torch.as_tensor(~masked)] == 0)
+    ct = torch.as_tensor(clean)
+    _, full, _ = model.forward_train(ct, torch.as_tensor(noisy), B, o)
+    full = full.detach().requires_grad_(True)           # [2, (nb-1)B, V] for positions o..
+    want = -np.mean([float(torch.log_softmax(full.detach()[n, q - 1 - o], -1)[clean[n, q]])
+                     for n, qs in ((0, [4, 6]), (1, [5, 9, 10, 14])) for q in qs])
+    picked = full[torch.as_tensor(sel[:, o:o + full.shape[1]])]
+    loss = tr.masked_loss(picked, ct, torch.as_tensor(sel))
+    assert loss.item() == pytest.approx(want, rel=1e-6)   # the loss is taken in float32
+    loss.backward()
+    keep = torch.as_tensor(sel[:, o:o + full.shape[1]])
+    assert torch.all(full.grad[~keep] == 0) and torch.all(full.grad[keep].abs().sum(-1) > 0)
+    # select= gives the same rows as the full logits
+    with torch.no_grad():
+        _, part, _ = model.forward_train(ct, torch.as_tensor(noisy), B, o, select=torch.as_tensor(sel))
+    assert torch.allclose(part, full.detach()[keep])
+    # the AR loss: logits at t against clean[t + 1], every position but the last
+    cl = torch.randn(2, T, cfg.vocab_size, dtype=torch.float64)
+    want_ar = -np.mean([float(torch.log_softmax(cl[n, t], -1)[clean[n, t + 1]]) for n in range(2) for t in range(T - 1)])
+    assert tr.ar_loss(cl, ct).item() == pytest.approx(want_ar, rel=1e-6)
 
 
 def toy_run_args(tmp_path, seed: int) -> list[str]:
@@ -119,18 +379,6 @@ def test_resume_matches_uninterrupted(tmp_path):
     np.testing.assert_array_equal(np.array(full[3:]), np.array(rest))
 
 
-def test_select_equals_full_logits():
-    cfg = tiny_cfg()
-    model = random_model(cfg)
-    rng = np.random.default_rng(1)
-    clean = rng.integers(0, 48, size=(2, 8))
-    noisy, masked = tr.mask_blocks(clean, 4, cfg.mask_token_id, rng)
-    with torch.no_grad():
-        full, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4)
-        sel, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), 4, select=torch.as_tensor(masked))
-    assert torch.allclose(full[torch.as_tensor(masked)], sel)
-
-
 def test_second_stage_and_check_repro(tmp_path, capsys):
     from train import check_repro
 
@@ -148,6 +396,43 @@ def test_second_stage_and_check_repro(tmp_path, capsys):
     log[2] = ",".join(cells)
     (s2 / "log.csv").write_text("\n".join(log) + "\n")
     assert check_repro.main(["--run", str(s2), "--steps", "3"]) == 1
+
+
+def test_export_and_init_hf(tmp_path):
+    """train.export writes a spec v2 checkpoint folder (config.json marks "clover_semantics":
+    "causal-shift") that loads back to the run's weights (bf16 matrices); --init-hf starts a
+    run from such a folder."""
+    import json
+
+    from clover_convert.safetensors_io import CheckpointReader
+    from train import export
+
+    common = toy_run_args(tmp_path, 2)
+    data = tmp_path / "data"
+    (data / "meta.json").write_text(json.dumps({
+        "python": "3", "exclude_dirs": [], "heldout_files": ["x.py"], "vocab_size": 50,
+        "train": {"files": 1, "tokens": 4000, "bytes": 1}, "heldout": {"files": 1, "tokens": 400, "bytes": 1}}))
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    s1, hf = tmp_path / "s1", tmp_path / "hf"
+    tr.main(common + ["--out", str(s1), "--steps", "3", "--eval-every", "2"])
+    export.main(["--run", str(s1), "--data", str(data), "--out", str(hf), "--tokenizer-from", str(tok),
+                 "--card-extra", ""])
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["clover_semantics"] == "causal-shift" and cfg["vocab_size"] == 50
+    assert (hf / "tokenizer.json").read_text() == "{}" and (hf / "loss.png").is_file()
+    assert "Held-out next-token (AR) loss of the causal stream: **" in (hf / "README.md").read_text()
+    model, _ = export.load_run(s1)
+    with CheckpointReader(hf) as rd:
+        for name, t in model.hf_state_dict().items():
+            np.testing.assert_allclose(rd.read_f32(name), t.numpy(), rtol=1e-2, atol=1e-6)
+    from_hf = tr.main(common + ["--out", str(tmp_path / "a"), "--steps", "2", "--seed", "4", "--init-hf", str(hf)])
+    from_ck = tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "2", "--seed", "4",
+                                "--init-from", str(s1 / "ckpt.pt")])
+    fresh = tr.main(common + ["--out", str(tmp_path / "c"), "--steps", "2", "--seed", "4"])
+    assert from_hf[0] == pytest.approx(from_ck[0], rel=1e-2) and from_hf[0] != pytest.approx(fresh[0], rel=1e-2)
 
 
 def test_certainty_term_only_on_right_predictions():
@@ -232,13 +517,15 @@ def test_distill_on_policy_rounds(tmp_path):
 
 
 def test_suffix_masks_are_block_suffixes():
-    """--traj-mask suffix: in every block the masked positions are its last n, 1 <= n <= B, and
-    every n occurs."""
+    """--traj-mask suffix: in every decode block [o + bB, o + (b+1)B) the masked positions are
+    its last n, 1 <= n <= B, every n occurs, and nothing outside the blocks is masked."""
     from train.distill import mask_suffix
 
     clean = np.arange(4 * 64).reshape(4, 64)
-    noisy, masked = mask_suffix(clean, 8, -1, np.random.default_rng(0))
-    blocks = masked.reshape(4, 8, 8)
+    o = 3
+    noisy, masked = mask_suffix(clean, 8, o, -1, np.random.default_rng(0))
+    assert not masked[:, :o].any() and not masked[:, o + 56:].any()
+    blocks = masked[:, o:o + 56].reshape(4, 7, 8)
     n = blocks.sum(-1)
     assert n.min() >= 1 and n.max() <= 8 and len(set(n.ravel().tolist())) == 8
     for row, k in zip(blocks.reshape(-1, 8), n.ravel()):

@@ -2,9 +2,10 @@
 
 1. ``trajectories``: prompts cut from the *training* split, continued greedily at B = 1 by
    the native engine (libclover): the model's own deterministic answers.
-2. ``finetune``: block-diffusion training (train/train.py's objective: a block size per
-   step, t ~ U(t_min, 1] of each block masked, blocks denoised against the clean memory of
-   the earlier ones) on a mix of trajectory windows and original data windows, plus a
+2. ``finetune``: train/train.py's objective (spec v2: the AR loss of the causal clean stream
+   plus the diffusion loss of decode blocks at a random offset, t ~ U(t_min, 1] of each block
+   masked, each block denoised against the clean memory before it, the logits at q-1
+   predicting the masked q) on a mix of trajectory windows and original data windows, plus a
    certainty term on the trajectory windows (as in dParallel's certainty forcing): on the
    masked positions the model already predicts correctly (argmax = the target), the entropy
    of its prediction is minimised, so that what it gets right it also says with confidence.
@@ -122,13 +123,17 @@ def order_loss(logits, target, block_of: np.ndarray, is_first: np.ndarray, margi
     return (torch.relu(conf[later] - p_first + margin) * wrong).sum() / max(1, int(later.sum()))
 
 
-def mask_suffix(clean: np.ndarray, B: int, mask_id: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Mask the last n ~ U{1..B} positions of every block: the block's known tokens are a prefix,
-    as when a decode agrees with the sequential one (the first masked position is then the
-    B = 1 prediction, and the model learns how sure it may be of the ones after it)."""
+def mask_suffix(clean: np.ndarray, B: int, offset: int, mask_id: int, rng: np.random.Generator
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Mask the last n ~ U{1..B} positions of every decode block [offset + bB, offset + (b+1)B),
+    b = 0..nb-2 (train.mask_blocks' blocks): the block's known tokens are a prefix, as when a
+    decode agrees with the sequential one (the first masked position is then the B = 1
+    prediction, and the model learns how sure it may be of the ones after it)."""
     N, T = clean.shape
-    n_mask = rng.integers(1, B + 1, size=(N, T // B))
-    masked = (np.arange(B)[None, None, :] >= B - n_mask[..., None]).reshape(N, T)
+    nbn = T // B - 1
+    n_mask = rng.integers(1, B + 1, size=(N, nbn))
+    masked = np.zeros((N, T), dtype=bool)
+    masked[:, offset:offset + nbn * B] = (np.arange(B)[None, None, :] >= B - n_mask[..., None]).reshape(N, nbn * B)
     return np.where(masked, mask_id, clean), masked
 
 
@@ -174,9 +179,9 @@ def finetune(a: argparse.Namespace) -> list[float]:
 
     from clover_testkit.reference import CloverConfig
     from train.model import CloverTorch
-    from train.train import (AUX_WEIGHT, heldout_if_due, heldout_loss, heldout_windows, load_ckpt, lr_at,
-                             make_optimizer, mask_blocks, masked_loss, open_log, optimizer_step,
-                             parse_block_sizes, save_ckpt)
+    from train.train import (AUX_WEIGHT, ar_loss, diffusion_select, heldout_if_due, heldout_loss,
+                             heldout_windows, load_ckpt, lr_at, make_optimizer, mask_blocks, masked_loss,
+                             open_log, optimizer_step, parse_block_sizes, save_ckpt)
 
     torch.set_num_threads(a.threads)
     out, data, init = Path(a.out), Path(a.data), Path(a.init)
@@ -203,11 +208,12 @@ def finetune(a: argparse.Namespace) -> list[float]:
         raise SystemExit(f"trajectory length {T} must be a multiple of every block size")
     windows = heldout_windows(data, 256, a.eval_windows)
     logf, log = open_log(out / "log.csv", a.resume, step,
-                         ["step", "elapsed_s", "block_size", "lr", "loss", "certainty", "aux", "heldout_loss"])
+                         ["step", "elapsed_s", "block_size", "lr", "loss", "certainty", "aux", "heldout_loss",
+                          "offset", "ar_loss", "heldout_ar"])
     if step == 0:
-        h0 = heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id)
-        log.writerow([0, "0.0", "", "", "", "", "", f"{h0:.4f}"])
-        print(f"step 0 heldout {h0:.4f}", flush=True)
+        h_ar, h0 = heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id)
+        log.writerow([0, "0.0", "", "", "", "", "", f"{h0:.4f}", "", "", f"{h_ar:.4f}"])
+        print(f"step 0 heldout ar {h_ar:.4f} diff {h0:.4f}", flush=True)
     n_traj = max(1, int(round(a.batch * a.traj_frac)))
     n_data = a.batch - n_traj
     losses: list[float] = []
@@ -219,39 +225,49 @@ def finetune(a: argparse.Namespace) -> list[float]:
             save_ckpt(ck, model, opt, step, rng, a, time.time() - t_start)
             traj = load_round_traj(a, out, step // round_len)
         B = int(rng.choice(sizes, p=probs))
+        offset = int(rng.integers(1, B + 1))
         rows = traj[rng.integers(0, len(traj), size=n_traj)]
         offs = rng.integers(0, len(tokens) - T, size=n_data)
         clean = np.concatenate([rows, tokens[offs[:, None] + np.arange(T)[None, :]]], 0)
-        noisy, masked = mask_blocks(clean, B, cfg.mask_token_id, rng, a.t_min)
+        noisy, masked = mask_blocks(clean, B, offset, cfg.mask_token_id, rng, a.t_min)
         if a.traj_mask == "suffix":
-            noisy[:n_traj], masked[:n_traj] = mask_suffix(clean[:n_traj], B, cfg.mask_token_id, rng)
+            noisy[:n_traj], masked[:n_traj] = mask_suffix(clean[:n_traj], B, offset, cfg.mask_token_id, rng)
+        sel_np = diffusion_select(masked, B, offset)   # q - 1 for the masked q after each block start
         is_traj = np.zeros_like(masked)
         is_traj[:n_traj] = True
         lr = lr_at(step, argparse.Namespace(steps=a.steps, warmup=a.warmup, lr=a.lr, min_lr_frac=a.min_lr_frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        sel = torch.as_tensor(masked)
-        logits, aux = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, select=sel)
-        target = torch.as_tensor(clean)[sel]
-        loss = masked_loss(logits, torch.as_tensor(clean), sel)
+        sel = torch.as_tensor(sel_np)
+        ct = torch.as_tensor(clean)
+        clean_logits, logits, aux = model.forward_train(ct, torch.as_tensor(noisy), B, offset, select=sel)
+        target = ct[:, 1:][sel[:, :-1]]
+        dl = masked_loss(logits, ct, sel)
+        ar = ar_loss(clean_logits, ct)
+        loss = ar + dl
         cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
         total = loss + a.certainty * cert + AUX_WEIGHT * aux
         if a.order:
-            r, c = np.nonzero(masked)   # the masked positions, in the order of logits' rows
-            block_of = np.where(r < n_traj, r * (T // B) + c // B, -1)
-            is_first = (c % B == 0) | ~masked[r, c - 1]  # its block's first masked position
+            r, c = np.nonzero(sel_np)   # the logits' rows: position c predicts the masked c + 1
+            q = c + 1
+            blk = (q - offset) // B
+            is_first = ~masked[r, q - 1]   # the block's first masked position after its start
+            block_of = np.where(r < n_traj, r * (T // B) + blk, -1)
+            has_first = np.zeros(n_traj * (T // B) + 1, dtype=bool)
+            has_first[block_of[is_first & (block_of >= 0)]] = True
+            block_of = np.where((block_of >= 0) & has_first[block_of], block_of, -1)
             total = total + a.order * order_loss(logits, target, block_of, is_first)
         optimizer_step(model, opt, total, a.clip)
         step += 1
         losses.append(loss.item())
-        hl = heldout_if_due(model, windows, cfg, a, step)
+        h_ar, hl = heldout_if_due(model, windows, cfg, a, step)
         el = time.time() - t_start
         log.writerow([step, f"{el:.1f}", B, f"{lr:.3e}", f"{loss.item():.4f}", f"{cert.item():.4f}",
-                      f"{aux.item():.4f}", hl])
+                      f"{aux.item():.4f}", hl, offset, f"{ar.item():.4f}", h_ar])
         logf.flush()
         if step % 10 == 0 or hl:
-            print(f"step {step} B={B} loss {loss.item():.4f} certainty {cert.item():.3f} lr {lr:.2e} {el:.0f}s"
-                  + (f" heldout {hl}" if hl else ""), flush=True)
+            print(f"step {step} B={B} o={offset} ar {ar.item():.4f} diff {dl.item():.4f} certainty {cert.item():.3f} "
+                  f"lr {lr:.2e} {el:.0f}s" + (f" heldout ar {h_ar} diff {hl}" if hl else ""), flush=True)
         if time.time() - t_last_ck >= a.ckpt_every or step == last:
             save_ckpt(ck, model, opt, step, rng, a, el)
             t_last_ck = time.time()

@@ -9,9 +9,9 @@
   pinned llama-bench (-p 0 -n --new-tokens), beside ours at threshold 0.9;
 * quality proxy: share of generated positions where threshold decoding gives the same
   token as B = 1 greedy (position by position), and the mean length of the common prefix;
-* held-out masked-token loss of the GGUFs (Clover.block_logits: block pass of the noisy
-  block, then commit of the clean block) vs the torch checkpoint, same windows and masks
-  as train.train.heldout_loss;
+* held-out diffusion loss of the GGUFs (Clover.block_logits: block pass of the noisy
+  block, logits at q - 1 for the masked q after the block start, then commit of the clean
+  block) vs the torch checkpoint, same windows, offsets and masks as train.train.heldout_loss;
 * quantization: mean KL(f32 || quant) of the block-pass distributions at the masked
   positions of held-out blocks, and file sizes;
 * chart train/eval.png, tables in train/RESULTS.md, raw numbers in train/eval_results.json.
@@ -214,31 +214,41 @@ def agg(rs, base) -> dict:
 
 
 def heldout_windows(data: Path, T: int, n: int):
+    """(clean, noisy, targets, offsets): the held-out windows, offsets and masks of
+    train.train.heldout_loss (B = 32; same draws in the same order); targets marks the masked
+    positions q after each block start, whose block-pass logits at q - 1 predict clean[q]."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train.train import EVAL_SEED, heldout_windows as hw, mask_blocks
     w = hw(data, T, n)
     rng = np.random.default_rng(EVAL_SEED)
-    noisy, masked = [], []
+    noisy, targets, offsets = [], [], []
     for s in range(0, len(w), 8):     # same draws, in the same order, as train.train.heldout_loss
-        nz, mk = mask_blocks(w[s:s + 8], 32, MASK_ID, rng)
+        o = int(rng.integers(1, 32 + 1))
+        nz, mk = mask_blocks(w[s:s + 8], 32, o, MASK_ID, rng)
+        mk[:, o::32] = False          # block starts: the clean stream's (AR) prediction
         noisy.append(nz)
-        masked.append(mk)
-    return w, np.concatenate(noisy), np.concatenate(masked)
+        targets.append(mk)
+        offsets += [o] * len(nz)
+    return w, np.concatenate(noisy), np.concatenate(targets), offsets
 
 
 MASK_ID = 4095
 
 
-def gguf_block_logprobs(gguf: Path, clean, noisy, masked, B: int, threads: int) -> list[np.ndarray]:
-    """Per window: log-softmax of the block-pass logits at the masked positions [n_masked, V]."""
+def gguf_block_logprobs(gguf: Path, clean, noisy, targets, offsets, B: int, threads: int) -> list[np.ndarray]:
+    """Per window: log-softmax of the block-pass logits at q - 1 for the target positions q
+    [n_targets, V]: commit the clean tokens before the first block (offset o), then per decode
+    block [o + bB, o + (b+1)B) a block pass of its noisy tokens, then the commit of its clean ones."""
     out = []
     with Clover(gguf, n_ctx=1024, n_threads=threads, block_size=B) as m:
-        for c, nz, mk in zip(clean, noisy, masked):
+        for c, nz, tg, o in zip(clean, noisy, targets, offsets):
             m.reset()
+            m.commit(c[:o].tolist())
             rows = []
-            for s in range(0, len(c), B):
+            for s in range(o, o + (len(c) // B - 1) * B, B):
                 lg = m.block_logits(nz[s:s + B].tolist()).astype(np.float64)
-                rows.append(lg[mk[s:s + B]])
+                q = np.nonzero(tg[s:s + B])[0]
+                rows.append(lg[q - 1])
                 m.commit(c[s:s + B].tolist())
             lg = np.concatenate(rows)
             lg = lg - lg.max(-1, keepdims=True)
@@ -255,7 +265,8 @@ def masked_ce(logp: list[np.ndarray], clean, masked) -> float:
     return tot / cnt
 
 
-def torch_loss(run: Path, data: Path, n: int, threads: int) -> float:
+def torch_loss(run: Path, data: Path, n: int, threads: int) -> tuple[float, float]:
+    """(AR loss, diffusion loss) of a run's checkpoint, as train.train.heldout_loss."""
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from train.export import load_run
@@ -434,22 +445,24 @@ def main(argv: list[str] | None = None) -> None:
     log(f"speed done at {time.time() - t0:.0f}s")
     res["ar_baseline"] = ar_baseline(g["f16"], work, a.threads, a.new_tokens)
     log(f"qwen35moe baseline: {res['ar_baseline']}")
-    clean, noisy, masked = heldout_windows(data, 256, a.loss_windows)
+    clean, noisy, masked, offs = heldout_windows(data, 256, a.loss_windows)
     res["loss"] = {}
     if Path(a.run, "ckpt.pt").is_file():
-        res["loss"]["torch checkpoint (f32)"] = torch_loss(Path(a.run), data, a.loss_windows, a.threads)
+        ar, dl = torch_loss(Path(a.run), data, a.loss_windows, a.threads)
+        res["loss"]["torch checkpoint (f32)"] = dl
+        res["loss_ar_torch"] = ar
     lp = {}
     for k in ("f32", "f16"):
-        lp[k] = gguf_block_logprobs(g[k], clean, noisy, masked, 32, a.threads)
+        lp[k] = gguf_block_logprobs(g[k], clean, noisy, masked, offs, 32, a.threads)
         res["loss"][f"GGUF {k}"] = masked_ce(lp[k], clean, masked)
     mx = np.concatenate([np.exp(lp_.max(-1)) for lp_ in lp["f16"]])
     res["confidence"] = {str(th): float(np.mean(mx >= th)) for th in THRESHOLDS}
     res["confidence_mean_max_prob"] = float(mx.mean())
-    kc, kn, km = clean[:a.kl_windows], noisy[:a.kl_windows], masked[:a.kl_windows]
+    kc, kn, km, ko = clean[:a.kl_windows], noisy[:a.kl_windows], masked[:a.kl_windows], offs[:a.kl_windows]
     ref = lp["f32"][:a.kl_windows]
     res["quant"] = {}
     for k in ("f32", "f16") + QUANTS:
-        q = lp[k][:a.kl_windows] if k in lp else gguf_block_logprobs(g[k], kc, kn, km, 32, a.threads)
+        q = lp[k][:a.kl_windows] if k in lp else gguf_block_logprobs(g[k], kc, kn, km, ko, 32, a.threads)
         kl = None if k == "f32" else float(np.mean(np.concatenate(
             [(np.exp(p) * (p - qq)).sum(-1) for p, qq in zip(ref, q)])))
         res["quant"][k] = {"mb": g[k].stat().st_size / 1e6, "kl": kl, "loss": masked_ce(q, kc, km)}

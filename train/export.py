@@ -2,10 +2,14 @@
 
 Writes model.safetensors (matrices in BF16; the small per-channel tensors — norms, conv
 taps, A_log, dt_bias, block_calib — in F32), config.json, generation_config.json,
-tokenizer.json + tokenizer_config.json (the BPE of train/data.py, ChatML template),
-loss.png (training curve) and README.md (model card).
+tokenizer.json + tokenizer_config.json (the BPE of train/data.py, ChatML template; from the
+data folder, or from --tokenizer-from when the data were encoded with an existing model's
+tokenizer), loss.png (training curve) and README.md (model card). config.json carries
+``"clover_semantics": "causal-shift"``: the weights are for spec v2 (causal commit, logits at
+t predict the token at t+1), the objective of train/train.py.
 
-    python -m train.export --run train/runs/default --data train/runs/data --out models/clover-default
+    python -m train.export --run train/runs/causal --data train/runs/data --out models/clover-default \
+        --tokenizer-from models/clover-default --card-extra ''
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +29,10 @@ from clover_testkit.reference import CloverConfig
 from train.model import CloverTorch
 from train.train import run_argv
 
+SEMANTICS_KEY, SEMANTICS = "clover_semantics", "causal-shift"   # spec v2 weights (see train/train.py)
 HF_EXTRA = {
     **HF_IDENTITY,
+    SEMANTICS_KEY: SEMANTICS,
     "bos_token_id": None,
     "max_position_embeddings": 4096,
     "torch_dtype": "bfloat16",
@@ -94,27 +99,38 @@ def chain_rows(stages: list[dict]) -> list[dict]:
 
 
 def plot_loss(rows: list[dict], path: Path) -> None:
+    """Training curves (per step and smoothed) and the held-out points: the AR (next-token)
+    and diffusion losses of the spec v2 objective; rows without them (a run of the retired
+    objective) show its masked-token loss."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tok = np.array([float(r["tokens_seen"]) for r in rows]) / 1e6
-    loss = np.array([float(r["loss"]) for r in rows])
     k = 25
-    smooth = np.convolve(loss, np.ones(k) / k, mode="valid") if len(loss) > k else loss
-    ev = [(float(r["tokens_seen"]) / 1e6, float(r["heldout_loss"])) for r in rows if r["heldout_loss"]]
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
-    ax.plot(tok, loss, color="#bbbbbb", lw=0.6, label="train (per step)")
-    ax.plot(tok[len(tok) - len(smooth):], smooth, color="C0", lw=1.5, label=f"train ({k}-step mean)")
-    if ev:
-        ax.plot(*zip(*ev), "o-", color="C3", ms=3, lw=1.2, label="held-out (B=32, fixed masks)")
+    tok_all = np.array([float(r["tokens_seen"]) for r in rows]) / 1e6
+    if all(r.get("ar_loss") for r in rows):
+        series = [("ar_loss", "heldout_ar", "AR (next token)", "C0", "C2"),
+                  ("diff_loss", "heldout_loss", "diffusion (masked, next token)", "C1", "C3")]
+    else:
+        series = [("loss", "heldout_loss", "masked-token", "C0", "C3")]
+    lo, hi = 9.0, 0.0
+    for col, hcol, label, c_tr, c_ev in series:
+        loss = np.array([float(r[col]) for r in rows])
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid") if len(loss) > k else loss
+        ev = [(float(r["tokens_seen"]) / 1e6, float(r[hcol])) for r in rows if r.get(hcol)]
+        ax.plot(tok_all, loss, color="#cccccc", lw=0.5)
+        ax.plot(tok_all[len(tok_all) - len(smooth):], smooth, color=c_tr, lw=1.5, label=f"{label}: train ({k}-step mean)")
+        if ev:
+            ax.plot(*zip(*ev), "o-", color=c_ev, ms=3, lw=1.2, label=f"{label}: held-out")
+        lo = min(lo, float(loss.min()), min((e[1] for e in ev), default=9.0))
+        hi = max(hi, float(np.percentile(loss, 99)))
     ax.set_xlabel("training tokens seen (millions, clean windows)")
-    ax.set_ylabel("masked-token cross-entropy (nats)")
-    ax.set_title("clover-default: block-diffusion training on Python stdlib sources")
-    ax.set_ylim(bottom=max(0.0, min(loss.min(), min((e[1] for e in ev), default=9)) - 0.3),
-                top=min(9.0, float(np.percentile(loss, 99)) + 0.3))
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title("clover-default: training on Python stdlib sources")
+    ax.set_ylim(bottom=max(0.0, lo - 0.3), top=min(9.0, hi + 0.3))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -131,9 +147,21 @@ def write_weights(model: CloverTorch, out: Path) -> dict:
     return tensors
 
 
-def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
+def tokenizer_folder(data: Path, tokenizer_from: Path | None) -> Path:
+    """Where tokenizer.json / tokenizer_config.json come from: --tokenizer-from, else the data
+    folder (train.data writes them there when it trains the BPE)."""
+    src = tokenizer_from if tokenizer_from is not None else data
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (src / f).is_file():
+            raise SystemExit(f"{src / f} not found: pass --tokenizer-from <a model folder with the data's tokenizer>")
+    return src
+
+
+def export(run: Path, data: Path, out: Path, card_extra: str = "", tokenizer_from: Path | None = None) -> dict:
     model, st = load_run(run)
     cfg = model.cfg
+    tok_src = tokenizer_folder(data, tokenizer_from)
+    tok_files = {f: (tok_src / f).read_bytes() for f in ("tokenizer.json", "tokenizer_config.json")}
     tensors = write_weights(model, out)
     hfc = hf_config(cfg)
     (out / "config.json").write_text(json.dumps(hfc, indent=2) + "\n")
@@ -141,8 +169,8 @@ def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
            "pad_token_id": cfg.eos_token_id, "mask_token_id": cfg.mask_token_id,
            "block_size": cfg.block_size, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(data / f, out / f)
+    for f, b in tok_files.items():     # read first: the source may be `out` itself
+        (out / f).write_bytes(b)
     stages = run_chain(run)
     rows = chain_rows(stages)
     plot_loss(rows, out / "loss.png")
@@ -156,13 +184,15 @@ def export(run: Path, data: Path, out: Path, card_extra: str = "") -> dict:
             "elapsed_s": sum(s_["minutes"] for s_ in stages) * 60,
             "tokens_seen": sum(s_["tokens"] for s_ in stages),
             "heldout_loss": float(ev[-1]["heldout_loss"]) if ev else None,
+            "heldout_ar": float(ev[-1]["heldout_ar"]) if ev and ev[-1].get("heldout_ar") else None,
             "params": sum(int(np.prod(a.shape)) for a, _ in tensors.values())}
     (out / "README.md").write_text(model_card(hfc, args, meta, info, card_extra, stages))
     return info
 
 
 def train_command(args: dict) -> str:
-    shown = ("data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes", "threads")
+    shown = ("data", "out", "seed", "steps", "batch", "seq_len", "lr", "warmup", "eval_every", "block_sizes", "threads",
+             "init_hf")
     return "nice -n 10 python -m train.train " + " ".join(run_argv(args, keep=shown))
 
 
@@ -171,6 +201,8 @@ def stage_lines(stages: list[dict]) -> str:
     for i, s in enumerate(stages, 1):
         a = s["args"]
         start = (f"from the weights of stage {i - 1} (fresh AdamW state and schedule)" if a.get("init_from")
+                 else f"from the weights of `{a['init_hf']}` (the model trained for the retired "
+                      f"in-place semantics; fresh AdamW state and schedule)" if a.get("init_hf")
                  else "from scratch")
         sched = (f"cosine to 10% over {a['steps']} steps, stopped at step {s['steps']}"
                  if s["steps"] < a["steps"] else "cosine to 10%")
@@ -183,10 +215,14 @@ def model_card(hfc: dict, args: dict, meta: dict, info: dict, extra: str, stages
     E, k = hfc["num_experts"], hfc["num_experts_per_tok"]
     H, I, Is = hfc["hidden_size"], hfc["moe_intermediate_size"], hfc["shared_expert_intermediate_size"]
     n_active = info["params"] - hfc["num_hidden_layers"] * (E - k) * 3 * H * I - hfc["vocab_size"] * H
-    cmd_data = f"python -m train.data --out {args['data']}"
+    cmd_data = f"python -m train.data --out {args['data']}" + (
+        f" --tokenizer {args['init_hf']}/tokenizer.json" if args.get("init_hf") else "")
     cmd_train = "\n".join(train_command(s["args"]) for s in stages)
     cmd_export = f"python -m train.export --run {args['out']} --data {args['data']} --out models/clover-default"
+    if args.get("init_hf"):
+        cmd_export += f" --tokenizer-from {args['init_hf']}"
     hl = f"{info['heldout_loss']:.3f}" if info["heldout_loss"] is not None else "n/a"
+    har = f"{info['heldout_ar']:.3f}" if info.get("heldout_ar") is not None else "n/a"
     partial = ("" if info["step"] >= info["steps_planned"] else
                f" (exported from an intermediate checkpoint: {info['step']} of {info['steps_planned']} planned steps)")
     # YAML front matter: what the hub shows, and what the converter turns into general.* keys
@@ -205,7 +241,7 @@ library_name: clover-cpp
 
 # clover-default
 
-A small **Clover** block-diffusion MoE language model trained from scratch on CPU, shipped
+A small **Clover** block-diffusion MoE language model trained on CPU (see Training), shipped
 with clover-cpp as the default model of `clover demo`. It is a toy: it has learned the
 surface of Python code (indentation, `def`/`self.`/`return` patterns, common stdlib
 identifiers), not to program. It was trained to give the decoder real (non-flat)
@@ -247,18 +283,25 @@ Weights: matrices BF16, norms / conv taps / A_log / dt_bias / block_calib F32.
 
 ## Training
 
-* Objective (BD3-LM / SDAR style): windows of {args['seq_len']} tokens cut into blocks of B
-  (one B per step, drawn from `{args['block_sizes']}` so that the block calibration
-  `tau = exp(theta + phi ln(B/B0))` sees several B); per sequence and block t ~ U(0.05, 1] and
-  max(1, round(tB)) random positions become `<|mask|>`; block b is denoised against the
-  memory (GDN state, conv tail, KV) of the clean blocks before it; cross-entropy on the
-  masked positions only, token mean (no 1/t weight), + 0.01 MoE load-balancing loss.
+* Semantics (`"clover_semantics": "causal-shift"`, spec v2): the logits at position t predict
+  the token at t+1; committed text is processed causally (as an autoregressive model), and
+  decode blocks are denoised in parallel on top of that causal prefix.
+* Objective: windows of {args['seq_len']} tokens, one block size B per step (drawn from
+  `{args['block_sizes']}` so that the block calibration `tau = exp(theta + phi ln(B/B0))` sees
+  several B) and one offset o ~ U{{1..B}}. Clean stream: the whole window causally (each token
+  a block of one); AR loss = next-token cross-entropy at every position. Noisy stream: decode
+  blocks at [o + bB, o + (b+1)B), per block t ~ U(0.05, 1] and max(1, round(tB)) random
+  positions become `<|mask|>`; each block is passed bidirectionally against the clean memory
+  (GDN state, conv tail, KV) of the text before it; diffusion loss = cross-entropy of the
+  logits at q-1 for clean[q], over the masked q after the block start (the block start is
+  the clean stream's prediction). Total = AR + diffusion + 0.01 MoE load-balancing loss.
 * AdamW (0.9, 0.95), weight decay {args['weight_decay']}, grad clip {args['clip']}, batch
   {args['batch']} x {args['seq_len']} tokens, fp32 (torch {torch.__version__}), in {len(stages)} stage(s):
 {stage_lines(stages)}
 * {info['step']} steps in all{partial}, {info['tokens_seen']:,} training tokens
   ({info['tokens_seen'] / max(1, meta['train']['tokens']):.2f} epochs), {info['elapsed_s'] / 60:.0f} minutes.
-* Held-out masked-token loss (B = 32, fixed masks, t ~ U(0.05, 1]): **{hl} nats**.
+* Held-out next-token (AR) loss of the causal stream: **{har} nats**; held-out diffusion loss
+  (B = 32, fixed offsets and masks, t ~ U(0.05, 1]): **{hl} nats**.
 
 ![loss](loss.png)
 {extra}
@@ -289,9 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="models/clover-default")
     ap.add_argument("--card-extra", default=str(Path(__file__).with_name("card_extra.md")),
                     help="a markdown file appended to the model card ('' = none)")
+    ap.add_argument("--tokenizer-from", default="",
+                    help="copy tokenizer.json / tokenizer_config.json from this folder (default: --data)")
     a = ap.parse_args(argv)
     extra = Path(a.card_extra).read_text() if a.card_extra else ""
-    info = export(Path(a.run), Path(a.data), Path(a.out), extra)
+    info = export(Path(a.run), Path(a.data), Path(a.out), extra, Path(a.tokenizer_from) if a.tokenizer_from else None)
     print(json.dumps(info, indent=1))
 
 

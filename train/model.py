@@ -5,21 +5,28 @@ a layer are stored in the spec's fused form (``mlp.experts.gate_up_proj [E, 2I, 
 half first, and ``mlp.experts.down_proj [E, H, I]``); ``hf_state_dict()`` gives the
 per-expert names (``experts.j.{gate,up,down}_proj.weight``) and ``load_hf()`` takes either.
 
-Training forward (``forward_train``), BD3-LM style, vectorised over the batch and over
-blocks. A sequence of T = nb*B tokens is run as two streams, layer by layer:
+Training forward (``forward_train``, spec v2), vectorised over the batch and over blocks.
+A window of T = nb*B tokens and an offset o (1 <= o <= B) run as two streams, layer by layer,
+laid out [clean | noisy] along the time axis:
 
-* clean stream: block b is a block pass of the clean block b against the memory of the
-  clean blocks < b (exactly what ``commit`` computes);
-* noisy stream: block b is a block pass of the noisy (partly masked) block b against the
-  same memory; its logits are the training output.
+* clean stream: the whole window causally, every token a block of one (exactly what
+  ``commit`` computes): GDN conv with causal taps only; memory read before the token is
+  written, ``o_mem[t] = S_{t-1}^T q_t / sqrt(dk)``; the block softmax of a block of one is the
+  token's own v; full attention plain causal. Its logits at t predict clean[t+1].
+* noisy stream: the decode blocks [o + bB, o + (b+1)B), b = 0..nb-2; block b is a block pass
+  of its canvas against the clean memory at its start p: the GDN state after the clean
+  tokens < p, the conv tail = the K-1 clean pre-conv rows before p, and for full attention
+  the clean keys < p plus the block's own keys (bidirectional inside). Lookahead conv taps
+  stop at the block end; block calibration ``tau = exp(theta + phi ln(B / B0))``.
 
-The memory of a GDN layer at the start of block b is the state S after committing clean
-blocks 0..b-1 (chunked gated delta rule, one chunk per block, exact in exact arithmetic:
-``Delta = (I + A)^-1 (beta v - beta e^G k S0)``, ``S1 = e^G_n S0 + (k e^(G_n - G))^T Delta``)
-and the conv tail = the K-1 clean pre-conv rows before the block. Full attention: clean
-queries see clean keys of blocks <= b; noisy queries see clean keys of blocks < b and the
-noisy keys of their own block (bidirectional). Lookahead conv taps stop at the block end;
-block calibration ``tau = exp(theta + phi ln(B / B0))`` and the memory/block gate are used.
+The clean GDN states come from the chunked gated delta rule with chunks aligned at o + kB
+(B - o null steps in front, o at the end; beta = g = k = 0 there, so they change nothing).
+Within a chunk with start state S0 and G the cumulative sum of g:
+``Delta = (I + A)^-1 (beta v - beta e^G k S0)`` with ``A[t,s] = beta_t e^(G_t - G_s) k_t.k_s``
+(s < t), ``S1 = e^G_n S0 + (k e^(G_n - G))^T Delta``, and the outputs read before the write
+``S_{t-1}^T q_t = e^(G_{t-1}) q_t^T S0 + sum_{s<t} e^(G_{t-1} - G_s) (q_t.k_s) Delta_s``
+(G_{-1} = 0 at the chunk start). tests/test_train.py checks all of it against a
+token-by-token loop of the spec.
 """
 
 from __future__ import annotations
@@ -178,150 +185,181 @@ class CloverTorch(nn.Module):
         aux = E * (frac.detach() * probs.mean(0)).sum()
         return out, aux
 
-    def _gdn(self, i: int, xc: torch.Tensor, xn: torch.Tensor, B: int, trace: dict | None):
-        """xc, xn [N, T, H] (normed) -> mixer outputs (clean, noisy) [N, T, H]."""
+    # ------------------------------------------------------------------ mixers
+    # Both mixers take the clean stream xc [N, T, H] (positions 0..T-1, causal: every token a
+    # block of one) and the noisy stream xn [N, M, H] (M = nbn*B canvas tokens, decode blocks
+    # at positions [o + bB, o + (b+1)B), b < nbn) and return their outputs.
+    def _gdn(self, i: int, xc: torch.Tensor, xn: torch.Tensor, B: int, o: int, trace: dict | None):
         c, p = self.cfg, f"model.layers.{i}.linear_attn."
         N, T, H = xc.shape
-        nb = T // B
+        M = xn.shape[1]
+        nbn = M // B
         Hk, Hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
                           c.linear_key_head_dim, c.linear_value_head_dim)
         r, C, K, R = Hv // Hk, c.conv_dim, c.linear_conv_kernel_dim, c.linear_conv_lookahead
         Wall = torch.cat([self.W(p + "in_proj_qkv.weight"), self.W(p + "in_proj_z.weight"),
                           self.W(p + "in_proj_b.weight"), self.W(p + "in_proj_a.weight"),
                           self.W(p + "in_proj_m.weight")], 0)
-        x = torch.cat([xc, xn], 0)                                     # [2N, T, H]
-        proj = x @ Wall.T
+        proj = torch.cat([xc, xn], 1) @ Wall.T                         # [N, T+M, .]
         u, z, b, a, m = torch.split(proj, [C, Hv * dv, Hv, Hv, Hv], dim=-1)
-        # conv: tails from the clean stream, lookahead inside the block only
-        ucp = F.pad(u[:N], (0, 0, K - 1, 0))                           # [N, T+K-1, C]
-        idx = (torch.arange(nb) * B)[:, None] + torch.arange(K - 1)[None, :]   # [nb, K-1]
-        tails = ucp[:, idx]                                            # [N, nb, K-1, C]
-        tails = torch.cat([tails, tails], 0)
-        ub = u.reshape(2 * N, nb, B, C)
-        U = torch.cat([tails, ub, u.new_zeros(2 * N, nb, R, C)], dim=2)   # [2N, nb, K-1+B+R, C]
+        uc, un = u[:, :T], u[:, T:]
         wc = self.W(p + "conv1d.weight")[:, 0, :]
-        conv = sum(wc[:, j] * U[:, :, j:j + B] for j in range(K))
+        # clean conv: causal taps only (zeros before position 0)
+        ucp = F.pad(uc, (0, 0, K - 1, 0))                              # [N, T+K-1, C]
+        conv_c = sum(wc[:, j] * ucp[:, j:j + T] for j in range(K))
+        # noisy conv: tail = the K-1 clean rows before the block start, lookahead inside the block
+        starts = o + torch.arange(nbn) * B
+        tails = ucp[:, starts[:, None] + torch.arange(K - 1)[None, :]]  # [N, nbn, K-1, C]
+        U = torch.cat([tails, un.reshape(N, nbn, B, C), un.new_zeros(N, nbn, R, C)], dim=2)
+        conv_n = sum(wc[:, j] * U[:, :, j:j + B] for j in range(K))
         if R:
             wl = self.W(p + "conv1d_lookahead.weight")[:, 0, :]
-            conv = conv + sum(wl[:, j] * U[:, :, K + j:K + j + B] for j in range(R))
-        cs = F.silu(conv)                                              # [2N, nb, B, C]
-        q = l2_norm(cs[..., :Hk * dk].reshape(2 * N, nb, B, Hk, dk))
-        k = l2_norm(cs[..., Hk * dk:2 * Hk * dk].reshape(2 * N, nb, B, Hk, dk))
-        v = cs[..., 2 * Hk * dk:].reshape(2 * N, nb, B, Hv, dv)
-        q = q.repeat_interleave(r, dim=3).transpose(2, 3)              # [2N, nb, Hv, B, dk]
-        k = k.repeat_interleave(r, dim=3).transpose(2, 3)
-        v = v.transpose(2, 3)                                          # [2N, nb, Hv, B, dv]
-        # clean-stream states at every block start (chunked gated delta rule)
-        bc = b[:N].reshape(N, nb, B, Hv).transpose(2, 3)               # [N, nb, Hv, B]
-        ac = a[:N].reshape(N, nb, B, Hv).transpose(2, 3)
-        beta = torch.sigmoid(bc)
-        g = -torch.exp(self.W(p + "A_log"))[:, None] * F.softplus(ac + self.W(p + "dt_bias")[:, None])
-        G = torch.cumsum(g, dim=-1)                                    # [N, nb, Hv, B]
-        kc, vc = k[:N], v[:N]
-        lower = torch.ones(B, B, dtype=torch.bool, device=x.device).tril(-1)
-        dG = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf"))
-        A = beta[..., None] * torch.exp(dG) * (kc @ kc.transpose(-1, -2))
-        IA = A + torch.eye(B, dtype=x.dtype, device=x.device)
-        rhs = torch.cat([beta[..., None] * torch.exp(G)[..., None] * kc, beta[..., None] * vc], -1)
+            conv_n = conv_n + sum(wl[:, j] * U[:, :, K + j:K + j + B] for j in range(R))
+
+        def qkv(cs: torch.Tensor):
+            sh = cs.shape[:-1]
+            q = l2_norm(cs[..., :Hk * dk].reshape(*sh, Hk, dk)).repeat_interleave(r, dim=-2)
+            k = l2_norm(cs[..., Hk * dk:2 * Hk * dk].reshape(*sh, Hk, dk)).repeat_interleave(r, dim=-2)
+            v = cs[..., 2 * Hk * dk:].reshape(*sh, Hv, dv)
+            return q, k, v
+
+        # ---- clean stream: sequential gated delta rule, chunked with chunks aligned at o + kB
+        qc, kc, vc = qkv(F.silu(conv_c))                               # [N, T, Hv, d]
+        beta = torch.sigmoid(b[:, :T])                                 # [N, T, Hv]
+        g = -torch.exp(self.W(p + "A_log")) * F.softplus(a[:, :T] + self.W(p + "dt_bias"))
+        P0 = B - o                                                     # null steps in front
+        nc = (T + B) // B                                              # chunks (o null steps at the end)
+        padT = lambda x: F.pad(x, (0, 0) * (x.dim() - 2) + (P0, o))  # noqa: E731  pads dim 1
+
+        def chunks(x):   # [N, T, Hv, ...] -> [N, Hv, nc, B, ...]
+            x = padT(x)
+            x = x.reshape(N, nc, B, *x.shape[2:]).transpose(1, 3).transpose(2, 3)
+            return x
+        qh, kh, vh = chunks(qc), chunks(kc), chunks(vc)                # [N, Hv, nc, B, d]
+        be, gg = chunks(beta), chunks(g)                               # [N, Hv, nc, B]
+        G = torch.cumsum(gg, dim=-1)
+        Gp = G - gg                                                    # G_{t-1}, 0 at the chunk start
+        strict = torch.ones(B, B, dtype=torch.bool, device=xc.device).tril(-1)
+        dG = (G[..., :, None] - G[..., None, :]).masked_fill(~strict, float("-inf"))
+        A = be[..., None] * torch.exp(dG) * (kh @ kh.transpose(-1, -2))
+        IA = A + torch.eye(B, dtype=xc.dtype, device=xc.device)
+        rhs = torch.cat([(be * torch.exp(G))[..., None] * kh, be[..., None] * vh], -1)
         sol = torch.linalg.solve_triangular(IA, rhs, upper=False, unitriangular=True)
-        Wm, Um = sol[..., :dk], sol[..., dk:]                          # [N, nb, Hv, B, dk|dv]
-        gN = torch.exp(G[..., -1])                                     # [N, nb, Hv]
-        Kd = kc * torch.exp(G[..., -1:] - G)[..., None]                # [N, nb, Hv, B, dk]
-        S = x.new_zeros(N, Hv, dk, dv)
-        states = [S]
-        for blk in range(nb - 1 if trace is None else nb):
-            Delta = Um[:, blk] - Wm[:, blk] @ S
-            S = gN[:, blk, :, None, None] * S + Kd[:, blk].transpose(-1, -2) @ Delta
+        Wm, Um = sol[..., :dk], sol[..., dk:]                          # Delta = Um - Wm S0
+        dGp = (Gp[..., :, None] - G[..., None, :]).masked_fill(~strict, float("-inf"))
+        QK = torch.exp(dGp) * (qh @ kh.transpose(-1, -2))              # [N, Hv, nc, B, B], s < t
+        gN = torch.exp(G[..., -1])                                     # [N, Hv, nc]
+        Kd = kh * torch.exp(G[..., -1:] - G)[..., None]
+        S = xc.new_zeros(N, Hv, dk, dv)
+        states, deltas = [], []
+        for ch in range(nc):
             states.append(S)
+            D = Um[:, :, ch] - Wm[:, :, ch] @ S
+            deltas.append(D)
+            S = gN[:, :, ch, None, None] * S + Kd[:, :, ch].transpose(-1, -2) @ D
+        Sst = torch.stack(states, 2)                                   # [N, Hv, nc, dk, dv]
+        Dst = torch.stack(deltas, 2)                                   # [N, Hv, nc, B, dv]
+        om = torch.exp(Gp)[..., None] * (qh @ Sst) + QK @ Dst          # o_mem * sqrt(dk)
+        om = om.transpose(2, 3).transpose(1, 3).reshape(N, nc * B, Hv, dv)[:, P0:P0 + T]
+        lam_c = torch.sigmoid(m[:, :T])[..., None]                     # [N, T, Hv, 1]
+        o_c = lam_c * om / math.sqrt(dk) + (1.0 - lam_c) * vc          # block of one: o_blk = v
         if trace is not None:
-            trace.setdefault("states", {})[i] = torch.stack(states, 1)  # [N, nb+1, Hv, dk, dv]
-            trace.setdefault("conv_tail", {})[i] = ucp[:, T:]           # last K-1 clean rows
-            states = states[:nb]
-        Sst = torch.stack(states, 1)                                   # [N, nb, Hv, dk, dv]
-        Sst = torch.cat([Sst, Sst], 0)
-        o_mem = (q @ Sst) / math.sqrt(dk)                              # [2N, nb, Hv, B, dv]
+            trace.setdefault("states", {})[i] = Sst[:, :, 1:1 + nbn].transpose(1, 2)  # [N, nbn, Hv, dk, dv]
+            trace.setdefault("final_state", {})[i] = S
+            trace.setdefault("conv_tail", {})[i] = ucp[:, T:]
+        # ---- noisy stream: block passes against the clean memory at each block start
+        qn, kn, vn = qkv(F.silu(conv_n))                               # [N, nbn, B, Hv, d]
+        qn, kn, vn = qn.transpose(2, 3), kn.transpose(2, 3), vn.transpose(2, 3)   # [N, nbn, Hv, B, d]
+        Sn = Sst[:, :, 1:1 + nbn].transpose(1, 2)                      # [N, nbn, Hv, dk, dv]
+        om_n = (qn @ Sn) / math.sqrt(dk)
         calib = self.W(p + "block_calib")
         tau = torch.exp(calib[0] + calib[1] * math.log(B / c.block_size))   # [Hv]
-        att = torch.softmax(tau[:, None, None] * (q @ k.transpose(-1, -2)), dim=-1)
-        o_blk = att @ v
-        lam = torch.sigmoid(m.reshape(2 * N, nb, B, Hv).transpose(2, 3))[..., None]
-        o = lam * o_mem + (1.0 - lam) * o_blk                          # [2N, nb, Hv, B, dv]
-        o = o.transpose(2, 3).reshape(2 * N, T, Hv, dv)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
-        y = self.W(p + "norm.weight") * o * F.silu(z.reshape(2 * N, T, Hv, dv))
-        out = y.reshape(2 * N, T, Hv * dv) @ self.W(p + "out_proj.weight").T
-        return out[:N], out[N:]
+        att = torch.softmax(tau[:, None, None] * (qn @ kn.transpose(-1, -2)), dim=-1)
+        ob = att @ vn
+        lam_n = torch.sigmoid(m[:, T:].reshape(N, nbn, B, Hv).transpose(2, 3))[..., None]
+        o_n = (lam_n * om_n + (1.0 - lam_n) * ob).transpose(2, 3).reshape(N, M, Hv, dv)
+        o_all = torch.cat([o_c, o_n], 1)                               # [N, T+M, Hv, dv]
+        o_all = o_all * torch.rsqrt(o_all.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        y = self.W(p + "norm.weight") * o_all * F.silu(z.reshape(N, T + M, Hv, dv))
+        out = y.reshape(N, T + M, Hv * dv) @ self.W(p + "out_proj.weight").T
+        return out[:, :T], out[:, T:]
 
-    def _attn(self, i: int, xc: torch.Tensor, xn: torch.Tensor, B: int, trace: dict | None):
+    def _attn(self, i: int, xc: torch.Tensor, xn: torch.Tensor, B: int, o: int, trace: dict | None):
         c, p = self.cfg, f"model.layers.{i}.self_attn."
         N, T, H = xc.shape
+        M = xn.shape[1]
         nh, nkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = torch.cat([xc, xn], 0)
-        qf = (x @ self.W(p + "q_proj.weight").T).reshape(2 * N, T, nh, 2 * dh)
+        x = torch.cat([xc, xn], 1)                                     # [N, T+M, H]
+        qf = (x @ self.W(p + "q_proj.weight").T).reshape(N, T + M, nh, 2 * dh)
         q, gate = qf[..., :dh], qf[..., dh:]
-        k = (x @ self.W(p + "k_proj.weight").T).reshape(2 * N, T, nkv, dh)
-        v = (x @ self.W(p + "v_proj.weight").T).reshape(2 * N, T, nkv, dh)
-        pos = torch.arange(T, device=x.device)
+        k = (x @ self.W(p + "k_proj.weight").T).reshape(N, T + M, nkv, dh)
+        v = (x @ self.W(p + "v_proj.weight").T).reshape(N, T + M, nkv, dh)
+        pos = torch.cat([torch.arange(T), o + torch.arange(M)]).to(x.device)
         q = rope_neox(rms_norm_1p(q, self.W(p + "q_norm.weight"), c.rms_norm_eps).transpose(1, 2),
-                      pos, c.rotary_dim, c.rope_theta)                 # [2N, nh, T, dh]
+                      pos, c.rotary_dim, c.rope_theta)                 # [N, nh, T+M, dh]
         k = rope_neox(rms_norm_1p(k, self.W(p + "k_norm.weight"), c.rms_norm_eps).transpose(1, 2),
-                      pos, c.rotary_dim, c.rope_theta)                 # [2N, nkv, T, dh]
+                      pos, c.rotary_dim, c.rope_theta)                 # [N, nkv, T+M, dh]
         v = v.transpose(1, 2)
         if trace is not None:
-            trace.setdefault("keys", {})[i] = k[:N]
-            trace.setdefault("values", {})[i] = v[:N]
-        # queries [clean; noisy], keys [clean; noisy] along the time axis
-        Q = torch.cat([q[:N], q[N:]], 2)                               # [N, nh, 2T, dh]
-        Kk = torch.cat([k[:N], k[N:]], 2).repeat_interleave(nh // nkv, dim=1)
-        Vv = torch.cat([v[:N], v[N:]], 2).repeat_interleave(nh // nkv, dim=1)
-        blk = torch.arange(T, device=x.device) // B
-        bq, bk = blk[:, None], blk[None, :]
-        mask = torch.cat([torch.cat([bk <= bq, torch.zeros(T, T, dtype=torch.bool)], 1),
-                          torch.cat([bk < bq, bk == bq], 1)], 0)       # [2T, 2T], True = attend
-        o = F.scaled_dot_product_attention(Q, Kk, Vv, attn_mask=mask, scale=1.0 / math.sqrt(dh))
-        o = torch.cat([o[:, :, :T], o[:, :, T:]], 0).transpose(1, 2)   # [2N, T, nh, dh]
-        o = o * torch.sigmoid(gate)
-        out = o.reshape(2 * N, T, nh * dh) @ self.W(p + "o_proj.weight").T
-        return out[:N], out[N:]
+            trace.setdefault("keys", {})[i] = k[:, :, :T]
+            trace.setdefault("values", {})[i] = v[:, :, :T]
+        rep = nh // nkv
+        tc, tn = torch.arange(T), torch.arange(M)
+        start = o + (tn // B) * B                                      # block start of each canvas token
+        mask = torch.cat([torch.cat([tc[None, :] <= tc[:, None], torch.zeros(T, M, dtype=torch.bool)], 1),
+                          torch.cat([tc[None, :] < start[:, None], (tn[None, :] // B) == (tn[:, None] // B)], 1)],
+                         0).to(x.device)                               # [T+M, T+M], True = attend
+        o_ = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                            attn_mask=mask, scale=1.0 / math.sqrt(dh))
+        o_ = o_.transpose(1, 2) * torch.sigmoid(gate)                  # [N, T+M, nh, dh]
+        out = o_.reshape(N, T + M, nh * dh) @ self.W(p + "o_proj.weight").T
+        return out[:, :T], out[:, T:]
 
-    def forward_train(self, clean: torch.Tensor, noisy: torch.Tensor, B: int,
+    def forward_train(self, clean: torch.Tensor, noisy: torch.Tensor, B: int, offset: int,
                       trace: dict | None = None, select: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """clean, noisy [N, T] token ids (T a multiple of B) -> (noisy logits [N, T, V], aux loss).
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """clean, noisy [N, T] token ids (T = nb*B, nb >= 2; 1 <= offset <= B) ->
+        (clean logits [N, T, V], noisy logits, aux loss).
 
-        With ``select`` (bool [N, T]) the logits are computed only there: [n_selected, V].
+        Clean logits at t: the causal (autoregressive) pass over clean[:t+1], predicting
+        clean[t+1]. Noisy logits: block passes of the decode blocks [offset + bB, offset +
+        (b+1)B), b = 0..nb-2, read from ``noisy`` at those positions (the rest of ``noisy`` is
+        ignored), each against the clean memory of the positions before its start: [N, (nb-1)*B,
+        V] for positions offset..offset+(nb-1)B-1, or, with ``select`` (bool [N, T] over absolute
+        positions, False outside the blocks), [n_selected, V] in row-major order.
 
-        ``trace`` (a dict) receives the clean memory: states[i] [N, nb+1, Hv, dk, dv] (the
-        GDN state before each block and after the last), conv_tail[i], keys[i]/values[i]."""
+        ``trace`` (a dict) receives the clean memory: states[i] [N, nb-1, Hv, dk, dv] (the GDN
+        state at each decode block start), final_state[i] (after all T tokens), conv_tail[i]
+        (the last K-1 clean pre-conv rows), keys[i]/values[i] [N, nkv, T, dh]."""
         c = self.cfg
         N, T = clean.shape
-        if T % B:
-            raise ValueError(f"T={T} is not a multiple of B={B}")
+        if T % B or T // B < 2:
+            raise ValueError(f"T={T} must be a multiple of B={B}, at least 2 blocks")
+        if not 1 <= offset <= B:
+            raise ValueError(f"offset {offset} not in 1..{B}")
+        M = (T // B - 1) * B
         emb = self.W("model.embed_tokens.weight")
-        hc, hn = emb[clean], emb[noisy]
+        hc, hn = emb[clean], emb[noisy[:, offset:offset + M]]
         aux = hc.new_zeros(())
         L = c.num_hidden_layers
         for i, lt in enumerate(c.layer_types):
             p = f"model.layers.{i}."
-            last = i == L - 1 and trace is None
             w_in = self.W(p + "input_layernorm.weight")
             xc, xn = rms_norm_1p(hc, w_in, c.rms_norm_eps), rms_norm_1p(hn, w_in, c.rms_norm_eps)
             mix = self._gdn if lt == LINEAR else self._attn
-            mc, mn = mix(i, xc, xn, B, trace)
+            mc, mn = mix(i, xc, xn, B, offset, trace)
             w_post = self.W(p + "post_attention_layernorm.weight")
-            if last:   # the clean stream of the last layer feeds nothing
-                hn = hn + mn
-                y, a = self._moe(i, rms_norm_1p(hn, w_post, c.rms_norm_eps).reshape(N * T, -1))
-                hn = hn + y.reshape(N, T, -1)
-            else:
-                h = torch.cat([hc + mc, hn + mn], 0)
-                y, a = self._moe(i, rms_norm_1p(h, w_post, c.rms_norm_eps).reshape(2 * N * T, -1))
-                h = h + y.reshape(2 * N, T, -1)
-                hc, hn = h[:N], h[N:]
+            h = torch.cat([hc + mc, hn + mn], 1)
+            y, a = self._moe(i, rms_norm_1p(h, w_post, c.rms_norm_eps).reshape(N * (T + M), -1))
+            h = h + y.reshape(N, T + M, -1)
+            hc, hn = h[:, :T], h[:, T:]
             aux = aux + a
         head = emb if self.tied else self.W("lm_head.weight")
+        w_out = self.W("model.norm.weight")
+        clean_logits = rms_norm_1p(hc, w_out, c.rms_norm_eps) @ head.T
         if select is not None:
-            hn = hn[select]
-        logits = rms_norm_1p(hn, self.W("model.norm.weight"), c.rms_norm_eps) @ head.T
-        return logits, aux / L
-
+            if select[:, :offset].any() or select[:, offset + M:].any():
+                raise ValueError("select marks a position outside the decode blocks")
+            hn = hn[select[:, offset:offset + M]]
+        noisy_logits = rms_norm_1p(hn, w_out, c.rms_norm_eps) @ head.T
+        return clean_logits, noisy_logits, aux / L

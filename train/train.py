@@ -1,20 +1,29 @@
-"""Train a small Clover (block diffusion, BD3-LM / SDAR style) on CPU.
+"""Train a small Clover (block diffusion on a causal prefix, spec v2) on CPU.
 
-Objective: a batch of N windows of T tokens; one block size B per step (drawn from
---block-sizes); for every sequence and block, t ~ U(t_min, 1] and exactly
-max(1, round(t * B)) positions of the block, drawn uniformly, become the mask token.
-Block b's noisy pass reads the memory of the clean blocks < b (train/model.py). Loss:
-cross-entropy on the masked positions only, averaged over all masked tokens of the batch
-(no 1/t weight: the plain token mean has lower variance for a short run; the 1/t weight
-of the NELBO would give blocks with few masks up to 20x the weight), plus 0.01 x the
-Switch-style MoE load-balancing loss.
+Objective (spec v2, "causal-shift": the logits at t predict the token at t+1): a batch of N
+windows of T tokens; one block size B per step (drawn from --block-sizes) and one offset
+o ~ U{1..B} (never 0: a decode block always has a non-empty prompt before it).
+
+* AR loss: the clean window run causally (train/model.py's clean stream: each token a block
+  of one, exactly what a commit computes); mean next-token cross-entropy over t = 0..T-2.
+* Diffusion loss: decode blocks [o + bB, o + (b+1)B), b = 0..nb-2; in each, t ~ U(t_min, 1]
+  and exactly max(1, round(t * B)) positions, drawn uniformly (the block start included),
+  become the mask token; each block is a block pass against the clean memory before it.
+  For every masked q after the block start p, the noisy logits at q-1 predict clean[q]
+  (q = p is the clean stream's prediction at p-1, in the AR loss). Mean cross-entropy over
+  those positions (no 1/t weight: the plain token mean has lower variance for a short run).
+* Total: AR + diffusion + 0.01 x the Switch-style MoE load-balancing loss. log.csv: loss =
+  AR + diffusion, ar_loss, diff_loss; held-out (every --eval-every steps, B = B0, fixed
+  offsets and masks): heldout_ar, heldout_loss (the diffusion loss).
 
 Reproducible from --seed (numpy PCG64 for data/masks/block sizes, torch seed for init);
 resumable (--resume) from <out>/ckpt.pt: model, optimizer, step, rng state. Checkpoints
 every --ckpt-every seconds; log in <out>/log.csv. --init-from starts a new stage (own seed,
-warmup and cosine schedule) from the weights of an earlier run's ckpt.pt.
+warmup and cosine schedule) from the weights of an earlier run's ckpt.pt; --init-hf from a
+Hugging Face checkpoint folder (e.g. the model trained for the retired in-place semantics).
 
-    nice -n 10 python -m train.train --data train/runs/data --out train/runs/default --steps 2400
+    nice -n 10 python -m train.train --data train/runs/data --out train/runs/causal \
+        --init-hf models/clover-default --steps 1000 --batch 16 --lr 1e-3 --warmup 30
 """
 
 from __future__ import annotations
@@ -57,25 +66,58 @@ AUX_WEIGHT = 0.01
 EVAL_SEED = 1234
 
 
-def mask_blocks(clean: np.ndarray, B: int, mask_id: int, rng: np.random.Generator,
+def mask_blocks(clean: np.ndarray, B: int, offset: int, mask_id: int, rng: np.random.Generator,
                 t_min: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    """Mask max(1, round(t*B)) random positions of every block, t ~ U(t_min, 1] per block."""
+    """Mask the decode blocks [offset + bB, offset + (b+1)B), b = 0..nb-2, of every window:
+    max(1, round(t*B)) random positions per block (its start included), t ~ U(t_min, 1] per
+    block. Positions outside the blocks (before offset, after the last block) stay clean."""
     N, T = clean.shape
-    nb = T // B
-    t = t_min + (1.0 - t_min) * (1.0 - rng.random((N, nb)))       # (t_min, 1]
+    nbn = T // B - 1
+    t = t_min + (1.0 - t_min) * (1.0 - rng.random((N, nbn)))     # (t_min, 1]
     n_mask = np.maximum(1, np.rint(t * B)).astype(np.int64)
-    ranks = np.argsort(rng.random((N, nb, B)), axis=-1).argsort(axis=-1)   # random permutation ranks
-    masked = (ranks < n_mask[..., None]).reshape(N, T)
+    ranks = np.argsort(rng.random((N, nbn, B)), axis=-1).argsort(axis=-1)   # random permutation ranks
+    masked = np.zeros((N, T), dtype=bool)
+    masked[:, offset:offset + nbn * B] = (ranks < n_mask[..., None]).reshape(N, nbn * B)
     return np.where(masked, mask_id, clean), masked
 
 
-def masked_loss(logits: torch.Tensor, clean: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the masked positions only (logits [N, T, V], or [n_masked, V]
-    when they were computed at the masked positions only)."""
-    if logits.dim() == 2:
-        return F.cross_entropy(logits.float(), clean[masked])
-    sel = masked.reshape(-1)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1])[sel].float(), clean.reshape(-1)[sel])
+def diffusion_select(masked: np.ndarray, B: int, offset: int) -> np.ndarray:
+    """The positions whose noisy logits are trained: q - 1 for every masked q that is not a
+    block start (q > p; the logits at q - 1 predict clean[q]). q = p is the clean stream's
+    (autoregressive) prediction, covered by the AR loss."""
+    starts = np.zeros(masked.shape[1], dtype=bool)
+    starts[offset::B] = True
+    target = masked & ~starts
+    sel = np.zeros_like(masked)
+    sel[:, :-1] = target[:, 1:]
+    return sel
+
+
+def ar_loss(clean_logits: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of the clean (causal) stream: logits at t vs clean[t+1]."""
+    V = clean_logits.shape[-1]
+    return F.cross_entropy(clean_logits[:, :-1].reshape(-1, V).float(), clean[:, 1:].reshape(-1))
+
+
+def masked_loss(logits: torch.Tensor, clean: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the noisy logits at the selected positions (diffusion_select: q - 1)
+    against the next clean token (clean[q]). logits: [n_selected, V] (forward_train with
+    select=sel)."""
+    if sel[:, -1].any():
+        raise ValueError("the last position has no next token")
+    if logits.shape[0] == 0:          # every masked position was a block start
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits.float(), clean[:, 1:][sel[:, :-1]])
+
+
+def train_losses(model: CloverTorch, clean: np.ndarray, B: int, offset: int, mask_id: int,
+                 rng: np.random.Generator, t_min: float = 0.05):
+    """(AR loss, diffusion loss, aux) of one batch of clean windows: masks drawn from rng."""
+    noisy, masked = mask_blocks(clean, B, offset, mask_id, rng, t_min)
+    sel = torch.as_tensor(diffusion_select(masked, B, offset))
+    ct = torch.as_tensor(clean)
+    cl, nl, aux = model.forward_train(ct, torch.as_tensor(noisy), B, offset, select=sel)
+    return ar_loss(cl, ct), masked_loss(nl, ct, sel), aux
 
 
 def parse_block_sizes(s: str) -> tuple[list[int], list[float]]:
@@ -105,18 +147,28 @@ def heldout_windows(data: Path, T: int, max_windows: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def heldout_loss(model: CloverTorch, windows: np.ndarray, B: int, mask_id: int, batch: int = 8) -> float:
-    """Mean masked-token CE on held-out windows, masks from a fixed seed (same every call)."""
+def heldout_loss(model: CloverTorch, windows: np.ndarray, B: int, mask_id: int, batch: int = 8
+                 ) -> tuple[float, float]:
+    """(AR loss, diffusion loss) on held-out windows: the mean next-token CE of the clean
+    (causal) stream over every position, and the mean CE of the block passes' next-token
+    predictions at the masked positions after each block start; offsets and masks from a
+    fixed seed (the same every call)."""
     rng = np.random.default_rng(EVAL_SEED)
-    tot, cnt = 0.0, 0
+    ar = dl = 0.0
+    n_ar = n_dl = 0
     for s in range(0, len(windows), batch):
         clean = windows[s:s + batch]
-        noisy, masked = mask_blocks(clean, B, mask_id, rng)
-        sel = torch.as_tensor(masked)
-        logits, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, select=sel)
-        tot += float(F.cross_entropy(logits.float(), torch.as_tensor(clean)[sel], reduction="sum"))
-        cnt += int(masked.sum())
-    return tot / cnt
+        offset = int(rng.integers(1, B + 1))
+        noisy, masked = mask_blocks(clean, B, offset, mask_id, rng)
+        sel = diffusion_select(masked, B, offset)
+        ct = torch.as_tensor(clean)
+        cl, nl, _ = model.forward_train(ct, torch.as_tensor(noisy), B, offset, select=torch.as_tensor(sel))
+        ar += float(F.cross_entropy(cl[:, :-1].reshape(-1, cl.shape[-1]).float(), ct[:, 1:].reshape(-1),
+                                    reduction="sum"))
+        n_ar += ct[:, 1:].numel()
+        dl += float(F.cross_entropy(nl.float(), ct[:, 1:][torch.as_tensor(sel[:, :-1])], reduction="sum"))
+        n_dl += int(sel.sum())
+    return ar / n_ar, dl / max(1, n_dl)
 
 
 def optimizer_step(model: CloverTorch, opt: torch.optim.Optimizer, total: torch.Tensor, clip: float) -> None:
@@ -129,11 +181,13 @@ def optimizer_step(model: CloverTorch, opt: torch.optim.Optimizer, total: torch.
 
 
 def heldout_if_due(model: CloverTorch, windows: np.ndarray, cfg: CloverConfig, a: argparse.Namespace,
-                   step: int) -> str:
-    """The held-out loss as a log field every --eval-every steps and at the last step, else ''."""
+                   step: int) -> tuple[str, str]:
+    """The held-out (AR, diffusion) losses as log fields every --eval-every steps and at the
+    last step, else ('', '')."""
     if a.eval_every and (step % a.eval_every == 0 or step == a.steps):
-        return f"{heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id):.4f}"
-    return ""
+        ar, dl = heldout_loss(model, windows, cfg.block_size, cfg.mask_token_id)
+        return f"{ar:.4f}", f"{dl:.4f}"
+    return "", ""
 
 
 def make_optimizer(model: CloverTorch, a: argparse.Namespace) -> torch.optim.Optimizer:
@@ -197,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-from", default="",
                     help="start from the weights of this ckpt.pt (fresh optimizer and schedule): "
                          "a second stage after an earlier run")
+    ap.add_argument("--init-hf", default="",
+                    help="start from the weights of this Hugging Face checkpoint folder (e.g. "
+                         "models/clover-default; same shapes as --preset), fresh optimizer and schedule")
     return ap
 
 
@@ -228,6 +285,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     if a.init_from and not (a.resume and ck.is_file()):
         model.load_state_dict(torch.load(a.init_from, weights_only=False)["model"])
         print(f"weights from {a.init_from}", flush=True)
+    if a.init_hf and not (a.resume and ck.is_file()):
+        from clover_convert.safetensors_io import CheckpointReader
+        with CheckpointReader(a.init_hf) as rd:
+            model.load_hf({n: rd.read_f32(n) for n in rd.names()})
+        print(f"weights from {a.init_hf}", flush=True)
     if a.resume and ck.is_file():
         step, elapsed = load_ckpt(ck, model, opt, rng)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
@@ -239,33 +301,33 @@ def main(argv: list[str] | None = None) -> list[float]:
         raise SystemExit("--seq-len must be a multiple of every block size")
     windows = heldout_windows(data, T, a.eval_windows)
     logf, log = open_log(out / "log.csv", a.resume, step,
-                         ["step", "elapsed_s", "tokens_seen", "block_size", "lr", "loss", "aux", "heldout_loss"])
+                         ["step", "elapsed_s", "tokens_seen", "block_size", "lr", "loss", "aux", "heldout_loss",
+                          "offset", "ar_loss", "diff_loss", "heldout_ar"])
     losses: list[float] = []
     t_last_ck = time.time()
     t_start = time.time() - elapsed
     last = a.stop_after if a.stop_after else a.steps
     while step < last:
         B = int(rng.choice(sizes, p=probs))
+        offset = int(rng.integers(1, B + 1))
         offs = rng.integers(0, len(tokens) - T, size=a.batch)
         clean = tokens[offs[:, None] + np.arange(T)[None, :]]
-        noisy, masked = mask_blocks(clean, B, cfg.mask_token_id, rng, a.t_min)
         lr = lr_at(step, a)
         for g in opt.param_groups:
             g["lr"] = lr
-        sel = torch.as_tensor(masked)
-        logits, aux = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, select=sel)
-        loss = masked_loss(logits, torch.as_tensor(clean), sel)
+        ar, dl, aux = train_losses(model, clean, B, offset, cfg.mask_token_id, rng, a.t_min)
+        loss = ar + dl
         optimizer_step(model, opt, loss + AUX_WEIGHT * aux, a.clip)
         step += 1
         losses.append(loss.item())
-        hl = heldout_if_due(model, windows, cfg, a, step)
+        h_ar, h_dl = heldout_if_due(model, windows, cfg, a, step)
         el = time.time() - t_start
         log.writerow([step, f"{el:.1f}", step * a.batch * T, B, f"{lr:.3e}", f"{loss.item():.4f}",
-                      f"{aux.item():.4f}", hl])
+                      f"{aux.item():.4f}", h_dl, offset, f"{ar.item():.4f}", f"{dl.item():.4f}", h_ar])
         logf.flush()
-        if step % 10 == 0 or hl:
-            print(f"step {step} B={B} loss {loss.item():.4f} aux {aux.item():.3f} lr {lr:.2e} "
-                  f"{el:.0f}s" + (f" heldout {hl}" if hl else ""), flush=True)
+        if step % 10 == 0 or h_ar:
+            print(f"step {step} B={B} o={offset} ar {ar.item():.4f} diff {dl.item():.4f} aux {aux.item():.3f} "
+                  f"lr {lr:.2e} {el:.0f}s" + (f" heldout ar {h_ar} diff {h_dl}" if h_ar else ""), flush=True)
         if time.time() - t_last_ck >= a.ckpt_every or step == last:
             save_ckpt(ck, model, opt, step, rng, a, el)
             t_last_ck = time.time()
