@@ -212,7 +212,8 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
 
     fn("clover_block_pass", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
     fn("clover_commit", c_int, clover_context_p, c_int32_p, c_int32, c_char_p, c_size_t)
-    fn("clover_prefill", c_int, clover_context_p, c_int32_p, c_int32, c_int32_p, c_char_p, c_size_t)
+    fn("clover_commit_logits", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
+    fn("clover_last_logits", c_int, clover_context_p, c_float_p)
     fn("clover_reset", c_int, clover_context_p)
     fn("clover_n_committed", c_int32, clover_context_p)
 

@@ -853,41 +853,39 @@ class Clover:
         with self._lock:
             _check(_lib().clover_reset(self._c()), None, "reset")
 
-    def commit(self, tokens: Sequence[int]) -> None:
-        """Write the final tokens of the current block (1 <= n <= B) into the memory."""
+    def commit(self, tokens: Sequence[int], logits: bool = False) -> np.ndarray | None:
+        """Commit tokens (n >= 1) causally at the end of the memory. With ``logits``, returns the
+        logits [n, n_vocab] (float32) of the committed positions: row t predicts token t + 1, as
+        llama.cpp's causal decoding of the same text gives them."""
         toks = self._tokens(tokens)
         with self._lock:
             err, n = N.err_buffer()
             c, arr = self._c(), N.as_int32_array(toks)
-            _check(self._decoder.call(lambda: _lib().clover_commit(c, arr, len(toks), err, n)), err)
+            out = np.empty((max(len(toks), 1), self.n_vocab), dtype=np.float32) if logits else None
+            ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if logits else None
+            _check(self._decoder.call(lambda: _lib().clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
+            return out[: len(toks)] if logits else None
 
-    def prefill(self, tokens: Sequence[int]) -> list[int]:
-        """Commit every complete block of tokens; returns the trailing tokens left uncommitted."""
-        toks = self._tokens(tokens)
+    def last_logits(self) -> np.ndarray:
+        """The logits [n_vocab] of the last committed position: the prediction of the next one."""
         with self._lock:
-            err, n = N.err_buffer()
-            rest = ctypes.c_int32(0)
-            c, arr = self._c(), N.as_int32_array(toks)
-            _check(self._decoder.call(lambda: _lib().clover_prefill(c, arr, len(toks), ctypes.byref(rest), err, n)),
-                   err)
-            return toks[len(toks) - rest.value:] if rest.value else []
+            out = np.empty(self.n_vocab, dtype=np.float32)
+            if _lib().clover_last_logits(self._c(), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
+                raise CloverError("nothing is committed")
+            return out
 
     def block_logits(self, tokens: Sequence[int], commit_before: Sequence[int] | None = None) -> np.ndarray:
         """Logits [n, n_vocab] (float32) of a block pass of tokens (1 <= n <= B) against the memory,
-        which is left unchanged. With ``commit_before``, the memory is first reset and those
-        tokens (a whole number of blocks) are committed."""
+        which is left unchanged; row t predicts token t + 1. With ``commit_before``, the memory is
+        first reset and those tokens are committed."""
         toks = self._tokens(tokens)
         with self._lock:
             c = self._c()
             if commit_before is not None:
                 before = self._tokens(commit_before)
-                B = self.block_size
-                if len(before) % B:
-                    raise CloverError(f"commit_before must be a whole number of blocks "
-                                      f"(block size {B}), got {len(before)} tokens")
                 self.reset()
                 if before:
-                    self.prefill(before)
+                    self.commit(before)
             nv = self.n_vocab
             out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
             err, n = N.err_buffer()

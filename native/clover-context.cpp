@@ -1,5 +1,6 @@
 // clover-context.cpp - the llama.cpp context of a clover_context and the committed-memory
-// protocol: seq 0 or 1 holds the memory, seq 2 is the scratch copy a block pass runs on.
+// protocol: seq 0 or 1 holds the memory (the causal processing of the committed tokens, the
+// same for every block size), seq 2 is the scratch copy a block pass runs on.
 
 #include "clover-impl.h"
 
@@ -16,18 +17,18 @@ void free_lctx(clover_context * c) {
     }
     c->n_committed = 0;
     c->mem_tokens.clear();
-    c->mem_B = -1;
+    c->last_logits.clear();
 }
 
-// The ubatch size for block size B: whole blocks, at least two (a commit fused with the next
-// pass), about 512 tokens for the prefill. Any power of two up to 256 divides 512, so
-// block_size = auto switches B without a new context.
+// The ubatch size for block size B: room for a commit of B tokens fused with the next pass
+// (2 B), about 512 tokens for the prompt. block_size = auto switches B up to 256 without a new
+// context.
 int32_t ubatch_for(int32_t B) {
-    return B * std::max(2, (512 + B - 1) / B);
+    return std::max(512, 2 * B);
 }
 
 bool ubatch_fits(const clover_context * c, int32_t B) {
-    return c->lctx && c->U % B == 0 && c->U >= 2 * B;
+    return c->lctx && c->U >= 2 * B;
 }
 
 int make_lctx(clover_context * c, int32_t B, std::string & msg) {
@@ -61,16 +62,14 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
         }
         return CLOVER_ERR_LOAD;
     }
-    // block-causal: a token sees its own block and the earlier ones; the graph reads B from it
     llama_set_causal_attn(c->lctx, true);
-    llama_set_block_causal(c->lctx, B);
     c->batch    = llama_batch_init(U, 0, 1);
     c->batch_ok = true;
     c->B        = B;
     c->U        = U;
     c->n_committed = 0;
     c->mem_tokens.clear();
-    c->mem_B = -1;
+    c->last_logits.clear();
     c->mem_seq     = 0;
     return CLOVER_OK;
 }
@@ -86,19 +85,15 @@ int check_tokens(const clover_context * c, const int32_t * tokens, int32_t n, st
     return CLOVER_OK;
 }
 
-int check_pass(const clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
+// what: "a block pass" (max_n = B) or "a commit" (max_n = n_ctx)
+int check_pass(const clover_context * c, const int32_t * tokens, int32_t n, int32_t max_n, const char * what,
+               std::string & msg) {
     if (!c->lctx) {
         msg = "context has no llama.cpp context (a previous block-size change failed)";
         return CLOVER_ERR_INVALID_ARG;
     }
-    if (!tokens || n < 1 || n > c->B) {
-        msg = "a block pass or commit takes 1.." + std::to_string(c->B) + " tokens (block size), got " +
-              std::to_string(n);
-        return CLOVER_ERR_INVALID_ARG;
-    }
-    if (c->n_committed % c->B != 0) {
-        msg = "n_committed=" + std::to_string(c->n_committed) + " is not a multiple of the block size " +
-              std::to_string(c->B) + " (a partial block was committed)";
+    if (!tokens || n < 1 || n > max_n) {
+        msg = std::string(what) + " takes 1.." + std::to_string(max_n) + " tokens, got " + std::to_string(n);
         return CLOVER_ERR_INVALID_ARG;
     }
     if ((int64_t) c->n_committed + n > c->n_ctx) {
@@ -121,11 +116,6 @@ void add_to_batch(clover_context * c, const int32_t * tokens, int32_t n, int32_t
         b.seq_id[at][0] = seq;
         b.logits[at]    = logits && (!want || (*want)[i]) ? 1 : 0;
     }
-}
-
-void fill_batch(clover_context * c, const int32_t * tokens, int32_t n, bool logits) {
-    c->batch.n_tokens = 0;
-    add_to_batch(c, tokens, n, c->n_committed, c->mem_seq, nullptr, logits);
 }
 
 // rows[i] = logits of batch row first + i for the rows asked for (want), valid until the next decode
@@ -175,17 +165,27 @@ int run_decode(clover_context * c, const char * what, std::string & msg) {
     return rc == 0 ? CLOVER_OK : decode_status(rc, what, msg);
 }
 
+// the next decode: n_canvas trailing tokens form a canvas of block size B (0 = a causal commit)
+void set_canvas(clover_context * c, int32_t n_canvas) {
+    llama_set_canvas(c->lctx, n_canvas, c->B);
+}
 
-// after a commit: the block size all committed blocks share (-1 while empty, 0 when mixed)
-void note_blocks(clover_context * c) {
-    c->mem_B = c->mem_B == -1 || c->mem_B == c->B ? c->B : 0;
+// the logits of batch row i become L_last, the prediction of the next position
+int keep_last_logits(clover_context * c, int32_t i, const char * what, std::string & msg) {
+    const float * row = llama_get_logits_ith(c->lctx, i);
+    if (!row) {
+        msg = std::string(what) + ": no logits for the last committed token";
+        return CLOVER_ERR_DECODE;
+    }
+    c->last_logits.assign(row, row + c->model->n_vocab);
+    return CLOVER_OK;
 }
 
 void clear_memory(clover_context * c) {
     llama_memory_clear(llama_get_memory(c->lctx), true);
     c->n_committed = 0;
     c->mem_tokens.clear();
-    c->mem_B = -1;
+    c->last_logits.clear();
     c->mem_seq     = 0;
 }
 
@@ -199,6 +199,7 @@ int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const
     llama_memory_seq_cp(mem, c->mem_seq, SCRATCH_SEQ, -1, -1);
     c->batch.n_tokens = 0;
     add_to_batch(c, tokens, n, c->n_committed, SCRATCH_SEQ, want, true);
+    set_canvas(c, n);
     const int rc = run_decode(c, "block pass", msg);
     llama_memory_seq_rm(mem, SCRATCH_SEQ, -1, -1);
     if (rc != CLOVER_OK) {
@@ -207,37 +208,41 @@ int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const
     return read_rows(c, 0, n, want, rows, "block pass", msg);
 }
 
-// One llama_decode that commits the B final tokens of the current block and runs the first
-// pass of the next block (canvas, B tokens) against the memory including them (the graph
-// leaves the GDN state at the committed block). The canvas's KV cells must then go, but
-// llama.cpp cannot cut the end off a recurrent sequence, so the memory moves to the other
+// One llama_decode that commits n_commit tokens causally (L_last from the last of them) and
+// runs the first pass of the next block (canvas, B tokens) against the memory including them
+// (the graph leaves the GDN state at the committed tokens). The canvas's KV cells must then go,
+// but llama.cpp cannot cut the end off a recurrent sequence, so the memory moves to the other
 // sequence (the committed KV cells and the shared recurrent cell), the old sequence is dropped
 // with the canvas, and the memory comes back. The recurrent cell keeps the canvas's last
 // position, which no check reads (the hybrid memory's last position is the lower of the two).
 // rows: the canvas's logits (want).
-int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const int32_t * canvas, int32_t B,
+int fused_commit_pass(clover_context * c, const int32_t * commit, int32_t n_commit, const int32_t * canvas, int32_t B,
                       const std::vector<char> * want, std::vector<const float *> & rows, std::string & msg) {
     const int32_t      P     = c->n_committed;
     const llama_seq_id cur   = c->mem_seq, other = 1 - c->mem_seq;
     llama_memory_t     mem   = llama_get_memory(c->lctx);
     c->batch.n_tokens = 0;
-    add_to_batch(c, final_tokens, B, P, cur, nullptr, false);
-    add_to_batch(c, canvas, B, P + B, cur, want, true);
-    const int rc = run_decode(c, "commit + block pass", msg);
+    add_to_batch(c, commit, n_commit, P, cur, nullptr, false);
+    c->batch.logits[n_commit - 1] = 1;
+    add_to_batch(c, canvas, B, P + n_commit, cur, want, true);
+    set_canvas(c, B);
+    int rc = run_decode(c, "commit + block pass", msg);
+    if (rc == CLOVER_OK) {
+        rc = keep_last_logits(c, n_commit - 1, "commit + block pass", msg);
+    }
     if (rc != CLOVER_OK) {
         return rc;
     }
     llama_memory_seq_rm(mem, other, -1, -1);
-    llama_memory_seq_cp(mem, cur, other, -1, P + B);
+    llama_memory_seq_cp(mem, cur, other, -1, P + n_commit);
     llama_memory_seq_rm(mem, cur, -1, -1);
     // and back, so that the next call has the same sequence id (llama.cpp reuses a graph
     // only for the same sequences)
     llama_memory_seq_cp(mem, other, cur, -1, -1);
     llama_memory_seq_rm(mem, other, -1, -1);
-    c->n_committed += B;
-    c->mem_tokens.insert(c->mem_tokens.end(), final_tokens, final_tokens + B);
-    note_blocks(c);
-    return read_rows(c, B, B, want, rows, "commit + block pass", msg);
+    c->n_committed += n_commit;
+    c->mem_tokens.insert(c->mem_tokens.end(), commit, commit + n_commit);
+    return read_rows(c, n_commit, B, want, rows, "commit + block pass", msg);
 }
 
 int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float * out, std::string & msg) {
@@ -253,34 +258,37 @@ int block_pass_impl(clover_context * c, const int32_t * tokens, int32_t n, float
     return CLOVER_OK;
 }
 
-int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg) {
-    fill_batch(c, tokens, n, false);
-    const int rc = run_decode(c, "commit", msg);
-    if (rc != CLOVER_OK) {
-        return rc;
-    }
-    c->n_committed += n;
-    c->mem_tokens.insert(c->mem_tokens.end(), tokens, tokens + n);
-    note_blocks(c);
-    return CLOVER_OK;
-}
-
-// Commits the complete blocks of tokens[0..n): one llama_decode per ubatch of whole blocks
-// (block-causal attention across them; the numbers are those of one commit per block).
-int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, int32_t & n_calls,
-                 std::string & msg) {
-    const int32_t B = c->B;
-    const int32_t U = (int32_t) llama_n_ubatch(c->lctx) / B * B;
-    const int32_t n_full = n / B * B;
-    n_blocks = n_calls = 0;
-    for (int32_t s = 0; s < n_full; s += U) {
-        const int32_t m = std::min(U, n_full - s);
-        const int rc = commit_impl(c, tokens + s, m, msg);
+// Commits tokens[0..n) causally: one llama_decode per ubatch, each token as a block of one (the
+// numbers are those of one-by-one commits). Keeps L_last; all_logits (n * n_vocab, may be NULL)
+// receives the logits of every committed position. n_calls: the llama_decode calls made.
+int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, float * all_logits, int32_t & n_calls,
+                std::string & msg) {
+    const int32_t U = (int32_t) llama_n_ubatch(c->lctx);
+    const size_t  V = (size_t) c->model->n_vocab;
+    n_calls = 0;
+    for (int32_t s = 0; s < n; s += U) {
+        const int32_t m = std::min(U, n - s);
+        c->batch.n_tokens = 0;
+        add_to_batch(c, tokens + s, m, c->n_committed, c->mem_seq, nullptr, all_logits != nullptr);
+        c->batch.logits[m - 1] = 1;
+        set_canvas(c, 0);
+        int rc = run_decode(c, "commit", msg);
+        ++n_calls;
+        if (rc == CLOVER_OK && all_logits) {
+            std::vector<const float *> rows;
+            rc = read_rows(c, 0, m, nullptr, rows, "commit", msg);
+            for (int32_t i = 0; rc == CLOVER_OK && i < m; ++i) {
+                memcpy(all_logits + (s + i) * V, rows[i], V * sizeof(float));
+            }
+        }
+        if (rc == CLOVER_OK) {
+            rc = keep_last_logits(c, m - 1, "commit", msg);
+        }
         if (rc != CLOVER_OK) {
             return rc;
         }
-        n_blocks += m / B;
-        ++n_calls;
+        c->n_committed += m;
+        c->mem_tokens.insert(c->mem_tokens.end(), tokens + s, tokens + s + m);
     }
     return CLOVER_OK;
 }
@@ -295,7 +303,6 @@ int set_block_size_impl(clover_context * c, int32_t B, std::string & msg) {
     }
     if (ubatch_fits(c, B)) {
         clear_memory(c);
-        llama_set_block_causal(c->lctx, B);
         c->B = B;
         return CLOVER_OK;
     }
@@ -308,14 +315,13 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
     if (B == c->B) {
         return CLOVER_OK;
     }
-    if (ubatch_fits(c, B)) { // the same context: only the block size of mask and graph changes
-        llama_set_block_causal(c->lctx, B);
+    if (ubatch_fits(c, B)) { // the same context: only the canvas's block size changes
         c->B = B;
         return CLOVER_OK;
     }
     const int32_t        nc = c->n_committed;
     std::vector<int32_t> toks = c->mem_tokens;
-    const int32_t        mem_B = c->mem_B;
+    std::vector<float>   last = c->last_logits;
     std::vector<uint8_t> state;
     if (nc > 0) {
         state.resize(llama_state_seq_get_size(c->lctx, c->mem_seq));
@@ -338,7 +344,7 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg) {
     }
     c->n_committed = nc;
     c->mem_tokens  = std::move(toks);
-    c->mem_B       = mem_B;
+    c->last_logits = std::move(last);
     return CLOVER_OK;
 }
 
@@ -466,7 +472,7 @@ int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n, f
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context or logits_out is NULL");
         }
         std::string msg;
-        int         rc = check_pass(ctx, tokens, n, msg);
+        int         rc = check_pass(ctx, tokens, n, ctx->B, "a block pass", msg);
         if (rc == CLOVER_OK) {
             rc = block_pass_impl(ctx, tokens, n, logits_out, msg);
         }
@@ -474,49 +480,36 @@ int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n, f
     });
 }
 
-int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len) {
+int clover_commit_logits(clover_context * ctx, const int32_t * tokens, int32_t n, float * logits_out, char * err,
+                         size_t err_len) {
     return guarded(err, err_len, [&]() -> int {
         clear_err(err, err_len);
         if (!ctx) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
         }
         std::string msg;
-        int         rc = check_pass(ctx, tokens, n, msg);
+        int         rc = check_pass(ctx, tokens, n, ctx->n_ctx, "a commit", msg);
         if (rc == CLOVER_OK) {
-            rc = commit_impl(ctx, tokens, n, msg);
+            int32_t n_calls = 0;
+            rc = commit_impl(ctx, tokens, n, logits_out, n_calls, msg);
+            if (rc != CLOVER_OK) {
+                clear_memory(ctx); // a failed commit may leave the memory half written
+            }
         }
         return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
     });
 }
 
-int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest, char * err,
-                   size_t err_len) {
-    return guarded(err, err_len, [&]() -> int {
-        clear_err(err, err_len);
-        if (!ctx || !ctx->lctx || n < 0 || (n > 0 && !tokens)) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "bad arguments to clover_prefill");
-        }
-        std::string msg;
-        if (ctx->n_committed % ctx->B != 0) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_committed is not block aligned");
-        }
-        const int32_t n_full = n / ctx->B * ctx->B;
-        if ((int64_t) ctx->n_committed + n_full > ctx->n_ctx) {
-            return set_err(err, err_len, CLOVER_ERR_CONTEXT_FULL,
-                           "context full: " + std::to_string(ctx->n_committed) + " committed + " +
-                               std::to_string(n_full) + " > n_ctx=" + std::to_string(ctx->n_ctx));
-        }
-        int rc = check_tokens(ctx, tokens, n, msg);
-        int32_t nb = 0;
-        if (rc == CLOVER_OK) {
-            int32_t n_calls = 0;
-            rc = prefill_impl(ctx, tokens, n_full, nb, n_calls, msg);
-        }
-        if (n_rest) {
-            *n_rest = n - n_full;
-        }
-        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
-    });
+int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len) {
+    return clover_commit_logits(ctx, tokens, n, nullptr, err, err_len);
+}
+
+int clover_last_logits(const clover_context * ctx, float * logits_out) {
+    if (!ctx || !logits_out || ctx->n_committed == 0 || ctx->last_logits.empty()) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    std::copy(ctx->last_logits.begin(), ctx->last_logits.end(), logits_out);
+    return CLOVER_OK;
 }
 
 } // extern "C"

@@ -63,8 +63,8 @@ struct clover_context {
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         n_committed = 0;
-    std::vector<int32_t> mem_tokens; // the committed tokens (n_committed of them): prefix reuse
-    int32_t              mem_B = -1; // the block size of every committed block (-1: none committed, 0: mixed)
+    std::vector<int32_t> mem_tokens;  // the committed tokens (n_committed of them): prefix reuse
+    std::vector<float>   last_logits; // L_last: the logits of the last committed token (empty: none)
     llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)
     // block_size = auto: the cost of a block pass per candidate B (ms; measured by
     // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
@@ -112,11 +112,11 @@ int check_tokens(const clover_context * c, const int32_t * tokens, int32_t n, st
 void clear_memory(clover_context * c);
 int block_pass_rows(clover_context * c, const int32_t * tokens, int32_t n, const std::vector<char> * want,
                     std::vector<const float *> & rows, std::string & msg);
-int fused_commit_pass(clover_context * c, const int32_t * final_tokens, const int32_t * canvas, int32_t B,
+int fused_commit_pass(clover_context * c, const int32_t * commit, int32_t n_commit, const int32_t * canvas, int32_t B,
                       const std::vector<char> * want, std::vector<const float *> & rows, std::string & msg);
-int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, std::string & msg);
-int prefill_impl(clover_context * c, const int32_t * tokens, int32_t n, int32_t & n_blocks, int32_t & n_calls,
-                 std::string & msg);
+int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, float * all_logits, int32_t & n_calls,
+                std::string & msg);
+bool ubatch_fits(const clover_context * c, int32_t B); // a commit of B fused with a pass of B fits one ubatch
 int set_block_size_impl(clover_context * c, int32_t B, std::string & msg);
 int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg);
 

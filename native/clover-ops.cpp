@@ -1,5 +1,5 @@
-// clover-ops: print the ggml ops that a clover model's graph uses (one commit + one block
-// pass), one per line. native/check_ops.py checks them against each backend's supports_op.
+// clover-ops: print the ggml ops that a clover model's graph uses (a causal commit and a commit
+// fused with a block pass), one per line. native/check_ops.py checks them against each backend's supports_op.
 #include "llama.h"
 #include "ggml.h"
 
@@ -45,14 +45,12 @@ int main(int argc, char ** argv) {
     cp.n_ctx = 256; cp.n_batch = 64; cp.n_ubatch = block; cp.n_seq_max = 2; cp.kv_unified = true;
     cp.cb_eval = collect; cp.cb_eval_user_data = &ops;
     llama_context * ctx = llama_init_from_model(model, cp);
-    if (ctx) { // clover graphs decode block-causally (a plain llama_decode is refused)
-        llama_set_causal_attn(ctx, true);
-        llama_set_block_causal(ctx, block);
-    }
     std::vector<llama_token> toks(block, 1);
-    bool ok = ctx && decode(ctx, toks, 0, 0, false);            // commit
-    llama_memory_seq_cp(llama_get_memory(ctx), 0, 1, -1, -1);
-    ok = ok && decode(ctx, toks, block, 1, true);                // block pass on the scratch copy
+    bool ok = ctx && decode(ctx, toks, 0, 0, false);            // a causal commit
+    if (ok) {                                                   // a commit fused with a block pass
+        llama_set_canvas(ctx, block / 2 > 0 ? block / 2 : 1, block);
+        ok = decode(ctx, toks, block, 0, true);
+    }
     for (const auto & op : ops) {
         printf("%s\n", op.c_str());
     }

@@ -47,7 +47,7 @@ int calibrate_impl(clover_context * c, std::string & msg) {
             for (int fused = 0; fused < 2; ++fused) {
                 clear_memory(c);
                 const auto t0 = std::chrono::steady_clock::now();
-                rc = fused ? fused_commit_pass(c, canvas.data(), canvas.data(), B, nullptr, rows, msg)
+                rc = fused ? fused_commit_pass(c, canvas.data(), B, canvas.data(), B, nullptr, rows, msg)
                            : block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
                 if (rc != CLOVER_OK) {
                     return rc;
@@ -248,10 +248,9 @@ int auto_index(const clover_context * c, int32_t B) {
     return -1;
 }
 
-// Can a block of B start at n_committed (block aligned) with `n_left` more tokens fitting
-// into n_ctx?
+// Can blocks of B starting at n_committed hold `n_left` more tokens within n_ctx?
 bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t n_left) {
-    return n_committed % B == 0 && (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B <= c->n_ctx;
+    return (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B <= c->n_ctx;
 }
 
 // The candidate with the lowest expected ms per token among those that fit (auto_fits).

@@ -39,6 +39,9 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
     if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
         return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
     }
+    if (n_prompt == 0 && gp.max_tokens > 0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "empty prompt: the first block is predicted from the prompt's last token");
+    }
     if (ctx->model->mask < 0) {
         return bad(CLOVER_ERR_INVALID_ARG, "the model has no mask token");
     }
@@ -52,17 +55,17 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
         return bad(CLOVER_ERR_INVALID_ARG, "output buffer too small: out_cap=" + std::to_string(out_cap) +
                                                " < max_tokens=" + std::to_string(gp.max_tokens));
     }
-    const int64_t need = ((int64_t) n_prompt + gp.max_tokens + B - 1) / B * B;
+    const int64_t need = (int64_t) n_prompt + ((int64_t) gp.max_tokens + B - 1) / B * B;
     if (need > ctx->n_ctx) {
         return bad(CLOVER_ERR_CONTEXT_FULL,
                    "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" + std::to_string(gp.max_tokens) +
-                       "), rounded up to blocks of " + std::to_string(B) + ", needs " + std::to_string(need) +
+                       ") in blocks of " + std::to_string(B) + " needs " + std::to_string(need) +
                        " positions > n_ctx=" + std::to_string(ctx->n_ctx));
     }
     return CLOVER_OK;
 }
 
-// One generation (spec/decoding.md): the prompt's blocks are committed, then decode blocks are
+// One generation (spec/decoding.md): the prompt is committed causally, then decode blocks are
 // denoised one by one, each finished block committed by the next block's first pass. Every
 // method returns a status; on failure `msg` says why and run() clears the memory.
 struct decode_run {
@@ -76,16 +79,15 @@ struct decode_run {
 
     std::mt19937_64          rng;
     clover_detail::pick_work work;
-    int32_t n_commits = 0, n_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0;
+    int32_t n_commits = 0, n_calls = 0, n_prefill_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0;
     int32_t finish    = CLOVER_FINISH_MAX_TOKENS;
     std::vector<int32_t> gen;         // generated tokens (uncut)
     int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
     double               t_prefill = 0.0;
     std::chrono::steady_clock::time_point t_start = std::chrono::steady_clock::now();
 
-    int32_t                    n_full = 0, n_rest = 0; // the prompt's complete blocks / its partial last block
-    std::vector<int32_t>       canvas, pending;         // pending: the finished block whose commit rides on the next pass
-    std::vector<char>          want;                    // logits only for the masked positions inside the budget
+    std::vector<int32_t>       canvas, pending; // pending: the finished block whose commit rides on the next pass
+    std::vector<char>          want;            // logits only for the rows that predict a masked position
     std::vector<const float *> rows;
     std::vector<int32_t>       masked, cand_tok, order;
     std::vector<double>        cand_conf;
@@ -93,17 +95,26 @@ struct decode_run {
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b)
         : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), rng(p.seed) {}
 
-    // commit the prompt's complete blocks (those past the reused prefix)
+    // commit the prompt past the reused prefix (L_last: its last token's logits)
     int prefill(int32_t reuse) {
-        n_full = n_prompt / B * B;
-        n_rest = n_prompt - n_full;
-        int32_t nb = 0;
-        const int rc = prefill_impl(ctx, prompt + reuse, n_full - reuse, nb, n_calls, msg);
-        n_commits += nb;
+        int rc = CLOVER_OK;
+        if (reuse < n_prompt) {
+            rc = commit_impl(ctx, prompt + reuse, n_prompt - reuse, nullptr, n_prefill_calls, msg);
+        }
         t_prefill = ms_since(t_start);
         if (rc != CLOVER_OK) {
             msg = "prefill: " + msg;
         }
+        return rc;
+    }
+
+    // the pending block's commit as a forward of its own (no pass to ride on)
+    int commit_pending() {
+        int32_t   calls = 0;
+        const int rc    = commit_impl(ctx, pending.data(), (int32_t) pending.size(), nullptr, calls, msg);
+        n_calls += calls;
+        ++n_commits;
+        pending.clear();
         return rc;
     }
 
@@ -121,13 +132,12 @@ struct decode_run {
         if (next <= 0 || next == B) {
             return CLOVER_OK;
         }
-        if (!pending.empty()) { // a commit cannot share a ubatch with a block of another size
-            const int rc = commit_impl(ctx, pending.data(), B, msg);
+        // the pending block rides on the next pass only when both fit one ubatch of this context
+        if (!pending.empty() && (!ubatch_fits(ctx, next) || (int32_t) pending.size() + next > ctx->U)) {
+            const int rc = commit_pending();
             if (rc != CLOVER_OK) {
                 return rc;
             }
-            pending.clear();
-            ++n_calls;
         }
         const int rc = switch_block_size_keep(ctx, next, msg);
         if (rc == CLOVER_OK) {
@@ -137,33 +147,41 @@ struct decode_run {
         return rc;
     }
 
-    // one denoising step of the current block: a pass (fused with the pending commit), a
-    // candidate and confidence per masked position, the unmasked ones written into the canvas
+    // one denoising step of the current block: position 0's candidate from L_last, position
+    // i > 0's from the pass's row i - 1; a pass (fused with the pending commit) only when some
+    // masked i > 0 needs one; the unmasked ones are written into the canvas
     int step(int32_t s) {
         std::fill(want.begin(), want.end(), 0);
+        bool need_pass = false;
         for (int32_t p : masked) {
-            want[p] = 1;
+            if (p > 0) {
+                want[p - 1] = 1;
+                need_pass   = true;
+            }
         }
-        int rc;
-        if (!pending.empty()) {
-            rc = fused_commit_pass(ctx, pending.data(), canvas.data(), B, &want, rows, msg);
+        int rc = CLOVER_OK;
+        if (need_pass && !pending.empty()) {
+            rc = fused_commit_pass(ctx, pending.data(), (int32_t) pending.size(), canvas.data(), B, &want, rows, msg);
             pending.clear();
             ++n_commits;
-        } else {
+        } else if (need_pass) {
             rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
+        } else if (!pending.empty()) {
+            rc = commit_pending();
         }
         if (rc != CLOVER_OK) {
             return rc;
         }
-        ++n_steps;
+        n_steps += need_pass ? 1 : 0;
         const clover_model * m  = ctx->model;
         const int32_t        nm = (int32_t) masked.size();
         cand_tok.resize(nm);
         cand_conf.resize(nm);
         order.resize(nm);
         for (int32_t j = 0; j < nm; ++j) {
-            clover_detail::pick_candidate(rows[masked[j]], m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p,
-                                          rng, work, cand_tok[j], cand_conf[j]);
+            const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
+            clover_detail::pick_candidate(row, m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p, rng, work,
+                                          cand_tok[j], cand_conf[j]);
         }
         const int32_t k =
             clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, s, order.data());
@@ -178,7 +196,7 @@ struct decode_run {
     // the finished block's tokens join the output (cut at the first EOS and at max_tokens);
     // returns the block callback's verdict (nonzero = cancel)
     int take_block(int32_t start, int32_t n_cand, bool & has_eos) {
-        gen.insert(gen.end(), canvas.begin() + n_rest, canvas.begin() + n_rest + n_cand);
+        gen.insert(gen.end(), canvas.begin(), canvas.begin() + n_cand);
         const int32_t eos         = gp.stop_at_eos ? ctx->model->eos : -1;
         int32_t       new_visible = (int32_t) gen.size();
         if (eos >= 0) {
@@ -208,19 +226,16 @@ struct decode_run {
             }
             const int32_t start  = ctx->n_committed + (int32_t) pending.size();
             // positions at or past the budget are never candidates: they stay masked
-            const int32_t n_cand = std::min(B - n_rest, gp.max_tokens - (int32_t) gen.size());
-            canvas.resize(B);
+            const int32_t n_cand = std::min(B, gp.max_tokens - (int32_t) gen.size());
+            canvas.assign(B, ctx->model->mask);
             want.assign(B, 0);
-            for (int32_t i = 0; i < B; ++i) {
-                canvas[i] = i < n_rest ? prompt[n_full + i] : ctx->model->mask;
-            }
             masked.clear();
-            for (int32_t i = n_rest; i < n_rest + n_cand; ++i) {
+            for (int32_t i = 0; i < n_cand; ++i) {
                 masked.push_back(i);
             }
             ++n_blocks;
             bool    cancelled = false, has_eos = false;
-            int32_t s         = 0;
+            int32_t s = 0, passes = n_steps;
             while (!masked.empty() && !cancelled) {
                 const int rc = step(s++);
                 if (rc != CLOVER_OK) {
@@ -230,7 +245,7 @@ struct decode_run {
                             gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0;
             }
             if (masked.empty()) {
-                auto_observe(ctx, B, n_cand, s);
+                auto_observe(ctx, B, n_cand, std::max(1, n_steps - passes));
                 cancelled = take_block(start, n_cand, has_eos) != 0 || cancelled;
             }
             if (cancelled || has_eos || (int32_t) gen.size() >= gp.max_tokens) {
@@ -238,7 +253,6 @@ struct decode_run {
                 return cancelled ? CLOVER_ERR_CANCELLED : CLOVER_OK;
             }
             pending = canvas; // committed by the next block's first pass
-            n_rest  = 0;
         }
     }
 
@@ -253,12 +267,12 @@ struct decode_run {
             stats->n_decode_passes    = n_steps;
             stats->n_steps            = n_steps;
             stats->n_commits          = n_commits;
-            stats->n_forward          = n_steps + n_calls;
+            stats->n_forward          = n_prefill_calls + n_steps + n_calls;
             stats->n_blocks           = n_blocks;
             stats->block_size         = B;
             stats->n_block_switches   = n_switches;
             stats->finish_reason      = finish;
-            stats->tokens_per_forward = n_steps > 0 ? (double) n_gen / n_steps : 0.0;
+            stats->tokens_per_forward = n_steps + n_calls > 0 ? (double) n_gen / (n_steps + n_calls) : 0.0;
             stats->t_prefill_ms       = t_prefill;
             stats->t_decode_ms        = ms_since(t_start) - t_prefill;
             stats->tokens_per_second  = stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
@@ -313,7 +327,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
         }
         // prefix reuse: when the prompt starts with the committed tokens, they stay committed
-        // (block aligned for this call's B) and only the prompt's new blocks are prefilled
+        // (the memory is the same for every B) and only the rest of the prompt is committed
         ctx->last_calibration = 0;
         const int32_t nc     = ctx->n_committed;
         const bool    prefix = gp.reuse_prefix && ctx->lctx && nc > 0 && nc <= n_prompt &&
@@ -329,10 +343,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             const int32_t keep = prefix ? auto_pick(ctx, nc, n_prompt - nc + gp.max_tokens) : 0;
             B = keep > 0 ? keep : auto_pick(ctx, 0, n_prompt + gp.max_tokens);
         }
-        // a fixed B reuses only blocks of that B (then the result is that of a cleared memory);
-        // auto, whose blocks depend on its history anyway, reuses any block-aligned memory
-        const int32_t reuse =
-            prefix && nc % B == 0 && nc <= n_prompt / B * B && (auto_B || ctx->mem_B == B) ? nc : 0;
+        const int32_t reuse = prefix ? nc : 0;
         if (reuse > 0) {
             rc = switch_block_size_keep(ctx, B, msg);
         } else {

@@ -9,19 +9,21 @@
  *
  * Model:    a GGUF with general.architecture == "clover" (see spec/gguf-layout.md).
  * Context:  one llama.cpp context whose memory (recurrent GDN states + KV cache) holds the
- *           committed blocks. Sequence 0 is the memory M; sequence 1 is scratch for block
- *           passes. Attention is block-causal (llama_set_block_causal(B)); a ubatch holds
- *           several whole blocks (about 512 tokens). Changing B keeps the llama.cpp context
- *           when the ubatch is a multiple of 2B (every power of two up to 256), else
- *           recreates it; clover_set_block_size clears the memory either way.
+ *           committed tokens, processed causally: the memory is that of autoregressive
+ *           decoding of the committed text and does not depend on B. Sequence 0 (or 1) is
+ *           the memory; sequence 2 is scratch for block passes. A block pass is a canvas
+ *           (llama_set_canvas) at the end of a llama_decode. The ubatch holds max(512, 2B)
+ *           tokens; changing B keeps the llama.cpp context while 2B fits, else recreates it;
+ *           clover_set_block_size clears the memory either way.
  *
- * Decoding (see spec/decoding.md): the prompt's complete blocks (aligned at position 0)
- * are committed in as few llama_decode calls as the ubatch allows; its last partial block
- * becomes the first decode block. A decode block has B positions; the masked positions
- * inside the token budget are denoised step by step (one block pass per step) until none
- * remains; positions past the budget stay masked and cost nothing. A finished block is
- * committed by the same llama_decode as the next block's first pass (the final block of a
- * generation is not committed), so a denoising step is one forward.
+ * Decoding (see spec/decoding.md): the prompt is committed causally (L_last = the logits of
+ * its last token predict the next position); decode blocks of B positions start right after
+ * it. Position 0 of a block takes its candidate from L_last, position q > 0 from the block
+ * pass's logits at q - 1, and a block pass runs only while some masked q > 0 exists, so
+ * B = 1 is autoregressive decoding (one 1-token forward per token). Positions past the
+ * budget stay masked and cost nothing. A finished block is committed causally by the same
+ * llama_decode as the next block's first pass (the final block of a generation is not
+ * committed).
  *
  * Threading: a clover_context must not be used from two threads at once; distinct contexts
  * (even on the same model) may be used concurrently.
@@ -164,22 +166,24 @@ CLOVER_API int clover_set_n_threads (clover_context * ctx, int32_t n_threads);
 
 /* ---------------------------------------------------------------- low-level passes
  * For research and parity tests. Positions are implicit: a pass or commit starts at
- * clover_n_committed(ctx). Both need n_committed % B == 0 and 1 <= n <= B (B = the
- * context's block size). Token ids must be in [0, n_vocab). */
+ * clover_n_committed(ctx). Token ids must be in [0, n_vocab). Logits row t predicts the
+ * token at position t + 1 (the next-token shift). */
 
-/* Logits of the n tokens at positions n_committed .. n_committed+n-1 against the memory,
- * which is left unchanged. logits_out: n * n_vocab floats, row t = position n_committed+t
- * (row t predicts the token AT that position). */
+/* A block pass: the canvas of 1 <= n <= B tokens (B = the context's block size) at positions
+ * n_committed .. n_committed+n-1 against the memory, which is left unchanged. logits_out:
+ * n * n_vocab floats, row t = position n_committed+t. */
 CLOVER_API int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n,
                                  float * logits_out, char * err, size_t err_len);
-/* Write the n final tokens of the current block into the memory (n_committed += n). */
+/* Commit n >= 1 tokens causally (n_committed += n), one llama_decode per ubatch; the numbers
+ * are those of one-by-one commits. logits_out (n * n_vocab floats, may be NULL): the logits
+ * of every committed position, as llama.cpp's causal decoding of the same text gives them. */
+CLOVER_API int clover_commit_logits(clover_context * ctx, const int32_t * tokens, int32_t n, float * logits_out,
+                                    char * err, size_t err_len);
+/* clover_commit_logits without the logits. */
 CLOVER_API int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len);
-/* Commit every complete block of `tokens` (n_committed must be 0 or block aligned); returns
- * through *n_rest the number of trailing tokens (< B) left uncommitted. One llama_decode per
- * ubatch of whole blocks (block-causal attention); the numbers are those of block-by-block
- * clover_commit calls. */
-CLOVER_API int clover_prefill(clover_context * ctx, const int32_t * tokens, int32_t n, int32_t * n_rest,
-                              char * err, size_t err_len);
+/* The logits of the last committed position (n_vocab floats): the prediction of the next
+ * one. CLOVER_ERR_INVALID_ARG when nothing is committed. */
+CLOVER_API int clover_last_logits(const clover_context * ctx, float * logits_out);
 /* Clear the memory (n_committed = 0). */
 CLOVER_API int     clover_reset(clover_context * ctx);
 CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
@@ -232,8 +236,8 @@ typedef struct clover_generate_params {
     clover_block_callback block_callback; /* may be NULL */
     void *   user_data;
     int32_t  reuse_prefix; /* 1 (default): when the prompt starts with the context's committed
-                              tokens (block aligned for this call's B), keep them and prefill only
-                              the rest (stats.n_reused); 0 = always start from an empty memory */
+                              tokens, keep them and commit only the rest (stats.n_reused); the
+                              memory is the same for every B; 0 = always start from an empty memory */
 } clover_generate_params;
 
 CLOVER_API clover_generate_params clover_generate_default_params(void);
@@ -241,13 +245,13 @@ CLOVER_API clover_generate_params clover_generate_default_params(void);
 typedef struct clover_stats {
     int32_t n_prompt;           /* prompt tokens */
     int32_t n_generated;        /* tokens in the output */
-    int32_t n_forward;          /* llama_decode calls: prefill, denoising steps, unfused commits */
+    int32_t n_forward;          /* llama_decode calls: prompt, block passes, commits that rode on no pass */
     int32_t n_decode_passes;    /* block passes during decoding */
     int32_t n_steps;            /* denoising steps (= n_decode_passes) */
-    int32_t n_commits;          /* committed blocks (prefill included; most ride on a denoising step) */
+    int32_t n_commits;          /* decode blocks committed (most ride on the next block's first pass) */
     int32_t n_blocks;           /* decode blocks started */
     int32_t finish_reason;      /* enum clover_finish_reason */
-    double  tokens_per_forward; /* n_generated / n_decode_passes */
+    double  tokens_per_forward; /* n_generated / the forwards after the prompt's */
     double  t_prefill_ms;
     double  t_decode_ms;
     double  tokens_per_second;  /* n_generated / t_decode */
@@ -257,7 +261,7 @@ typedef struct clover_stats {
     int32_t n_reused;           /* prompt tokens kept from the previous call's memory (reuse_prefix) */
 } clover_stats;
 
-/* Block-diffusion generation from `prompt` (n_prompt >= 0 tokens).
+/* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).
  *
  * block_size = CLOVER_BLOCK_SIZE_AUTO: B is chosen from the candidates 1, 2, 4, ... up to
  * max(32, training B) to minimise the expected time per token,
@@ -265,18 +269,16 @@ typedef struct clover_stats {
  * previous block's commit), where pass and fused are the context's cost curve (from the disk
  * cache or measured on the first auto call, not counted in the stats) and tpf(B) the running
  * tokens per pass seen at that B (else at any B >= 2, capped at B; else 1). B is re-planned
- * at each block boundary, only to a B that divides the committed length (blocks stay aligned)
- * and only for a gain of at least 10%; a switch keeps the memory (seq state saved, context
- * rebuilt, state restored; usually only the mask's block size changes). The running figures
- * live in the context across calls.
+ * at each block boundary, only for a gain of at least 10%; a switch keeps the memory (which
+ * does not depend on B; usually only the canvas's block size changes, else the seq state is
+ * saved, the context rebuilt and the state restored). The running figures live in the
+ * context across calls.
  *
- * Memory: the memory is cleared first, unless reuse_prefix is set, the prompt starts with
- * every committed token, the committed length is a whole number of this call's blocks, and,
- * for a fixed B, every committed block was made with that B (under auto: any aligned memory,
- * B chosen among the sizes that divide it); then only the prompt's remaining complete blocks
- * are prefilled. With a fixed B the result equals that of a cleared memory (the same blocks).
- * Afterwards the memory holds every committed block (the prompt's complete blocks and each
- * finished decode block but the last); it is cleared after an error. Writes at most max_tokens tokens into
+ * Memory: the memory is cleared first, unless reuse_prefix is set and the prompt starts with
+ * every committed token; then only the rest of the prompt is committed. Either way the result
+ * equals that of a cleared memory (the memory is the causal processing of the committed text).
+ * Afterwards the memory holds the prompt and each finished decode block but the last; it is
+ * cleared after an error. Writes at most max_tokens tokens into
  * out (out_cap must be >= max_tokens), *n_out = their count; stats and n_out may be NULL.
  *
  * Cancellation: when a callback returns nonzero, generation stops and the function returns
@@ -286,8 +288,8 @@ typedef struct clover_stats {
  *
  * Errors (nothing generated): CLOVER_ERR_INVALID_ARG (block_size < 1 or > n_ctx, threshold
  * outside [0,1], temperature < 0, top_p outside (0,1], top_k/max_steps < 0, bad token id,
- * no mask token), CLOVER_ERR_CONTEXT_FULL (prompt + max_tokens, rounded up to whole blocks,
- * exceeds n_ctx), CLOVER_ERR_DECODE. */
+ * no mask token, empty prompt), CLOVER_ERR_CONTEXT_FULL (prompt + max_tokens rounded up to
+ * whole blocks exceeds n_ctx), CLOVER_ERR_DECODE. */
 CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prompt,
                                const clover_generate_params * params,
                                int32_t * out, int32_t out_cap, int32_t * n_out,

@@ -1,13 +1,13 @@
-// Clover: block-diffusion MoE with a restructured Gated DeltaNet token mixer.
+// Clover: block-diffusion MoE with a restructured Gated DeltaNet token mixer (spec/model.md).
 //
-// A ubatch holds whole blocks of B = cparams.n_block positions (llama_set_block_causal;
-// 0 = the ubatch is one block), aligned at position 0, in position order. When its last block
-// asks for an output row it is a canvas: a block pass against the memory *including* the
-// blocks before it, leaving the GDN memory unchanged; every other block is a commit, written
-// into the sequence's memory (GDN state by the gated delta rule, conv tail, KV cells). So one
-// llama_decode can commit block k and run the first pass of block k+1 (native/clover.cpp then
-// drops the canvas's KV cells), or commit a whole prompt. Attention is block-causal through
-// the KV mask.
+// A plain decode is the causal model: every token is processed as a block of one (memory read
+// of the state before it, block softmax over the token alone, no look-ahead taps) and then
+// written into the memory, and attention is causal; the logits at t predict the token at t+1.
+// With llama_set_canvas(ctx, n_canvas, n_block), the last n_canvas tokens of each sequence of
+// the ubatch are a canvas instead: a block pass of block size n_block against the memory of
+// everything before it, bidirectional inside the canvas (KV mask, block softmax, look-ahead
+// taps), and not written into the GDN state or conv tail (native/clover.cpp drops the canvas's
+// KV cells). So one llama_decode can commit a block causally and run the next block's first pass.
 #include "models.h"
 #include "llama-memory-recurrent.h"
 
@@ -15,62 +15,39 @@
 #include <cmath>
 #include <stdexcept>
 
-// The gated delta rule of a GDN layer runs over 2n steps: per block, its rows as reads
-// (beta = 0, no decay: the output is the memory read S^T q of the state at the block start)
-// and then as writes (commit blocks only), so the final state is the committed one.
+// The gated delta rule of a GDN layer runs two steps per token: a read (beta = 0, no decay: the
+// output is the memory read S^T q of the state before the token) and a write. A canvas token's
+// write has beta = 0 and no decay too, so the final state is that of the committed tokens.
 class llm_graph_input_clover_blocks : public llm_graph_input_i {
 public:
-    llm_graph_input_clover_blocks(uint32_t n_block, const llama_ubatch & ub) :
-        n_block(n_block), n_tok(ub.n_seq_tokens), n_seqs(ub.n_seqs), canvas(has_canvas(n_block, ub)) {}
+    llm_graph_input_clover_blocks(const llama_cparams & cparams, const llama_ubatch & ub) :
+        n_tok(ub.n_seq_tokens), n_seqs(ub.n_seqs), n_canvas(canvas_len(cparams, n_tok)) {}
 
-    // rows per block in this ubatch (one partial block when the ubatch is shorter than B)
-    static int64_t block_len(uint32_t n_block, int64_t n_tok) {
-        return n_block > 0 ? std::min<int64_t>(n_block, n_tok) : n_tok;
-    }
-
-    // does the last block of (every sequence of) the ubatch ask for an output row?
-    static bool has_canvas(uint32_t n_block, const llama_ubatch & ub) {
-        const int64_t n_tok = ub.n_seq_tokens, Bb = block_len(n_block, n_tok);
-        for (int64_t t = n_tok - Bb; t < n_tok; ++t) {
-            if (ub.output[t]) {
-                return true;
-            }
-        }
-        return false;
+    // canvas tokens at the end of each sequence of a ubatch of n_tok tokens per sequence
+    static int64_t canvas_len(const llama_cparams & cparams, int64_t n_tok) {
+        return std::min<int64_t>(cparams.n_canvas, n_tok);
     }
 
     void set_input(const llama_ubatch * ubatch) override {
-        const int64_t Bb = block_len(n_block, n_tok);
-        GGML_ASSERT(ubatch->n_seq_tokens == (uint32_t) n_tok && n_tok % Bb == 0);
-        const int64_t nb = n_tok / Bb, n_commit = nb - (canvas ? 1 : 0);
-        std::vector<int32_t> v_gdn(2 * n_tok * n_seqs), v_read(n_tok * n_seqs);
-        std::vector<float>   v_write(2 * n_tok * n_seqs, 0.0f);
+        GGML_ASSERT(ubatch->n_seq_tokens == (uint32_t) n_tok);
+        std::vector<float> v_write(2 * n_tok * n_seqs, 0.0f);
         for (int64_t s = 0; s < n_seqs; ++s) {
-            for (int64_t t = 0; t < n_tok; ++t) {
-                const int64_t c = t / Bb, j = t % Bb, at = s * 2 * n_tok + 2 * c * Bb + j;
-                v_gdn[at]        = (int32_t) t; // read
-                v_gdn[at + Bb]   = (int32_t) t; // write
-                v_write[at + Bb] = c < n_commit ? 1.0f : 0.0f;
-                v_read[s * n_tok + t] = (int32_t) (2 * c * Bb + j);
+            for (int64_t t = 0; t < n_tok - n_canvas; ++t) {
+                v_write[s * 2 * n_tok + 2 * t + 1] = 1.0f;
             }
         }
-        ggml_backend_tensor_set(gdn_rows,  v_gdn.data(),   0, ggml_nbytes(gdn_rows));
         ggml_backend_tensor_set(gdn_write, v_write.data(), 0, ggml_nbytes(gdn_write));
-        ggml_backend_tensor_set(read_rows, v_read.data(),  0, ggml_nbytes(read_rows));
     }
 
     bool can_reuse(const llm_graph_params & params) override {
         return params.ubatch.n_seq_tokens == (uint32_t) n_tok && params.ubatch.n_seqs == (uint32_t) n_seqs &&
-               params.cparams.n_block == n_block && has_canvas(n_block, params.ubatch) == canvas;
+               canvas_len(params.cparams, n_tok) == n_canvas;
     }
 
-    const uint32_t n_block;
-    const int64_t  n_tok, n_seqs;
-    const bool     canvas; // the graph's shape: the new conv tail ends before the last block
+    const int64_t n_tok, n_seqs;
+    const int64_t n_canvas; // the graph's shape: look-ahead taps, block softmax and conv tail depend on it
 
-    ggml_tensor * gdn_rows  = nullptr; // I32 [2 n_tok, n_seqs]: the row of each delta-rule step
-    ggml_tensor * gdn_write = nullptr; // F32 [1, 1, 2 n_tok, n_seqs]: 1 = the step writes (commit), 0 = read
-    ggml_tensor * read_rows = nullptr; // I32 [n_tok, n_seqs]: the read step of each row
+    ggml_tensor * gdn_write = nullptr; // F32 [1, 1, 2 n_tok, n_seqs]: 1 = the step writes (a committed token's write)
 };
 
 void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
@@ -88,8 +65,14 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     ml.get_key(LLM_KV_DIFFUSION_BLOCK_SIZE, hparams.diffusion_block_size);
     ml.get_key_or_arr(LLM_KV_ATTENTION_RECURRENT_LAYERS, hparams.is_recr_impl, hparams.n_layer_all, true);
 
-    // attention is bidirectional inside a block; the cache holds committed blocks only
-    hparams.causal_attn = false;
+    // the weights' semantics (spec v2: causal commit, next-token shift); files of the retired
+    // in-place semantics carry no key and would decode to garbage
+    std::string semantics;
+    ml.get_key(LLM_KV_MODEL_SEMANTICS, semantics, false);
+    if (semantics != "causal-shift") {
+        throw std::runtime_error("clover: this GGUF was made for the retired in-place semantics (no clover.semantics = "
+                                 "\"causal-shift\"); convert a current checkpoint with `clover convert`");
+    }
 
     auto fail = [](const std::string & what) { throw std::runtime_error("clover: invalid hyperparameter: " + what); };
     if (hparams.diffusion_block_size == 0)  fail("diffusion.block_size must be > 0");
@@ -176,17 +159,9 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     GGML_ASSERT(cparams.n_rs_seq == 0 && "clover keeps no per-token state snapshots");
     GGML_ASSERT(ubatch.equal_seqs());
     {
-        const int64_t n_tok  = ubatch.n_seq_tokens;
-        const int64_t n_seqs = ubatch.n_seqs;
-        auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams.n_block, ubatch);
-        auto input = [&](ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2 = 1, int64_t ne3 = 1) {
-            ggml_tensor * t = ggml_new_tensor_4d(ctx0, type, ne0, ne1, ne2, ne3);
-            ggml_set_input(t);
-            return t;
-        };
-        inp->gdn_rows  = input(GGML_TYPE_I32, 2 * n_tok, n_seqs);
-        inp->gdn_write = input(GGML_TYPE_F32, 1, 1, 2 * n_tok, n_seqs);
-        inp->read_rows = input(GGML_TYPE_I32, n_tok, n_seqs);
+        auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams, ubatch);
+        inp->gdn_write = ggml_new_tensor_4d(ctx0, GGML_TYPE_F32, 1, 1, 2 * inp->n_tok, inp->n_seqs);
+        ggml_set_input(inp->gdn_write);
         blocks = inp.get();
         res->add_input(std::move(inp));
     }
@@ -235,7 +210,7 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     ggml_build_forward_expand(gf, cur);
 }
 
-// Gated full attention: block-causal (own block and earlier ones) through the KV mask.
+// Gated full attention: causal, a canvas sees the whole canvas too (the KV mask).
 ggml_tensor * llama_model_clover::graph::build_layer_attn(
         llm_graph_input_attn_kv * inp,
         ggml_tensor *             cur,
@@ -275,8 +250,10 @@ ggml_tensor * llama_model_clover::graph::build_layer_attn(
     return build_lora_mm(layer.wo, cur);
 }
 
-// Clover GDN mixer: o = lambda * (memory read S^T q) + (1 - lambda) * (block attention),
-// with a bidirectional short convolution; the gated delta rule only updates the memory.
+// Clover GDN mixer: o = lambda * (memory read S^T q) + (1 - lambda) * (block attention), with
+// a causal short convolution (plus look-ahead taps inside the canvas); the gated delta rule
+// updates the memory with the committed tokens. A committed token is a block of one: its block
+// attention is its own v.
 ggml_tensor * llama_model_clover::graph::build_layer_gdn(
         llm_graph_input_rs * inp,
         ggml_tensor *        cur,
@@ -292,10 +269,15 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     const int64_t conv_dim  = 2 * d_state * n_k_heads + d_state * n_v_heads;
     const int64_t n_seqs    = ubatch.n_seqs;
     const int64_t n_tok     = ubatch.n_seq_tokens;
-    const int64_t B         = cparams.n_block > 0 ? cparams.n_block : cparams.n_ubatch;
-    const int64_t Bb        = llm_graph_input_clover_blocks::block_len(cparams.n_block, n_tok);
-    const int64_t n_blk     = n_tok / Bb; // blocks per sequence in this ubatch
-    GGML_ASSERT(n_tok % Bb == 0 && "clover: a ubatch holds whole blocks");
+    const int64_t n_canvas  = blocks->n_canvas;
+    const int64_t n_commit  = n_tok - n_canvas;
+    const int64_t B         = cparams.n_block > 0 ? cparams.n_block : hparams.diffusion_block_size;
+
+    // the canvas rows [n_commit, n_tok) of a [ne0, ne1, n_tok, n_seqs] tensor
+    auto canvas_rows = [&](ggml_tensor * x) {
+        return ggml_view_4d(ctx0, x, x->ne[0], x->ne[1], n_canvas, x->ne[3], x->nb[1], x->nb[2], x->nb[3],
+                            n_commit * x->nb[2]);
+    };
 
     // projections
     ggml_tensor * u = ggml_reshape_3d(ctx0, build_lora_mm(layer.wqkv, cur), conv_dim, n_tok, n_seqs);
@@ -308,34 +290,38 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
     lambda = ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs);
 
-    // causal taps over [committed conv tail ; u]; the new tail ends before a canvas
+    // causal taps over [committed conv tail ; u]; the new tail ends before the canvas
     ggml_tensor * conv_states_all = mctx->get_r_l(il);
     ggml_tensor * tail = build_rs(inp, conv_states_all, hparams.n_embd_r(), n_seqs);
     tail = ggml_reshape_3d(ctx0, tail, n_conv - 1, conv_dim, n_seqs);
     ggml_tensor * conv_in = ggml_concat(ctx0, tail, ggml_transpose(ctx0, u), 0);            // [K-1+n, C, n_seqs]
     {
-        const int64_t n_commit_rows = n_tok - (blocks->canvas ? Bb : 0);
-        const int64_t row_count     = (n_conv - 1) * conv_dim;
+        const int64_t row_count = (n_conv - 1) * conv_dim;
         ggml_tensor * new_tail = ggml_view_3d(ctx0, conv_in, n_conv - 1, conv_dim, n_seqs,
-                conv_in->nb[1], conv_in->nb[2], ggml_row_size(conv_in->type, n_commit_rows));
+                conv_in->nb[1], conv_in->nb[2], ggml_row_size(conv_in->type, n_commit));
         ggml_build_forward_expand(gf, ggml_cpy(ctx0, new_tail,
                 ggml_view_2d(ctx0, conv_states_all, row_count, n_seqs, conv_states_all->nb[1],
                         mctx->get_head() * ggml_row_size(conv_states_all->type, row_count))));
     }
     ggml_tensor * conv = ggml_ssm_conv(ctx0, conv_in, layer.ssm_conv1d);                     // [C, n, n_seqs]
-    // ... plus lookahead taps on the next rows of the same block (zero past its end; none at B = 1)
-    if (n_look > 0 && Bb > 1) {
-        ggml_tensor * u_blk = ggml_reshape_4d(ctx0, u, conv_dim, Bb, n_blk, n_seqs);
-        ggml_tensor * u_pad = ggml_pad(ctx0, u_blk, 0, (int) n_look, 0, 0);                  // [C, Bb+R, ., .]
-        ggml_tensor * taps  = ggml_cont(ctx0, ggml_transpose(ctx0, layer.ssm_conv1d_look));  // [C, R]
-        ggml_tensor * look  = nullptr;
+    // ... plus look-ahead taps on the next rows of the canvas (zero past its end; none for one token)
+    if (n_look > 0 && n_canvas > 1) {
+        ggml_tensor * conv4 = ggml_reshape_4d(ctx0, conv, conv_dim, 1, n_tok, n_seqs);
+        ggml_tensor * u_pad = ggml_pad(ctx0, ggml_cont(ctx0, canvas_rows(ggml_reshape_4d(ctx0, u, conv_dim, 1, n_tok, n_seqs))),
+                                       0, 0, (int) n_look, 0);                                 // [C, 1, n_canvas+R, .]
+        ggml_tensor * taps  = ggml_cont(ctx0, ggml_transpose(ctx0, layer.ssm_conv1d_look));    // [C, R]
+        ggml_tensor * look  = canvas_rows(conv4);
         for (int64_t j = 0; j < n_look; ++j) {
-            ggml_tensor * ahead = ggml_view_4d(ctx0, u_pad, conv_dim, Bb, n_blk, n_seqs,
-                    u_pad->nb[1], u_pad->nb[2], u_pad->nb[3], (j + 1) * u_pad->nb[1]);
-            ggml_tensor * tap = ggml_mul(ctx0, ahead, ggml_view_1d(ctx0, taps, conv_dim, j * taps->nb[1]));
-            look = look ? ggml_add(ctx0, look, tap) : tap;
+            ggml_tensor * ahead = ggml_view_4d(ctx0, u_pad, conv_dim, 1, n_canvas, n_seqs,
+                    u_pad->nb[1], u_pad->nb[2], u_pad->nb[3], (j + 1) * u_pad->nb[2]);
+            look = ggml_add(ctx0, look, ggml_mul(ctx0, ahead, ggml_view_1d(ctx0, taps, conv_dim, j * taps->nb[1])));
         }
-        conv = ggml_add(ctx0, conv, ggml_reshape_3d(ctx0, look, conv_dim, n_tok, n_seqs));
+        if (n_commit > 0) {
+            ggml_tensor * committed = ggml_view_4d(ctx0, conv4, conv_dim, 1, n_commit, n_seqs,
+                    conv4->nb[1], conv4->nb[2], conv4->nb[3], 0);
+            look = ggml_concat(ctx0, committed, look, 2);
+        }
+        conv = ggml_reshape_3d(ctx0, look, conv_dim, n_tok, n_seqs);
     }
     conv = ggml_silu(ctx0, conv);
     cb(conv, "conv_out", il);
@@ -353,45 +339,44 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     q = build_gdn_l2_norm(ctx0, q, 1e-6f);
     k = build_gdn_l2_norm(ctx0, k, 1e-6f);
 
-    // memory: per block, reads (S^T q / sqrt(dk) of the state at the block start), then the
-    // commit's writes; a canvas only reads, so the final state is the committed one
+    // memory: two delta-rule steps per token, a read (S^T q / sqrt(dk) of the state before the
+    // token) and a write (committed tokens only)
     ggml_tensor * state = build_rs(inp, mctx->get_s_l(il), hparams.n_embd_s(), n_seqs);
     state = ggml_reshape_4d(ctx0, state, d_state, d_state, n_v_heads, n_seqs);
-    auto steps = [&](ggml_tensor * x, int64_t width) { // [width, n_tok, n_seqs] -> [width, 2 n_tok, n_seqs]
-        return ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, x, width, n_tok, n_seqs), blocks->gdn_rows);
+    auto twice = [&](ggml_tensor * x, int64_t width) { // [width, n_tok, n_seqs] -> [width, 2 n_tok, n_seqs], rows 2t, 2t+1 = row t
+        x = ggml_reshape_4d(ctx0, x, width, 1, n_tok, n_seqs);
+        return ggml_reshape_3d(ctx0, ggml_repeat_4d(ctx0, x, width, 2, n_tok, n_seqs), width, 2 * n_tok, n_seqs);
     };
-    ggml_tensor * q2 = ggml_reshape_4d(ctx0, steps(q, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
-    ggml_tensor * k2 = ggml_reshape_4d(ctx0, steps(k, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
-    ggml_tensor * v2 = ggml_reshape_4d(ctx0, steps(v, d_state * n_v_heads), d_state, n_v_heads, 2 * n_tok, n_seqs);
-    ggml_tensor * w  = ggml_reshape_4d(ctx0, blocks->gdn_write, 1, 1, 2 * n_tok, n_seqs);
-    ggml_tensor * g2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, steps(decay, n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
-    ggml_tensor * b2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, steps(beta,  n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
+    ggml_tensor * q2 = ggml_reshape_4d(ctx0, twice(q, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
+    ggml_tensor * k2 = ggml_reshape_4d(ctx0, twice(k, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
+    ggml_tensor * v2 = ggml_reshape_4d(ctx0, twice(v, d_state * n_v_heads), d_state, n_v_heads, 2 * n_tok, n_seqs);
+    ggml_tensor * w  = blocks->gdn_write;
+    ggml_tensor * g2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(decay, n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
+    ggml_tensor * b2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(beta,  n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
 
     auto [gdn_out, new_state] = build_delta_net_fused(q2, k2, v2, g2, b2, state, il);
     ggml_build_forward_expand(gf, ggml_cpy(ctx0, new_state,
             ggml_view_2d(ctx0, mctx->get_s_l(il), hparams.n_embd_s(), n_seqs, mctx->get_s_l(il)->nb[1],
                     mctx->get_head() * hparams.n_embd_s() * ggml_element_size(mctx->get_s_l(il)))));
 
-    ggml_tensor * o_mem = ggml_cont(ctx0, gdn_out);
-    o_mem = ggml_get_rows(ctx0, ggml_reshape_3d(ctx0, o_mem, d_state * n_v_heads, 2 * n_tok, n_seqs), blocks->read_rows);
-    o_mem = ggml_reshape_4d(ctx0, o_mem, d_state, n_v_heads, n_tok, n_seqs);
+    // the read steps' outputs (even rows)
+    ggml_tensor * o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, gdn_out), d_state * n_v_heads, 2, n_tok, n_seqs);
+    o_mem = ggml_view_4d(ctx0, o_mem, d_state * n_v_heads, 1, n_tok, n_seqs, o_mem->nb[1], o_mem->nb[2], o_mem->nb[3], 0);
+    o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, o_mem), d_state, n_v_heads, n_tok, n_seqs);
     cb(o_mem, "o_mem", il);
 
-    // block attention, bidirectional inside each block, with the calibrated temperature
-    // tau = exp(theta + phi * ln(B / B0)); per head and block: [d, Bb, Hv, n_blk * n_seqs].
-    // A block of one token attends to itself only: o_blk = v.
+    // block attention: a committed token's is its own v; the canvas attends bidirectionally over
+    // itself with the calibrated temperature tau = exp(theta + phi * ln(B / B0)):
+    // per head [d, n_canvas, Hv, n_seqs]
     ggml_tensor * o_blk = v;
-    if (Bb > 1) {
+    if (n_canvas > 1) {
         if (n_k_heads != n_v_heads) {
             q = ggml_repeat_4d(ctx0, q, d_state, n_v_heads, n_tok, n_seqs);
             k = ggml_repeat_4d(ctx0, k, d_state, n_v_heads, n_tok, n_seqs);
         }
-        auto per_block = [&](ggml_tensor * x) {
-            return ggml_reshape_4d(ctx0, x, d_state, n_v_heads, Bb, n_blk * n_seqs);
-        };
-        ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, per_block(q), 0, 2, 1, 3));
-        ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, per_block(k), 0, 2, 1, 3));
-        ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, per_block(v), 1, 2, 0, 3));     // [Bb, dv, Hv, .]
+        ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(q), 0, 2, 1, 3));
+        ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(k), 0, 2, 1, 3));
+        ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(v), 1, 2, 0, 3));     // [n_canvas, dv, Hv, .]
 
         const float log_ratio = logf(float(B) / float(hparams.diffusion_block_size));
         ggml_tensor * theta = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, 0);
@@ -399,10 +384,15 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
         ggml_tensor * tau   = ggml_exp(ctx0, ggml_add(ctx0, theta, ggml_scale(ctx0, phi, log_ratio)));
         tau = ggml_reshape_4d(ctx0, tau, 1, 1, n_v_heads, 1);
 
-        ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [Bb (keys), Bb (queries), Hv, .]
+        ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [keys, queries, Hv, .]
         kq = ggml_soft_max(ctx0, kq);
-        o_blk = ggml_mul_mat(ctx0, vt, kq);                                  // [dv, Bb, Hv, .]
-        o_blk = ggml_reshape_4d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, o_blk, 0, 2, 1, 3)), d_state, n_v_heads, n_tok, n_seqs);
+        ggml_tensor * o_canvas = ggml_mul_mat(ctx0, vt, kq);                 // [dv, n_canvas, Hv, .]
+        o_canvas = ggml_cont(ctx0, ggml_permute(ctx0, o_canvas, 0, 2, 1, 3)); // [dv, Hv, n_canvas, .]
+        if (n_commit > 0) {
+            ggml_tensor * v_commit = ggml_view_4d(ctx0, v, d_state, n_v_heads, n_commit, n_seqs, v->nb[1], v->nb[2], v->nb[3], 0);
+            o_canvas = ggml_concat(ctx0, v_commit, o_canvas, 2);
+        }
+        o_blk = o_canvas;
     }
     cb(o_blk, "o_blk", il);
 
