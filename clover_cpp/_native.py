@@ -191,6 +191,7 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
     fn("clover_n_vocab", c_int32, clover_model_p)
     fn("clover_mask_token", c_int32, clover_model_p)
     fn("clover_eos_token", c_int32, clover_model_p)
+    fn("clover_bos_token", c_int32, clover_model_p)
     fn("clover_train_block_size", c_int32, clover_model_p)
     fn("clover_n_ctx_train", c_int32, clover_model_p)
     fn("clover_model_meta", c_int32, clover_model_p, c_char_p, c_char_p, c_size_t)

@@ -494,6 +494,33 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
             click.echo(r.stats.format(), err=True)
 
 
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@_model_option
+@click.argument("file", metavar="TEXT_FILE", required=False)
+@click.option("-f", "--file", "file_opt", default=None, metavar="TEXT_FILE", help="The text (as llama-perplexity's -f).")
+@click.option("-c", "--ctx-size", "chunk", type=click.IntRange(min=2), default=512, show_default=True,
+              help="Tokens per chunk (as llama-perplexity's -c): each chunk is scored on its second half.")
+@click.option("-t", "--threads", "threads", type=click.IntRange(1, 512), default=None,
+              help="CPU threads (default: from the hardware).")
+@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0, show_default=True,
+              help="Layers to offload to the GPU (-1 = all).")
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's log.")
+def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, threads: int | None,
+               n_gpu_layers: int, verbose: bool) -> None:
+    """Perplexity of the causal model over a text file, computed and printed as llama-perplexity does."""
+    if (file is None) == (file_opt is None):
+        raise UserError("give the text file once, as TEXT_FILE or with -f")
+    path = Path(file or file_opt)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the text ({e.__class__.__name__}: {e})") from None
+    with _open_model(model, threads, chunk, n_gpu_layers, 1, verbose) as m:
+        r = m.perplexity(text, n_ctx=chunk)
+    click.echo(f"Final estimate: PPL = {r.ppl:.4f} ({r.n_chunks} chunks of {r.n_ctx} tokens, "
+               f"{r.n_tokens} positions scored)")
+
+
 # ----------------------------------------------------------------------------- chat
 
 @cli.command(context_settings=CONTEXT_SETTINGS)

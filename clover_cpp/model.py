@@ -100,10 +100,10 @@ class GenerationStats:
 
     n_prompt: int = 0
     n_generated: int = 0
-    n_forward: int = 0          # block passes + commits (prefill included)
+    n_forward: int = 0          # llama_decode calls: prompt, block passes, commits that rode on no pass
     n_decode_passes: int = 0    # block passes while decoding (= denoising steps)
     n_steps: int = 0
-    n_commits: int = 0
+    n_commits: int = 0          # decode blocks committed
     n_blocks: int = 0           # decode blocks started
     finish_reason: str = ""     # "eos", "stop", "max_tokens", "cancelled" or ""
     tokens_per_forward: float = 0.0
@@ -135,6 +135,16 @@ class GenerationStats:
                 f"prefill={self.t_prefill_ms:.1f} ms, decode={self.t_decode_ms:.1f} ms "
                 f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
                 + (f", cost curve {self.calibration}" if self.calibration else ""))
+
+
+@dataclass
+class Perplexity:
+    """Clover.perplexity's figure: exp of the mean next-token negative log-likelihood."""
+
+    ppl: float
+    n_tokens: int   # positions scored
+    n_chunks: int
+    n_ctx: int
 
 
 @dataclass
@@ -893,6 +903,33 @@ class Clover:
             st = self._decoder.call(lambda: _lib().clover_block_pass(c, arr, len(toks), ptr, err, n))
             _check(st, err)
             return out[: len(toks)]
+
+    def perplexity(self, text: str | Sequence[int], n_ctx: int = 512) -> "Perplexity":
+        """Perplexity of the causal model over a text, computed as llama-perplexity computes it:
+        the tokens (with BOS when the model adds one) in chunks of n_ctx, each on an empty
+        memory with its first token replaced by BOS, scoring the second half of every chunk
+        (each position predicted from the one before it). Leaves the memory empty."""
+        toks = self.tokenize(text, add_special=True) if isinstance(text, str) else self._tokens(text)
+        n_ctx = _int("n_ctx", n_ctx, 2, self.n_ctx)
+        n_chunk = len(toks) // n_ctx
+        if n_chunk < 2:
+            raise CloverError(f"perplexity needs at least {2 * n_ctx} tokens (2 chunks of n_ctx={n_ctx}), "
+                              f"the text has {len(toks)}")
+        bos = int(_lib().clover_bos_token(self._m()))
+        first, nll, count = n_ctx // 2, 0.0, 0
+        for i in range(n_chunk):
+            chunk = toks[i * n_ctx:(i + 1) * n_ctx]
+            if bos >= 0 and isinstance(text, str):
+                chunk[0] = bos
+            self.reset()
+            logits = self.commit(chunk, logits=True).astype(np.float64)
+            rows = logits[first:n_ctx - 1]
+            m = rows.max(axis=1, keepdims=True)
+            logp = rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
+            nll -= float(logp[np.arange(len(rows)), chunk[first + 1:]].sum())
+            count += len(rows)
+        self.reset()
+        return Perplexity(ppl=math.exp(nll / count), n_tokens=count, n_chunks=n_chunk, n_ctx=n_ctx)
 
     # -- generation
     def _stop_tokens(self) -> list[int]:

@@ -363,6 +363,9 @@ void clover_model_free(clover_model * model) {
 int32_t clover_n_vocab(const clover_model * m) { return m ? m->n_vocab : 0; }
 int32_t clover_mask_token(const clover_model * m) { return m ? m->mask : -1; }
 int32_t clover_eos_token(const clover_model * m) { return m ? m->eos : -1; }
+int32_t clover_bos_token(const clover_model * m) {
+    return m && llama_vocab_get_add_bos(m->vocab) ? llama_vocab_bos(m->vocab) : -1;
+}
 int32_t clover_train_block_size(const clover_model * m) { return m ? m->train_block : 0; }
 int32_t clover_n_ctx_train(const clover_model * m) { return m ? llama_model_n_ctx_train(m->lm) : 0; }
 

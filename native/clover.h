@@ -111,6 +111,7 @@ CLOVER_API void clover_model_free(clover_model * model);
 CLOVER_API int32_t clover_n_vocab         (const clover_model * model);
 CLOVER_API int32_t clover_mask_token      (const clover_model * model); /* tokenizer.ggml.mask_token_id, -1 if absent */
 CLOVER_API int32_t clover_eos_token       (const clover_model * model); /* -1 if none */
+CLOVER_API int32_t clover_bos_token       (const clover_model * model); /* the BOS a text starts with, -1 if the model adds none */
 CLOVER_API int32_t clover_train_block_size(const clover_model * model); /* clover.diffusion.block_size, 0 if absent */
 CLOVER_API int32_t clover_n_ctx_train     (const clover_model * model);
 
