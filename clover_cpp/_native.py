@@ -94,6 +94,7 @@ class clover_generate_params(Structure):
         ("block_callback", clover_block_callback),
         ("user_data", c_void_p),
         ("reuse_prefix", c_int32),
+        ("draft_self", c_int32),
     ]
 
 
@@ -115,6 +116,9 @@ class clover_stats(Structure):
         ("n_block_switches", c_int32),
         ("calibration", c_int32),
         ("n_reused", c_int32),
+        ("n_verifications", c_int32),
+        ("n_drafted", c_int32),
+        ("n_accepted", c_int32),
     ]
 
 

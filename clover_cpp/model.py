@@ -114,6 +114,9 @@ class GenerationStats:
     n_block_switches: int = 0   # B changes (block_size="auto")
     calibration: str = ""       # block_size="auto": "measured" or "cached" when this call set the cost curve
     n_reused: int = 0           # prompt tokens kept committed from the previous call (prefix reuse)
+    n_verifications: int = 0    # draft-self: causal commits that verified a draft
+    n_drafted: int = 0          # draft-self: drafted tokens verified
+    n_accepted: int = 0         # draft-self: drafted tokens accepted
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -123,7 +126,8 @@ class GenerationStats:
                    tokens_per_forward=s.tokens_per_forward, t_prefill_ms=s.t_prefill_ms,
                    t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size,
                    n_block_switches=s.n_block_switches,
-                   calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused)
+                   calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused,
+                   n_verifications=s.n_verifications, n_drafted=s.n_drafted, n_accepted=s.n_accepted)
 
     def format(self) -> str:
         """One line for humans (what `clover run` prints after the text)."""
@@ -951,7 +955,7 @@ class Clover:
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
-                 _chat_text: str | None = None) -> Any:
+                 draft_self: bool = False, _chat_text: str | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -969,7 +973,10 @@ class Clover:
         before the first one, ``finish_reason`` "stop"; ``tokens`` then run to the token that
         completed it).
         reuse_prefix: keep the committed memory when the prompt starts with it (see the module
-        doc; with a fixed block size the result is the same either way).
+        doc; the result is the same either way).
+        draft_self: lossless self-speculative decoding: each block is drafted by block passes and
+        verified by its causal commit, so the output is that of block_size=1 (greedy only:
+        temperature must be 0); stats.n_accepted / n_drafted / n_verifications say how it went.
         A cancelled generation returns what the finished blocks produced (finish_reason
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 
@@ -985,7 +992,8 @@ class Clover:
             stop = [stop]
         if not all(isinstance(x, str) for x in stop):
             raise CloverError("stop must be a string or a list of strings")
-        kw.update(stop_strings=list(stop), reuse_prefix=bool(reuse_prefix), chat_text=_chat_text)
+        kw.update(stop_strings=list(stop), reuse_prefix=bool(reuse_prefix), draft_self=bool(draft_self),
+                  chat_text=_chat_text)
         self._not_in_callback()
         self._cancel_streams()  # a stream left unfinished must not keep decoding (or hold the lock)
         if not stream:
@@ -1034,7 +1042,9 @@ class Clover:
         state: dict[str, Any] = {"exc": None, "stopped": False, "base": 0, "block": []}
         dec = codecs.getincrementaldecoder("utf-8")("replace")
         matcher = StopMatcher(kw.get("stop_strings", ()))
-        follow = push is not None or bool(matcher.stops)  # track the canvas's final prefix every step
+        # track the canvas's final prefix every step (a draft-self canvas is only a draft: its
+        # tokens are final once the block's verification has kept them)
+        follow = (push is not None or bool(matcher.stops)) and not kw.get("draft_self", False)
         pieces: list[str] = []
         got: list[int] = []        # final output tokens so far (what the pieces spell)
         stopset = set(stops)
@@ -1131,6 +1141,7 @@ class Clover:
             gp.step_callback = c_step
             gp.block_callback = c_block
             gp.reuse_prefix = 1 if kw.get("reuse_prefix", True) else 0
+            gp.draft_self = 1 if kw.get("draft_self", False) else 0
             cap = max(kw["max_tokens"], 1)
             out = (ctypes.c_int32 * cap)()
             n_out = ctypes.c_int32(0)

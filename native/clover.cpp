@@ -36,6 +36,12 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
     if (gp.max_steps < 0) {
         return bad(CLOVER_ERR_INVALID_ARG, "max_steps must be >= 0");
     }
+    if (gp.draft_self != 0 && gp.draft_self != 1) {
+        return bad(CLOVER_ERR_INVALID_ARG, "draft_self must be 0 or 1");
+    }
+    if (gp.draft_self && gp.temperature != 0.0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "draft-self decodes greedily only (temperature 0) in this version");
+    }
     if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
         return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
     }
@@ -80,6 +86,7 @@ struct decode_run {
     std::mt19937_64          rng;
     clover_detail::pick_work work;
     int32_t n_commits = 0, n_calls = 0, n_prefill_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0;
+    int32_t n_verifications = 0, n_drafted = 0, n_accepted = 0;
     int32_t finish    = CLOVER_FINISH_MAX_TOKENS;
     std::vector<int32_t> gen;         // generated tokens (uncut)
     int32_t              visible = 0; // gen prefix reported so far (cut at EOS / max_tokens)
@@ -91,6 +98,9 @@ struct decode_run {
     std::vector<const float *> rows;
     std::vector<int32_t>       masked, cand_tok, order;
     std::vector<double>        cand_conf;
+    std::vector<int32_t>       block_out;      // the tokens a finished block adds to the output
+    std::vector<float>         verify_logits;  // draft-self: the verifying commit's logits
+    std::vector<float>         last_before;    // draft-self: L_last before the verifying commit
 
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b)
         : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), rng(p.seed) {}
@@ -195,8 +205,8 @@ struct decode_run {
 
     // the finished block's tokens join the output (cut at the first EOS and at max_tokens);
     // returns the block callback's verdict (nonzero = cancel)
-    int take_block(int32_t start, int32_t n_cand, bool & has_eos) {
-        gen.insert(gen.end(), canvas.begin(), canvas.begin() + n_cand);
+    int take_block(int32_t start, bool & has_eos) {
+        gen.insert(gen.end(), block_out.begin(), block_out.end());
         const int32_t eos         = gp.stop_at_eos ? ctx->model->eos : -1;
         int32_t       new_visible = (int32_t) gen.size();
         if (eos >= 0) {
@@ -244,16 +254,77 @@ struct decode_run {
                 cancelled = gp.step_callback &&
                             gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0;
             }
+            bool verified = false; // draft-self: the block is committed (or rolled back) already
             if (masked.empty()) {
                 auto_observe(ctx, B, n_cand, std::max(1, n_steps - passes));
-                cancelled = take_block(start, n_cand, has_eos) != 0 || cancelled;
+                block_out.assign(canvas.begin(), canvas.begin() + n_cand);
+                if (gp.draft_self) {
+                    const int rc = verify(n_cand);
+                    if (rc != CLOVER_OK) {
+                        return rc;
+                    }
+                    verified = true;
+                }
+                cancelled = take_block(start, has_eos) != 0 || cancelled;
             }
             if (cancelled || has_eos || (int32_t) gen.size() >= gp.max_tokens) {
                 finish = cancelled ? CLOVER_FINISH_CANCELLED : has_eos ? CLOVER_FINISH_EOS : CLOVER_FINISH_MAX_TOKENS;
                 return cancelled ? CLOVER_ERR_CANCELLED : CLOVER_OK;
             }
-            pending = canvas; // committed by the next block's first pass
+            if (!verified) {
+                pending = canvas; // committed by the next block's first pass
+            }
         }
+    }
+
+    // Draft-self (spec/decoding.md): the causal commit of the n drafted tokens gives, at each of
+    // them, the autoregressive logits. The longest prefix of the draft that equals the greedy
+    // autoregressive choices is kept, plus the autoregressive token after it; the memory then
+    // goes back to the text before the draft (a copy on the spare sequence, taken before the
+    // commit) and the kept tokens become the pending commit, which rides on the next block's
+    // first pass. When the whole draft is kept, the commit stays. block_out: the kept tokens.
+    int verify(int32_t n) {
+        const clover_model * m   = ctx->model;
+        const size_t         V   = (size_t) m->n_vocab;
+        llama_memory_t       mem = llama_get_memory(ctx->lctx);
+        const llama_seq_id   cur = ctx->mem_seq, other = 1 - ctx->mem_seq;
+        const int32_t        P   = ctx->n_committed;
+        last_before              = ctx->last_logits;
+        llama_memory_seq_rm(mem, other, -1, -1);
+        llama_memory_seq_cp(mem, cur, other, -1, -1);
+        verify_logits.resize((size_t) n * V);
+        int32_t calls = 0;
+        int     rc    = commit_impl(ctx, canvas.data(), n, verify_logits.data(), calls, msg);
+        n_calls += calls;
+        ++n_verifications;
+        n_drafted += n;
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        int32_t k = 0, next = -1;
+        double  conf = 0.0;
+        for (; k < n; ++k) {
+            const float * row = k == 0 ? last_before.data() : verify_logits.data() + (size_t) (k - 1) * V;
+            clover_detail::pick_candidate(row, m->n_vocab, m->mask, 0.0, 0, 1.0, rng, work, next, conf);
+            if (next != canvas[k]) {
+                break;
+            }
+        }
+        n_accepted += k;
+        if (k == n) { // all kept: the commit stands, L_last predicts the next block's position 0
+            llama_memory_seq_rm(mem, other, -1, -1);
+            return CLOVER_OK;
+        }
+        llama_memory_seq_rm(mem, cur, -1, -1);
+        llama_memory_seq_cp(mem, other, cur, -1, -1);
+        llama_memory_seq_rm(mem, other, -1, -1);
+        ctx->n_committed = P;
+        ctx->mem_tokens.resize(P);
+        ctx->last_logits = last_before;
+        block_out.assign(canvas.begin(), canvas.begin() + k);
+        block_out.push_back(next);
+        pending = block_out;
+        return CLOVER_OK;
     }
 
     void report(int32_t * out, int32_t * n_out, clover_stats * stats) const {
@@ -277,6 +348,9 @@ struct decode_run {
             stats->t_decode_ms        = ms_since(t_start) - t_prefill;
             stats->tokens_per_second  = stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
             stats->calibration        = ctx->last_calibration;
+            stats->n_verifications    = n_verifications;
+            stats->n_drafted          = n_drafted;
+            stats->n_accepted         = n_accepted;
         }
     }
 };
@@ -300,6 +374,7 @@ clover_generate_params clover_generate_default_params(void) {
     p.block_callback = nullptr;
     p.user_data      = nullptr;
     p.reuse_prefix   = 1;
+    p.draft_self     = 0;
     return p;
 }
 

@@ -239,6 +239,10 @@ typedef struct clover_generate_params {
     int32_t  reuse_prefix; /* 1 (default): when the prompt starts with the context's committed
                               tokens, keep them and commit only the rest (stats.n_reused); the
                               memory is the same for every B; 0 = always start from an empty memory */
+    int32_t  draft_self;   /* 1 = draft-self (lossless self-speculative decoding, spec/decoding.md):
+                              each block is drafted by block passes, then verified by its causal
+                              commit; the output equals block_size = 1 decoding (greedy only for now:
+                              temperature must be 0). 0 (default) = block diffusion */
 } clover_generate_params;
 
 CLOVER_API clover_generate_params clover_generate_default_params(void);
@@ -260,6 +264,10 @@ typedef struct clover_stats {
     int32_t n_block_switches;   /* B changes during the generation (block_size = auto) */
     int32_t calibration;        /* this call's cost curve: 0 = already set, 1 = measured, 2 = disk cache */
     int32_t n_reused;           /* prompt tokens kept from the previous call's memory (reuse_prefix) */
+    int32_t n_verifications;    /* draft-self: causal commits that verified a draft */
+    int32_t n_drafted;          /* draft-self: drafted tokens verified */
+    int32_t n_accepted;         /* draft-self: drafted tokens accepted (each verification adds one more token
+                                   of its own when it rejects one) */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).
