@@ -48,6 +48,8 @@ void usage(const char * argv0) {
             "                         measured once per model and machine and cached, and tokens/pass)\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
+            "  --draft-self           lossless self-speculative decoding: blocks drafted by block passes,\n"
+            "                         verified by their causal commit (the output of --block-size 1; greedy)\n"
             "  --temp X               temperature (default 0 = greedy)\n"
             "  --top-k N              top-k (default 0 = off)\n"
             "  --top-p X              top-p in (0,1] (default 1 = off)\n"
@@ -294,6 +296,8 @@ int main(int argc, char ** argv) {
             const std::string v = val();
             auto_block        = v == "auto";
             cp.block_size     = auto_block ? 0 : (int32_t) parse_int(a, v.c_str(), 1, 1 << 20);
+        } else if (a == "--draft-self") {
+            gp.draft_self = 1;
         } else if (a == "--threshold") {
             gp.threshold = parse_double(a, val());
             if (gp.threshold < 0.0 || gp.threshold > 1.0) {
@@ -451,6 +455,11 @@ int main(int argc, char ** argv) {
             n_tok, stats.n_generated, stats.n_forward, stats.n_steps, stats.tokens_per_forward,
             stats.tokens_per_second, stats.t_prefill_ms, stats.block_size, auto_block ? " (auto)" : "",
             stats.n_block_switches);
+    if (gp.draft_self) {
+        fprintf(stderr, "clover: draft-self: %d verifications, %d of %d drafted tokens accepted (%.2f tokens per verification)\n",
+                stats.n_verifications, stats.n_accepted, stats.n_drafted,
+                stats.n_verifications > 0 ? (double) stats.n_generated / stats.n_verifications : 0.0);
+    }
     clover_context_free(ctx);
     clover_model_free(st.model);
     return 0;
