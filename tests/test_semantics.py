@@ -1,0 +1,72 @@
+"""GGUFs say which semantics their weights were trained for (clover.semantics): one made for the
+retired in-place semantics (no key) or another value is refused by every front end with one line
+that says how to get a current one, and plain llama.cpp refuses it too."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clover_convert import mapping
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fuzz  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = mapping.KEY_SEMANTICS.format(arch="clover")
+
+
+def _without_semantics(src: Path, dst: Path, value: str | None) -> Path:
+    """src with clover.semantics dropped (value None) or set to value."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "clover")
+    for key, val, vt, sub in fuzz._fields(r):
+        if key == "general.architecture" or (key == KEY and value is None):
+            continue
+        w.add_key_value(key, value if key == KEY else val, vt, sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module", params=[None, "in-place"], ids=["missing", "in-place"])
+def retired(request, tiny_artifacts, tmp_path_factory) -> Path:
+    return _without_semantics(tiny_artifacts["f32"], tmp_path_factory.mktemp("retired") / "old.gguf", request.param)
+
+
+def test_the_converter_writes_the_key(tiny_artifacts):
+    import gguf
+
+    f = gguf.GGUFReader(str(tiny_artifacts["f32"])).fields[KEY]
+    assert f.contents() == "causal-shift"
+
+
+def test_python_refuses_a_retired_gguf(retired):
+    from clover_cpp import Clover, CloverError
+
+    with pytest.raises(CloverError, match="retired in-place semantics.*clover convert"):
+        Clover(retired, n_ctx=64)
+
+
+@pytest.mark.parametrize("tool", ["clover", "clover-cli", "llama-completion"])
+def test_front_ends_refuse_a_retired_gguf(retired, tool):
+    cmd = {"clover": [str(ROOT / ".venv" / "bin" / "clover"), "run", "-m", str(retired), "-p", "x", "-n", "1"],
+           "clover-cli": [str(ROOT / "build" / "bin" / "clover-cli"), "-m", str(retired), "-p", "x", "-n", "1"],
+           "llama-completion": [str(ROOT / "build" / "bin" / "llama-completion"), "-m", str(retired), "-p", "x",
+                                "-n", "1", "-no-cnv"]}[tool]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert p.returncode != 0
+    assert "retired in-place semantics" in p.stderr
+    if tool != "llama-completion":  # llama.cpp's own tools log more than one line
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
