@@ -3,10 +3,12 @@ localhost ports, started and stopped here, hold the offloaded layers of the tiny
 
 * layer 0 stays on the local CPU; layers 1-2 go to one server, layer 3 (full attention) and
   the output layer to the other (-ngl 4, tensor split 1,1);
-* block-pass logits equal the local run (f32, <= 1e-5 relative) for B in {1, 8, 32};
-* greedy generation equals the numpy reference for B in {1, 8, 32} and for auto (replaying
-  the schedule auto chose), and a block-size switch that saves and restores the memory
-  (B = 1 -> 512 over a reused prefix) gives the local tokens;
+* block-pass logits (on memories of any length: blocks are not aligned) and causal commit
+  logits equal the local run (f32, <= 1e-5 relative) for B in {1, 8, 32};
+* greedy generation equals the numpy reference, tokens and counters (passes, decode blocks
+  committed, forwards), for B in {1, 8, 32} and for auto (replaying the schedule auto chose,
+  whose blocks start right after the prompt), and a block-size switch that saves and restores
+  the memory (B = 1 -> 512 over a reused prefix) gives the tokens of a cleared local memory;
 * a server killed mid-generation: CloverError within 10 s, the process lives on, and
   reload() works once the server is back; an unreachable server at load: a one-line error;
 * `clover run --rpc` and `clover-cli --rpc` print the local run's text.
@@ -83,7 +85,7 @@ def _prompt(seed: int, n: int, cfg: dict) -> list[int]:
 def test_block_pass_logits_equal_local(local, remote, tiny_artifacts, B: int) -> None:
     lo, re_ = local.new_context(block_size=B), remote.new_context(block_size=B)
     try:
-        for n_before in (0, 2 * B):
+        for n_before in (0, 2 * B, 2 * B + 3):   # spec v2: a pass starts wherever the memory ends
             toks = _prompt(B + n_before, n_before + B, tiny_artifacts["cfg"])
             want = lo.block_logits(toks[n_before:], commit_before=toks[:n_before])
             got = re_.block_logits(toks[n_before:], commit_before=toks[:n_before])
@@ -94,6 +96,29 @@ def test_block_pass_logits_equal_local(local, remote, tiny_artifacts, B: int) ->
         re_.close()
 
 
+def test_commit_logits_equal_local(local, remote, tiny_artifacts) -> None:
+    """The causal commit (clover_commit_logits) over RPC: every position's logits and L_last."""
+    toks = _prompt(9, 45, tiny_artifacts["cfg"])
+    got, want = [], []
+    for m, out in ((local, want), (remote, got)):
+        m.reset()
+        out.append(m.commit(toks[:30], logits=True))
+        out.append(m.commit(toks[30:], logits=True))   # a second commit continues the first
+        out.append(m.last_logits()[None])
+        m.reset()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert float(np.abs(g - w).max()) <= 1e-5 * max(1.0, float(np.abs(w).max()))
+    np.testing.assert_array_equal(want[2][0], want[1][-1])
+
+
+def _assert_counters(got, want) -> None:
+    assert got.tokens == want.tokens
+    assert got.stats.n_decode_passes == want.n_steps
+    assert got.stats.n_commits == want.n_commits
+    assert got.stats.n_forward == want.n_forward
+
+
 @pytest.mark.parametrize("B", [1, 8, 32])
 def test_greedy_generation_equals_reference(remote, local, ref, tiny_artifacts, B: int) -> None:
     from clover_testkit.reference import generate
@@ -101,8 +126,7 @@ def test_greedy_generation_equals_reference(remote, local, ref, tiny_artifacts, 
     toks = _prompt(7, 21, tiny_artifacts["cfg"])
     want = generate(ref, toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False)
     got = remote.generate(toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False)
-    assert got.tokens == want.tokens
-    assert got.stats.n_decode_passes == want.n_steps
+    _assert_counters(got, want)
     assert local.generate(toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False).tokens == want.tokens
 
 
@@ -121,9 +145,10 @@ def test_auto_equals_reference_schedule(remote, ref, tiny_artifacts) -> None:
     got = remote.generate(toks, max_tokens=40, block_size="auto", threshold=0.0, stop_at_eos=False,
                           on_step=on_step)
     sched = [b for _, b in blocks]
+    assert [s for s, _ in blocks] == [len(toks) + sum(sched[:k]) for k in range(len(sched))], blocks
     assert got.stats.n_block_switches >= 2 and len(set(sched)) >= 3, sched
     want = generate(ref, toks, max_tokens=40, block_size=0, threshold=0.0, stop_at_eos=False, block_schedule=sched)
-    assert got.tokens == want.tokens
+    _assert_counters(got, want)
 
 
 def test_switch_saves_and_restores_memory_over_rpc(remote, local, tiny_artifacts) -> None:
@@ -134,13 +159,17 @@ def test_switch_saves_and_restores_memory_over_rpc(remote, local, tiny_artifacts
     results = []
     for m in (local, remote):
         first = m.generate(toks, max_tokens=1, block_size=1, stop_at_eos=False)
-        assert m.n_committed == 512
+        assert m.n_committed == 512   # one block of one: the prompt alone is committed
         m.set_cost_curve(curve, curve)
         second = m.generate(toks + first.tokens, max_tokens=6, block_size="auto", threshold=0.5,
                             stop_at_eos=False)
         assert second.stats.n_reused == 512 and second.stats.block_size == 512
         results.append(first.tokens + second.tokens)
     assert results[0] == results[1]
+    # what a cleared memory gives at B = 512 (the memory does not depend on B)
+    cleared = local.generate(toks + results[0][:1], max_tokens=6, block_size=512, threshold=0.5,
+                             stop_at_eos=False, reuse_prefix=False)
+    assert cleared.stats.n_reused == 0 and results[0][1:] == cleared.tokens
 
 
 def test_output_head_kept_on_the_client(local, servers, tiny_artifacts) -> None:
