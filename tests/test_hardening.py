@@ -61,17 +61,27 @@ ABANDON = {
 }
 
 
+# A long generation in the child processes below: blocks of 512 (one token per pass at threshold
+# 1.0) and a budget of the whole blocks that fit after the prompt (spec v2: blocks start right
+# after the prompt, and a block's canvas must fit n_ctx even where it runs past the budget)
+LONG_RUN = ("m = Clover(sys.argv[1], n_ctx=2048, n_threads=1)\n"
+            "budget = (m.n_ctx - len(m.tokenize('hello', add_special=True))) // 512 * 512\n"
+            "assert budget >= 1024, budget\n")
+
+
 @pytest.mark.parametrize("how", sorted(ABANDON))
 def test_abandoned_stream_exits_cleanly(gguf, how: str) -> None:
-    code = ("import sys\nfrom clover_cpp import Clover\nm = Clover(sys.argv[1], n_ctx=2048, n_threads=1)\n"
-            "s = m.generate('hello', max_tokens=1900, block_size=512, threshold=1.0, stream=True)\n"
+    code = ("import sys\nfrom clover_cpp import Clover\n" + LONG_RUN +
+            "s = m.generate('hello', max_tokens=budget, block_size=512, threshold=1.0, stream=True)\n"
             + ABANDON[how] + "print('done')\n")
     p = _python(code, str(gguf))
     assert p.returncode == 0 and p.stdout.strip() == "done", (p.returncode, p.stderr[-800:])
 
 
 def test_abandoned_stream_stops_decoding(model) -> None:
-    s = model.generate("hello", max_tokens=1000, block_size=256, threshold=1.0, stream=True)
+    budget = (model.n_ctx - len(model.tokenize("hello", add_special=True))) // 256 * 256  # whole blocks
+    assert budget >= 512
+    s = model.generate("hello", max_tokens=budget, block_size=256, threshold=1.0, stream=True)
     next(iter(s))
     t0 = time.perf_counter()
     r = model.generate("hello", max_tokens=4)  # cancels the stream instead of waiting for it
@@ -81,10 +91,9 @@ def test_abandoned_stream_stops_decoding(model) -> None:
 
 def test_ctrl_c_during_generate_raises(gguf) -> None:
     # Ctrl-C arrives while the decode is running (sent from the first step's callback)
-    code = ("import sys, os, signal, time\nfrom clover_cpp import Clover\n"
-            "m = Clover(sys.argv[1], n_ctx=2048, n_threads=1)\nt = []\n"
+    code = ("import sys, os, signal, time\nfrom clover_cpp import Clover\n" + LONG_RUN + "t = []\n"
             "def step(*a):\n    if not t:\n        t.append(time.time()); os.kill(os.getpid(), signal.SIGINT)\n"
-            "try:\n    m.generate('hello', max_tokens=1900, block_size=512, threshold=1.0, on_step=step)\n"
+            "try:\n    m.generate('hello', max_tokens=budget, block_size=512, threshold=1.0, on_step=step)\n"
             "    print('RETURNED')\n"
             "except KeyboardInterrupt:\n    print('INTERRUPTED', round(time.time() - t[0], 1))\n")
     p = _python(code, str(gguf))
@@ -122,6 +131,16 @@ def test_generate_values_are_checked_before_use(model) -> None:
         model.generate("hi", max_tokens=2, stop_tokens=5)
     with pytest.raises(CloverError, match="text"):
         model.tokenize(12)
+    # spec v2: the first block is predicted from the prompt's last token, so an empty prompt
+    # (the fixture adds no BOS) is refused before the memory is touched
+    model.generate("hello", max_tokens=8, block_size=4, stop_at_eos=False)
+    kept = model.n_committed
+    assert kept > 0 and model.tokenize("", add_special=True) == []
+    for empty in ([], ""):
+        with pytest.raises(CloverError, match="empty prompt"):
+            model.generate(empty, max_tokens=2)
+        assert model.n_committed == kept
+    assert model.generate([], max_tokens=0).tokens == []
 
 
 def _clover(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 60):
