@@ -4,6 +4,7 @@ inputs a hostile-input run found. Every case must end in a one-line error or a c
 no signal, no hang, no traceback, no file changed outside the output.
 
 CLOVER_FUZZ_CASES=N runs N cases per corpus (default 48 in CI); CLOVER_FUZZ_SEED picks them.
+The last test checks the totals of every corpus and prints them (pytest -s) for the README.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(os.environ.get("CLOVER_CLI_PATH", ROOT / "build" / "bin" / "clover-cli"))
 N_CASES = int(os.environ.get("CLOVER_FUZZ_CASES", "48"))
 SEED = int(os.environ.get("CLOVER_FUZZ_SEED", "1"))
-TOTALS: dict[str, dict[str, int]] = {}
+
+# the totals test reads what the corpus tests counted: they run in one process (one pytest-xdist
+# worker under --dist loadgroup), in file order
+pytestmark = pytest.mark.xdist_group("fuzz")
+
+
+@dataclass
+class Tally:
+    """What the cases of one corpus ended in."""
+
+    cases: int = 0
+    clean_errors: int = 0
+    correct_results: int = 0
+    crashes: int = 0
+    hangs: int = 0
+
+
+TOTALS: dict[str, Tally] = {}
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -36,9 +55,10 @@ def _digest(folder: Path) -> dict[str, str]:
 
 
 def _tally(corpus: str, outcome: str) -> None:
-    t = TOTALS.setdefault(corpus, {"cases": 0, "clean errors": 0, "correct results": 0})
-    t["cases"] += 1
-    t[outcome] += 1
+    """outcome: a field of Tally ("clean_errors", "correct_results", "crashes", "hangs")."""
+    t = TOTALS.setdefault(corpus, Tally())
+    t.cases += 1
+    setattr(t, outcome, getattr(t, outcome) + 1)
 
 
 def _run_cli(model: Path, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -47,6 +67,8 @@ def _run_cli(model: Path, timeout: float = 30) -> subprocess.CompletedProcess:
 
 
 def _one_line_error(p: subprocess.CompletedProcess, what: str) -> None:
+    if p.returncode not in (0, 1):
+        _tally("gguf", "crashes")
     assert p.returncode in (0, 1), f"{what}: exit {p.returncode} (signal?) stderr={p.stderr[-500:]}"
     if p.returncode == 1:
         lines = p.stderr.strip().splitlines()
@@ -66,9 +88,10 @@ def test_gguf_fuzz(tiny_artifacts, tmp_path: Path) -> None:
         try:
             p = _run_cli(case)
         except subprocess.TimeoutExpired:
+            _tally("gguf", "hangs")
             pytest.fail(f"hang on case {i} ({desc})")
         _one_line_error(p, f"case {i} ({desc})")
-        _tally("gguf", "clean errors" if p.returncode else "correct results")
+        _tally("gguf", "clean_errors" if p.returncode else "correct_results")
         case.unlink()
     assert hashlib.sha256(src.read_bytes()).hexdigest() == before
 
@@ -145,8 +168,12 @@ def _convert(src: Path, out: Path) -> tuple[int, str]:
 def _check_convert(src: Path, out: Path, what: str, corpus: str) -> int:
     before = _digest(src)
     code, output = _convert(src, out)
-    assert code in (0, 1), f"{what}: exit {code}: {output[-500:]}"
     # CloverGroup turns an exception nobody anticipated into "unexpected TypeError: ..."
+    crashed = code not in (0, 1) or bool(re.search(r"unexpected \w+(Error|Exception)\b", output)) \
+        or "Traceback" in output
+    if crashed:
+        _tally(corpus, "crashes")
+    assert code in (0, 1), f"{what}: exit {code}: {output[-500:]}"
     assert not re.search(r"unexpected \w+(Error|Exception)\b", output) and "Traceback" not in output, \
         f"{what}: {output[-800:]}"
     if code:
@@ -154,7 +181,7 @@ def _check_convert(src: Path, out: Path, what: str, corpus: str) -> int:
         assert not out.exists(), f"{what}: a failed conversion left {out}"
     assert _digest(src) == before, f"{what}: the source changed"
     assert sorted(p.name for p in out.parent.iterdir()) in ([], [out.name]), f"{what}: stray files"
-    _tally(corpus, "clean errors" if code else "correct results")
+    _tally(corpus, "clean_errors" if code else "correct_results")
     return code
 
 
@@ -212,7 +239,10 @@ def _rewrite_header(path: Path, fn) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
 
 
-@pytest.mark.parametrize("case", ["overlap", "dtype list", "weight_map values"])
+MALFORMED_SAFETENSORS = ["overlap", "dtype list", "weight_map values"]
+
+
+@pytest.mark.parametrize("case", MALFORMED_SAFETENSORS)
 def test_convert_refuses_malformed_safetensors(tiny_artifacts, tmp_path: Path, case: str) -> None:
     src = tmp_path / "ck"
     shutil.copytree(tiny_artifacts["ckpt"], src)
@@ -234,8 +264,31 @@ def test_convert_refuses_malformed_safetensors(tiny_artifacts, tmp_path: Path, c
     assert _check_convert(src, tmp_path / "out" / "m.gguf", case, "explicit") == 1
 
 
+def _libclover_built() -> bool:
+    from clover_cpp import _native
+
+    try:
+        _native.find_library()
+        return True
+    except _native.CloverLibraryNotFound:
+        return False
+
+
 def test_fuzz_totals_reported() -> None:
-    """Prints the totals (pytest -s) for the README's reliability section."""
+    """Every corpus that this run can build ran all its cases, each one a clean one-line error
+    or a correct result: no crash, no hang. Prints the totals (pytest -s) for the README's
+    reliability section."""
+    want = {"safetensors": N_CASES, "config": N_CASES, "tokenizer": N_CASES,
+            "explicit": len(CONVERT_CASES) + len(MALFORMED_SAFETENSORS)}
+    if CLI.exists() and _libclover_built():   # else test_gguf_fuzz was skipped
+        want["gguf"] = N_CASES
+    missing = sorted(set(want) - set(TOTALS))
+    assert not missing, f"corpora {missing} did not run in this process: run the whole module"
     for corpus, t in sorted(TOTALS.items()):
-        print(f"fuzz {corpus}: {t['cases']} cases, {t['clean errors']} clean errors, "
-              f"{t['correct results']} correct results, 0 crashes, 0 hangs")
+        print(f"fuzz {corpus}: {t.cases} cases, {t.clean_errors} clean errors, "
+              f"{t.correct_results} correct results, {t.crashes} crashes, {t.hangs} hangs")
+    for corpus, n in want.items():
+        t = TOTALS[corpus]
+        assert (t.crashes, t.hangs) == (0, 0), (corpus, t)
+        assert t.cases == n == t.clean_errors + t.correct_results, (corpus, t)
+    assert TOTALS["explicit"].correct_results == 0   # each of those cases must be refused
