@@ -484,9 +484,9 @@ def _candidates(logits: np.ndarray, mask_id: int, temperature: float, top_k: int
 
 
 def ubatch_tokens(block_size: int) -> int:
-    """Tokens per llama_decode in libclover for block size B (whole blocks, at least two: a
-    commit and the next pass; about 512): the prompt's commit takes ceil(n / this) forwards."""
-    return block_size * max(2, -(-512 // block_size))
+    """Tokens per llama_decode in libclover for block size B (room for a commit of B fused with
+    the next pass of B; at least 512): the prompt's commit takes ceil(n / this) forwards."""
+    return max(512, 2 * block_size)
 
 
 def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens: int,

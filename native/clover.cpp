@@ -136,8 +136,9 @@ struct decode_run {
         int32_t       next   = auto_pick(ctx, at, n_left);
         if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, at, n_left)) {
             next = 2;
-        } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B))) {
-            next = B;
+        } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B)) &&
+                   auto_fits(ctx, B, at, n_left)) {
+            next = B; // not worth a switch (and B still fits)
         }
         if (next <= 0 || next == B) {
             return CLOVER_OK;
@@ -415,8 +416,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                     return set_err(err, err_len, rc, "block-size calibration: " + msg);
                 }
             }
-            const int32_t keep = prefix ? auto_pick(ctx, nc, n_prompt - nc + gp.max_tokens) : 0;
-            B = keep > 0 ? keep : auto_pick(ctx, 0, n_prompt + gp.max_tokens);
+            B = auto_pick(ctx, n_prompt, gp.max_tokens); // blocks start right after the prompt
         }
         const int32_t reuse = prefix ? nc : 0;
         if (reuse > 0) {

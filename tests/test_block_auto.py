@@ -213,3 +213,21 @@ def test_second_run_does_not_calibrate(tiny_artifacts, tmp_path, monkeypatch) ->
     assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
     assert "cost curve measured" in runs[0].stderr and "cost curve cached" in runs[1].stderr
     assert runs[0].stdout == runs[1].stdout
+
+
+@pytest.mark.parametrize("n_ctx, max_tokens", [(256, 253), (64, 61)])
+def test_auto_blocks_always_fit_the_context(tiny_artifacts, n_ctx: int, max_tokens: int) -> None:
+    """A curve that favours B = 32 must not pick a B whose blocks run past n_ctx: blocks start
+    right after the prompt, so prompt + whole blocks must fit (found with n_ctx 256: a failed
+    decode after 7 blocks; with n_ctx 64 a canvas ran past the context)."""
+    from clover_cpp import Clover
+
+    sizes = [1, 2, 4, 8, 16, 32]
+    curve = {b: (0.1 if b == 32 else 10.0) for b in sizes}
+    with Clover(tiny_artifacts["f32"], n_ctx=n_ctx, n_threads=1) as m:
+        m.set_cost_curve(curve, curve)
+        prompt = [5, 6, 7]
+        r, sched, starts = run_recording(m, prompt, max_tokens=max_tokens, threshold=0.0)
+        assert r.stats.n_generated == max_tokens
+        assert_blocks_follow_the_prompt(len(prompt), sched, starts)
+        assert all(s + b <= n_ctx for s, b in zip(starts, sched)), (starts, sched)
