@@ -6,17 +6,18 @@
 ...     for piece in m.generate("Once upon a time", stream=True):
 ...         print(piece, end="", flush=True)
 
-Decoding follows spec/decoding.md: the prompt's complete blocks are
-committed, each decode block of B positions starts fully masked (except for the prompt's
-trailing partial block) and is denoised step by step, unmasking every position whose
-confidence reaches ``threshold`` (at least one per step), then committed.
+Decoding follows spec/decoding.md (spec v2): the prompt is committed causally, each decode
+block of B positions after it starts fully masked and is denoised step by step (position 0
+predicted by the prompt's last logits, position q by the block pass's logits at q - 1),
+unmasking every position whose confidence reaches ``threshold`` (at least one per step), then
+committed causally. ``block_size=1`` is autoregressive decoding.
 
 Chat templates: :meth:`Clover.chat` renders the GGUF's ``tokenizer.chat_template`` with jinja2
 in a sandbox, as Hugging Face's ``apply_chat_template`` does (ChatML when the model has none).
 
 Prefix reuse: a context keeps its committed memory after a call; when the next prompt starts
-with those tokens, only the new blocks are prefilled (``stats.n_reused``), so a chat does not
-re-read its history every turn.
+with those tokens, only the rest is committed (``stats.n_reused``), so a chat does not re-read
+its history every turn; the memory is the same for every block size, so the result is too.
 """
 
 from __future__ import annotations
@@ -1165,8 +1166,8 @@ class Clover:
             tokens = got
             stats.finish_reason = "stop"
             stats.n_generated = len(tokens)
-            if stats.n_decode_passes:
-                stats.tokens_per_forward = len(tokens) / stats.n_decode_passes
+            if stats.tokens_per_forward > 0:  # the same forwards (after the prompt's), fewer tokens
+                stats.tokens_per_forward *= len(tokens) / max(st.n_generated, 1)
             if stats.t_decode_ms > 0:
                 stats.tokens_per_second = len(tokens) / (stats.t_decode_ms / 1000.0)
         tail = dec.decode(b"", final=True)
