@@ -568,7 +568,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
                 continue
             history.append({"role": "user", "content": line})
             try:
-                msgs = _fit_history(m, base, history, kw["max_tokens"])
+                msgs = _fit_history(m, base, history, kw["max_tokens"], kw["block_size"])
             except UserError as e:  # this message does not fit: say so, keep the session and its history
                 history.pop()
                 click.echo(f"error: {e.format_message()}", err=True)
@@ -582,13 +582,15 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
 
 
 def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str]],
-                 max_tokens: int) -> list[dict[str, str]]:
-    """Drop the oldest turns until the prompt plus the budget fits the context."""
-    B = m.block_size
+                 max_tokens: int, block_size: Any) -> list[dict[str, str]]:
+    """Drop the oldest turns until the prompt plus the budget fits the context: decode blocks of
+    B start right after the prompt, so they need the budget rounded up to whole blocks
+    (clover_generate's rule; with block size auto, B is only ever one whose blocks fit)."""
+    B = 1 if block_size == "auto" else block_size
     while True:
         msgs = base + history
         n = len(m.tokenize(m.format_chat(msgs), add_special=True, parse_special=True))
-        need = -(-(n + max_tokens) // B) * B
+        need = n + -(-max_tokens // B) * B
         if need <= m.n_ctx or len(history) <= 1:
             if need > m.n_ctx:
                 raise UserError(f"the message ({n} tokens) and -n {max_tokens} do not fit the context "

@@ -46,7 +46,8 @@ def assert_user_error(res, *needles: str) -> None:
 
 # ----------------------------------------------------------------------------- help
 
-@pytest.mark.parametrize("cmd", [[], ["convert"], ["quantize"], ["run"], ["chat"], ["inspect"], ["bench"], ["demo"]])
+@pytest.mark.parametrize("cmd", [[], ["convert"], ["quantize"], ["run"], ["chat"], ["inspect"], ["bench"], ["demo"],
+                                 ["perplexity"]])
 def test_help(cmd: list[str]) -> None:
     res = invoke(cmd + ["--help"])
     assert res.exit_code == 0
@@ -137,6 +138,38 @@ def test_chat(files) -> None:
 
 
 @needs_lib
+@pytest.mark.parametrize("block_size", ["3", "5", "auto"])
+def test_chat_fits_blocks_after_the_prompt(files, block_size: str) -> None:
+    """A chat turn needs the prompt plus -n rounded up to whole blocks, the blocks starting right
+    after the prompt (spec v2: no alignment; auto only picks a B whose blocks fit): -c of exactly
+    that is answered, one position less is the one-line refusal and the session goes on."""
+    from clover_cpp import Clover
+
+    msg = "hi there"
+    with Clover(files["model"], n_threads=1) as m:
+        n = len(m.tokenize(m.format_chat([{"role": "user", "content": msg}]), add_special=True, parse_special=True))
+        default_B = m.block_size
+    if block_size == "auto":
+        # (a context of at least 64: auto measures fused commits + passes of up to 2 x 32 tokens)
+        B, n_predict = 1, max(64 - n, 1) + 1
+        assert (n + n_predict) % default_B, "pick another message: the context is a whole number of blocks"
+    else:
+        B = int(block_size)
+        n_predict = 2 * B  # whole blocks: with the prompt not a whole number of blocks, fewer positions
+        assert n % B, "pick another block size: the prompt is a whole number of blocks"  # than aligned blocks
+    need = n + -(-n_predict // B) * B
+    args = ["chat", "-m", files["model"], "-n", n_predict, "--block-size", block_size, "-t", "1", "--no-visual",
+            "--stats", "--ignore-eos"]
+    res = invoke(args + ["-c", need], input=msg + "\n")
+    assert res.exit_code == 0, res.output
+    assert "error" not in res.stderr and f"generated={n_predict} tok" in res.stderr, res.stderr
+    res = invoke(args + ["-c", need - 1], input=msg + "\n")
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines() == [f"error: the message ({n} tokens) and -n {n_predict} do not fit the context "
+                                       f"({need - 1}); raise -c or lower -n"], res.stderr
+
+
+@needs_lib
 def test_bench(files) -> None:
     res = invoke(["bench", "-m", files["model"], "--block-sizes", "4,8", "-n", "16", "-t", "1"])
     assert res.exit_code == 0, res.output
@@ -177,6 +210,65 @@ def test_demo_prefers_bundled_checkpoint(files, tmp_path: Path, monkeypatch: pyt
     assert res.exit_code == 0, res.output
     assert str(files["ck"]) in res.stderr
     assert list(cache.glob("clover-default-*-f16.gguf"))
+
+
+def _llama_perplexity(ref, toks: list[int], n_ctx: int, bos: int | None) -> tuple[float, int, int]:
+    """Perplexity as llama-perplexity computes it, on the float64 reference's causal logits:
+    chunks of n_ctx tokens (the tail dropped), each on a fresh memory with its first token
+    replaced by BOS when the model adds one, scored on its second half. (ppl, chunks, scored)"""
+    from clover_testkit import reference as R
+
+    first, nll, count = n_ctx // 2, 0.0, 0
+    for i in range(len(toks) // n_ctx):
+        chunk = toks[i * n_ctx:(i + 1) * n_ctx]
+        if bos is not None:
+            chunk[0] = bos
+        rows = R.causal_logits(ref, chunk)[first:n_ctx - 1]
+        logp = rows - rows.max(1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+        nll -= float(logp[np.arange(len(rows)), chunk[first + 1:]].sum())
+        count += len(rows)
+    return float(np.exp(nll / count)), len(toks) // n_ctx, count
+
+
+@needs_lib
+def test_perplexity(files, tmp_path: Path) -> None:
+    """clover perplexity -m MODEL TEXT_FILE -c N prints llama-perplexity's line with the figure of
+    the reference computed the llama-perplexity way; a missing file or a text shorter than two
+    chunks is one error line."""
+    import re
+
+    from clover_cpp import Clover
+    from clover_testkit.checkpoints import FIXTURE_TEXT
+    from clover_testkit.reference import CloverReference
+
+    n_ctx = 16
+    text = tmp_path / "text.txt"
+    text.write_text(FIXTURE_TEXT[:200], encoding="utf-8")
+    with Clover(files["model"], n_threads=1) as m:
+        toks = m.tokenize(text.read_text(encoding="utf-8"), add_special=True)
+        plain = m.tokenize(text.read_text(encoding="utf-8"), add_special=False)
+    bos = toks[0] if len(toks) == len(plain) + 1 else None
+    assert len(toks) // n_ctx >= 3 and len(toks) % n_ctx, "pick another text: 3+ chunks and a dropped tail"
+    want, n_chunks, n_scored = _llama_perplexity(CloverReference.from_pretrained(files["ck"]), toks, n_ctx, bos)
+    for args in ([text, "-c", n_ctx], ["-f", text, "--ctx-size", n_ctx]):
+        res = invoke(["perplexity", "-m", files["model"], *args, "-t", "1"])
+        assert res.exit_code == 0, res.output
+        got = re.fullmatch(r"Final estimate: PPL = ([0-9]+\.[0-9]{4}) \((\d+) chunks of (\d+) tokens, (\d+) positions "
+                           r"scored\)\n", res.stdout)
+        assert got, res.stdout
+        assert float(got.group(1)) == pytest.approx(want, rel=1e-4)
+        assert [int(g) for g in got.groups()[1:]] == [n_chunks, n_ctx, n_scored]
+    # errors: one line, nothing on stdout
+    assert_user_error(invoke(["perplexity", "-m", files["model"], tmp_path / "none.txt"]), "none.txt")
+    short = tmp_path / "short.txt"
+    short.write_text(FIXTURE_TEXT[:40], encoding="utf-8")
+    assert_user_error(invoke(["perplexity", "-m", files["model"], short, "-c", n_ctx, "-t", "1"]),
+                      f"at least {2 * n_ctx} tokens")
+    assert_user_error(invoke(["perplexity", "-m", files["model"], text, "-f", text]), "once")
+    p = _sub(["perplexity", "-m", files["model"], tmp_path / "none.txt"])
+    assert p.returncode == 1 and p.stdout == "" and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ") and "none.txt" in p.stderr
 
 
 # ----------------------------------------------------------------------------- user errors
@@ -293,15 +385,32 @@ def test_same_flags_same_effect_on_both_tools(files) -> None:
     assert res.exit_code != 0  # -b is llama.cpp's batch size: Clover's block size is --block-size only
 
 
+def _stop_from(text: str, kind: str) -> str:
+    """A stop string taken from a generated text, past its first characters (so that the stopped
+    output is not empty): "WORD" = the first run of 3 ASCII letters; "PUNCT" = the first 3
+    printable ASCII characters with a regular-expression metacharacter among them (a stop string
+    is plain text, never a pattern)."""
+    import re
+
+    pattern = {"WORD": r"[A-Za-z]{3}", "PUNCT": r"(?=[ -~]{0,2}[()\[\]{}.*+?^$|\\])[ -~]{3}"}[kind]
+    m = re.compile(pattern).search(text, 2)
+    assert m, f"pick another prompt: no {kind} stop string in {text!r}"
+    return m.group(0)
+
+
 @pytest.mark.needs_libclover
 @pytest.mark.parametrize("extra", [["--top-k", "5", "--top-p", "0.9", "--temp", "0.7", "-s", "3"],
-                                   ["-r", "self"], ["-r", "(self", "-r", "zzz"], ["-ngl", "0", "-c", "512"]])
+                                   ["-r", "WORD"], ["-r", "PUNCT", "-r", "zzz"], ["-ngl", "0", "-c", "512"]])
 def test_more_flags_same_effect_on_both_tools(files, tmp_path, extra: list[str]) -> None:
     """-f, --top-k, --top-p, -r/--reverse-prompt, -ngl, -c: the same text from both tools (a
-    random model's bytes need not be UTF-8: compared as clover prints them, with replacement)."""
+    random model's bytes need not be UTF-8: compared as clover prints them, with replacement).
+    The stop strings are read from the unstopped output (WORD, PUNCT: see _stop_from)."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello")
-    args = ["-f", str(prompt), "-n", "40", "--block-size", "4", "--ignore-eos", "-t", "1", *extra]
+    base = ["-f", str(prompt), "-n", "40", "--block-size", "4", "--ignore-eos", "-t", "1"]
+    full = invoke(["run", "-m", files["model"], *base, "--no-stats", "--no-visual"]).output
+    extra = [_stop_from(full, a) if a in ("WORD", "PUNCT") else a for a in extra]
+    args = [*base, *extra]
     res = invoke(["run", "-m", files["model"], *args, "--no-stats", "--no-visual"])
     assert res.exit_code == 0, res.output
     p = subprocess.run([str(CLI_BIN), "-m", str(files["model"]), *args], capture_output=True, timeout=60)
@@ -311,8 +420,8 @@ def test_more_flags_same_effect_on_both_tools(files, tmp_path, extra: list[str])
         if a == "-r":
             assert extra[i + 1] not in res.output
     if extra[:1] == ["-r"]:  # the stop string is in the unstopped text, and the output ends before it
-        full = invoke(["run", "-m", files["model"], *args[:-len(extra)], "--no-stats", "--no-visual"]).output
         assert extra[1] in full and full.startswith(res.output.rstrip("\n"))
+        assert len(res.output.rstrip("\n")) == full.index(extra[1])
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
