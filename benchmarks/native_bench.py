@@ -111,21 +111,20 @@ class Model:
         _check(rc, err, "clover_block_pass")
         return dt
 
-    def prefill(self, ctx, toks: list[int]) -> float:
+    def commit(self, ctx, toks: list[int]) -> float:
+        """Seconds of clover_commit: the tokens processed causally at the end of the memory (any
+        number of them, one llama_decode per ubatch), as the prompt of a generation is."""
         arr = N.as_int32_array(toks)
         err, el = N.err_buffer()
-        rest = ctypes.c_int32()
         t0 = time.perf_counter()
-        rc = self.L.clover_prefill(ctx, arr, len(toks), ctypes.byref(rest), err, el)
+        rc = self.L.clover_commit(ctx, arr, len(toks), err, el)
         dt = time.perf_counter() - t0
-        _check(rc, err, "clover_prefill")
-        if rest.value:
-            raise CloverError(f"prefill left {rest.value} tokens uncommitted")
+        _check(rc, err, "clover_commit")
         return dt
 
     def generate(self, prompt: list[int], block_size: int, max_steps: int, max_tokens: int,
                  threshold: float = 1.0) -> dict:
-        n_ctx = _round_up(len(prompt) + max_tokens + block_size, block_size) + block_size
+        n_ctx = len(prompt) + _round_up(max_tokens, block_size)  # decode blocks start right after the prompt
         ctx = self.context(block_size, max(n_ctx, 64))
         gp = self.L.clover_generate_default_params()
         gp.block_size = block_size
@@ -197,6 +196,20 @@ def schemes(block_sizes=(1, 4, 8, 16, 32), ks=("B", 4)) -> list[tuple[int, int, 
     return out
 
 
+def expected_passes(max_new: int, B: int, k: int) -> int | None:
+    """Block passes of a generation of max_new tokens with exactly k unmasked per step (a
+    scheme above), where that is known: blocks start right after the prompt, and a step runs a
+    pass only while a masked position q > 0 is left (position 0 takes L_last). B = 1: none
+    (autoregressive decoding). k >= 2: every step has k >= 2 masked positions, so every one of
+    the B/k steps of each block passes. k = 1 < B: the last step passes or not depending on
+    whether position 0 is the last one left (unknown)."""
+    if max_new % B:
+        return None  # positions past the budget stay masked: fewer steps in the last block
+    if B == 1:
+        return 0
+    return max_new // B * (B // k) if k >= 2 else None
+
+
 def tokens_per_second(model: Model, prompt_len: int = 64, max_new: int = 128,
                       cases=None, reps: int = 1) -> list[dict]:
     prompt = model.tokens(prompt_len, seed=7)
@@ -207,7 +220,7 @@ def tokens_per_second(model: Model, prompt_len: int = 64, max_new: int = 128,
         runs = [model.generate(prompt, B, S, max_tokens=max_new) for _ in range(reps)]
         best = max(runs, key=lambda r: r["tokens_per_second"])
         r = dict(best, B=B, k=k, max_steps=S, runs_tps=[x["tokens_per_second"] for x in runs])
-        r["expected_steps"] = _round_up(max_new, B) // B * (B // k) if prompt_len % B == 0 else None
+        r["expected_steps"] = expected_passes(max_new, B, k)
         res.append(r)
     return res
 
@@ -222,13 +235,11 @@ def depth_latency(model: Model, depths=(128, 1024, 4096), B: int = 32, reps: int
     block = [model.mask] * B  # a fully masked block, as at the first step of a decode block
     out, done = {}, 0
     for d in depths:
-        if d % B:
-            raise ValueError(f"depth {d} is not a multiple of B={B}")
-        t_prefill = model.prefill(ctx, toks[done:d]) if d > done else 0.0
+        t_commit = model.commit(ctx, toks[done:d]) if d > done else 0.0
         done = d
         model.block_pass_seconds(ctx, block, logits)  # warm-up
         r = _summary([model.block_pass_seconds(ctx, block, logits) for _ in range(reps)])
-        r["prefill_s"] = t_prefill
+        r["commit_s"] = t_commit
         out[d] = r
     return out
 
@@ -236,7 +247,7 @@ def depth_latency(model: Model, depths=(128, 1024, 4096), B: int = 32, reps: int
 # ---------------------------------------------------------------------- 4. end to end
 def end_to_end(model: Model, prompt: list[int], max_new: int = 256, B: int = 32,
                tokens_per_step: int = 4, reps: int = 1) -> dict:
-    """clover_generate wall time (prefill included), best of reps."""
+    """clover_generate wall time (the prompt's commit included), best of reps."""
     S = B // tokens_per_step
     model.generate(prompt[: 2 * B], B, S, max_tokens=B)  # warm-up
     runs = [model.generate(prompt, B, S, max_tokens=max_new) for _ in range(reps)]
