@@ -976,8 +976,9 @@ class Clover:
         reuse_prefix: keep the committed memory when the prompt starts with it (see the module
         doc; the result is the same either way).
         draft_self: lossless self-speculative decoding: each block is drafted by block passes and
-        verified by its causal commit, so the output is that of block_size=1 (greedy only:
-        temperature must be 0); stats.n_accepted / n_drafted / n_verifications say how it went.
+        verified by its causal commit, so the output is that of block_size=1 (token for token at
+        temperature 0, in distribution above it); stats.n_accepted / n_drafted / n_verifications
+        say how it went.
         A cancelled generation returns what the finished blocks produced (finish_reason
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 

@@ -49,7 +49,7 @@ void usage(const char * argv0) {
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
             "  --draft-self           lossless self-speculative decoding: blocks drafted by block passes,\n"
-            "                         verified by their causal commit (the output of --block-size 1; greedy)\n"
+            "                         verified by their causal commit (the output of --block-size 1)\n"
             "  --temp X               temperature (default 0 = greedy)\n"
             "  --top-k N              top-k (default 0 = off)\n"
             "  --top-p X              top-p in (0,1] (default 1 = off)\n"

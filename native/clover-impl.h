@@ -142,6 +142,8 @@ struct pick_work {
 // the candidate token of one masked position and its confidence (spec/decoding.md)
 void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
                     std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf);
+// draft-self at temperature > 0: keep drafted token x (true) or draw `other` from the residual
+bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::mt19937_64 & rng, int32_t & other);
 // which of n masked positions a denoising step unmasks (most confident first); returns the count
 int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
                       int32_t * order_out);

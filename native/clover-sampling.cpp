@@ -152,6 +152,36 @@ void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int
     conf = p[pick];
 }
 
+// Speculative sampling (draft-self at temperature > 0): keep the drafted token x with probability
+// min(1, p(x) / q(x)); else return the token drawn from the residual max(0, p - q), normalised
+// (p when it is all zero). p: the verifier's distribution, q: the draft's, both over V tokens.
+bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::mt19937_64 & rng, int32_t & other) {
+    const double u = uniform01(rng);
+    if (q[x] > 0.0f && u < p[x] / (double) q[x]) {
+        return true;
+    }
+    double total = 0.0;
+    for (int32_t i = 0; i < V; ++i) {
+        total += std::max(0.0, p[i] - (double) q[i]);
+    }
+    const bool   residual = total > 0.0;
+    const double target   = uniform01(rng) * (residual ? total : 1.0);
+    double       cdf      = 0.0;
+    other                 = -1;
+    for (int32_t i = 0; i < V; ++i) {
+        const double w = residual ? std::max(0.0, p[i] - (double) q[i]) : p[i];
+        if (w <= 0.0) {
+            continue;
+        }
+        other = i;
+        cdf += w;
+        if (cdf > target) {
+            break;
+        }
+    }
+    return false;
+}
+
 // Returns how many to unmask; order_out = ranking (conf desc, index asc).
 int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
                              int32_t * order_out) {

@@ -39,9 +39,6 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
     if (gp.draft_self != 0 && gp.draft_self != 1) {
         return bad(CLOVER_ERR_INVALID_ARG, "draft_self must be 0 or 1");
     }
-    if (gp.draft_self && gp.temperature != 0.0) {
-        return bad(CLOVER_ERR_INVALID_ARG, "draft-self decodes greedily only (temperature 0) in this version");
-    }
     if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
         return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
     }
@@ -101,6 +98,7 @@ struct decode_run {
     std::vector<int32_t>       block_out;      // the tokens a finished block adds to the output
     std::vector<float>         verify_logits;  // draft-self: the verifying commit's logits
     std::vector<float>         last_before;    // draft-self: L_last before the verifying commit
+    std::vector<float>         draft_q;        // draft-self, temperature > 0: each canvas position's draft distribution
 
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b)
         : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), rng(p.seed) {}
@@ -189,10 +187,17 @@ struct decode_run {
         cand_tok.resize(nm);
         cand_conf.resize(nm);
         order.resize(nm);
+        const bool keep_q = gp.draft_self && gp.temperature > 0.0;
+        if (keep_q) {
+            draft_q.resize((size_t) B * m->n_vocab);
+        }
         for (int32_t j = 0; j < nm; ++j) {
             const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
             clover_detail::pick_candidate(row, m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p, rng, work,
                                           cand_tok[j], cand_conf[j]);
+            if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
+                std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
+            }
         }
         const int32_t k =
             clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, s, order.data());
@@ -280,7 +285,8 @@ struct decode_run {
 
     // Draft-self (spec/decoding.md): the causal commit of the n drafted tokens gives, at each of
     // them, the autoregressive logits. The longest prefix of the draft that equals the greedy
-    // autoregressive choices is kept, plus the autoregressive token after it; the memory then
+    // autoregressive choices is kept (at temperature > 0: that speculative sampling accepts,
+    // against the draft's distributions), plus the autoregressive token after it; the memory then
     // goes back to the text before the draft (a copy on the spare sequence, taken before the
     // commit) and the kept tokens become the pending commit, which rides on the next block's
     // first pass. When the whole draft is kept, the commit stays. block_out: the kept tokens.
@@ -306,8 +312,11 @@ struct decode_run {
         double  conf = 0.0;
         for (; k < n; ++k) {
             const float * row = k == 0 ? last_before.data() : verify_logits.data() + (size_t) (k - 1) * V;
-            clover_detail::pick_candidate(row, m->n_vocab, m->mask, 0.0, 0, 1.0, rng, work, next, conf);
-            if (next != canvas[k]) {
+            clover_detail::pick_candidate(row, m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p, rng, work,
+                                          next, conf);
+            if (gp.temperature == 0.0 ? next != canvas[k]
+                                      : !clover_detail::accept_draft(work.p.data(), draft_q.data() + (size_t) k * V,
+                                                                     m->n_vocab, canvas[k], rng, next)) {
                 break;
             }
         }

@@ -241,8 +241,10 @@ typedef struct clover_generate_params {
                               memory is the same for every B; 0 = always start from an empty memory */
     int32_t  draft_self;   /* 1 = draft-self (lossless self-speculative decoding, spec/decoding.md):
                               each block is drafted by block passes, then verified by its causal
-                              commit; the output equals block_size = 1 decoding (greedy only for now:
-                              temperature must be 0). 0 (default) = block diffusion */
+                              commit; the output equals block_size = 1 decoding (token for token at
+                              temperature 0, in distribution otherwise: speculative sampling's
+                              acceptance against the draft's distributions, seeded). 0 (default) =
+                              block diffusion */
 } clover_generate_params;
 
 CLOVER_API clover_generate_params clover_generate_default_params(void);
