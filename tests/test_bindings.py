@@ -1,5 +1,7 @@
 """The Python bindings (clover_cpp.Clover) on the tiny preset: generation, streaming, chat,
-tokenizer, block logits and greedy decoding against the numpy reference, errors, lifetime."""
+tokenizer, causal commits (committed-position logits, L_last), block logits and greedy
+decoding against the numpy reference (spec v2: logits at t predict t+1, causal commits of any
+length, decode blocks right after the prompt), errors, lifetime."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ def tiny(tiny_artifacts) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def cfg(tiny_artifacts) -> dict:
+    """The tiny preset's config.json (token ids, vocabulary, training block size)."""
+    return tiny_artifacts["cfg"]
+
+
+@pytest.fixture(scope="session")
 def ref(tiny):
     from clover_testkit.reference import CloverReference
 
@@ -37,10 +45,16 @@ def model(tiny):
         yield m
 
 
-def test_properties(model) -> None:
-    assert model.n_vocab == 576
-    assert model.train_block_size == 8 and model.block_size == 8
-    assert model.mask_token == 559 and model.eos_token == 556
+def _n_prompt(model, prompt: str) -> int:
+    """Prompt tokens of a text prompt (generate tokenizes with add_special): the first decode
+    block starts at this position."""
+    return len(model.tokenize(prompt, add_special=True))
+
+
+def test_properties(model, cfg) -> None:
+    assert model.n_vocab == cfg["vocab_size"]
+    assert model.train_block_size == cfg["block_size"] and model.block_size == 8
+    assert model.mask_token == cfg["mask_token_id"] and model.eos_token == cfg["eos_token_id"]
     assert model.n_ctx == 1024
     assert "<|im_start|>" in (model.chat_template or "")
     assert model.metadata("general.architecture") == "clover"
@@ -49,13 +63,19 @@ def test_properties(model) -> None:
 
 
 def test_generate_result(model) -> None:
+    from clover_testkit.reference import ubatch_tokens
+
     r = model.generate("hello world", max_tokens=20)
     assert len(r.tokens) == 20 and r.stats.n_generated == 20
     assert r.text == model.detokenize(r.tokens)
     s = r.stats
     assert s.finish_reason == "max_tokens" and r.finish_reason == "max_tokens"
-    assert s.block_size == 8 and s.n_decode_passes > 0 and s.n_forward >= s.n_decode_passes
-    assert s.tokens_per_forward == pytest.approx(20 / s.n_decode_passes)
+    assert s.n_prompt == _n_prompt(model, "hello world")
+    prompt_forwards = -(-s.n_prompt // ubatch_tokens(8))
+    # blocks of 8, 8 and 4: the first two commits ride on the next block's first pass
+    assert s.block_size == 8 and s.n_blocks == 3 and s.n_commits == 2 and s.n_decode_passes > 0
+    assert s.n_forward == prompt_forwards + s.n_decode_passes
+    assert s.tokens_per_forward == pytest.approx(20 / (s.n_forward - prompt_forwards))
     assert s.t_decode_ms > 0 and s.tokens_per_second > 0
     assert "tok/forward" in s.format()
     # token ids as the prompt give the same output
@@ -81,8 +101,10 @@ def test_stream_really_streams(model) -> None:
     gate = threading.Event()
     seen_first = []
 
+    third = _n_prompt(model, "hello world") + 16  # blocks of 8 start right after the prompt
+
     def on_step(canvas, n_masked, block_start):
-        if block_start >= 16:  # third block: wait until the consumer saw a piece
+        if block_start >= third:  # third block: wait until the consumer saw a piece
             gate.wait(timeout=10)
         return False
 
@@ -98,28 +120,38 @@ def test_stream_really_streams(model) -> None:
 
 def test_stream_follows_the_canvas(model) -> None:
     """Pieces arrive after denoising steps, not once per block: once the block's unmasked
-    prefix is non-empty, the consumer gets it while the block is still being denoised."""
+    prefix is non-empty, the consumer gets it while the block is still being denoised. The
+    block starts right after the prompt: its position 0 is the first generated token."""
+    kw = dict(max_tokens=24, block_size=32, threshold=1.0, stop_at_eos=False)
+    # a prompt whose block gets position 0 while at least two positions are still masked (the
+    # piece is pushed after that step; the consumer is awaited at the next one, mid-block)
+    prompt = None
+    for p in PROMPTS:
+        steps: list[tuple[bool, int]] = []
+        model.generate(p, **kw, on_step=lambda c, n, b: steps.append((c[0] != model.mask_token, n)))
+        if any(u and n >= 2 for u, n in steps):
+            prompt = p
+            break
+    assert prompt is not None, "no prompt unmasks position 0 before the block's last steps"
     gate = threading.Event()
-    seen = {"prefix": False, "waited": None}
-    first_gen = 7   # "hello world" is 7 tokens here: the block at 0 starts generating at 7
+    seen = {"prefix": False, "waited": None, "starts": set()}
 
     def on_step(canvas, n_masked, block_start):
+        seen["starts"].add(block_start)
         if seen["prefix"] and n_masked > 0 and seen["waited"] is None:
             seen["waited"] = gate.wait(timeout=10)   # mid-block: the consumer must have a piece
-        start = max(0, first_gen - block_start)
-        if canvas[start] != model.mask_token:
+        if canvas[0] != model.mask_token:
             seen["prefix"] = True
         return False
 
-    assert len(model.tokenize("hello world")) == first_gen
-    stream = model.generate("hello world", max_tokens=24, block_size=32, threshold=1.0, stream=True,
-                            stop_at_eos=False, on_step=on_step)
+    stream = model.generate(prompt, **kw, stream=True, on_step=on_step)
     pieces = []
     for piece in stream:
         pieces.append(piece)
         gate.set()
     assert "".join(pieces) == stream.result.text
     assert stream.result.stats.n_blocks == 1
+    assert seen["starts"] == {_n_prompt(model, prompt)}
     assert seen["waited"] is True
 
 
@@ -138,21 +170,24 @@ def test_on_step_sees_canvas_and_cancels(model) -> None:
     def on_step(canvas, n_masked, block_start):
         calls.append((list(canvas), n_masked, block_start))
 
-    r = model.generate("hello world", max_tokens=16, block_size=8, on_step=on_step)
+    P = _n_prompt(model, "hello world")
+    r = model.generate("hello world", max_tokens=20, block_size=8, on_step=on_step)
     assert calls and all(len(c) == 8 for c, _, _ in calls)
-    # the last block's positions past the budget (16 - 1 - 8 = 7 of 8) stay masked
-    assert all(c.count(model.mask_token) == n for c, n, b in calls if b < 16)
-    assert all(c.count(model.mask_token) == n + 1 for c, n, b in calls if b == 16)
-    assert {b for _, _, b in calls} == {0, 8, 16}
+    # blocks of 8 from the end of the prompt; the last one's positions past the budget
+    # (20 - 16 = 4 of 8 inside it) stay masked
+    assert {b for _, _, b in calls} == {P, P + 8, P + 16}
+    assert all(c.count(model.mask_token) == n for c, n, b in calls if b < P + 16)
+    assert all(c.count(model.mask_token) == n + 4 and c[4:] == [model.mask_token] * 4
+               for c, n, b in calls if b == P + 16)
     assert calls[-1][1] == 0
     # the canvases of finished blocks hold the output
     done = [c for c, n, _ in calls if n == 0]
-    assert (done[0][7:] + done[1] + done[2])[:16] == r.tokens
+    assert done[0] + done[1] + done[2][:4] == r.tokens
 
     r2 = model.generate("hello world", max_tokens=64, block_size=8,
-                        on_step=lambda c, n, b: b >= 16)
+                        on_step=lambda c, n, b: b >= P + 16)
     assert r2.finish_reason == "cancelled"
-    assert r2.tokens == r.tokens[:9]  # blocks 0 (1 token) and 8 finished; 16 was interrupted
+    assert r2.tokens == r.tokens[:16]  # blocks P and P + 8 finished; P + 16 was interrupted
 
 
 def test_callback_exception_is_reraised(model) -> None:
@@ -220,46 +255,78 @@ def test_tokenize_matches_tokenizers(model, tiny) -> None:
         assert model.tokenize(text) == hf.encode(text, add_special_tokens=False).ids, text
 
 
-def test_tokenize_special(model) -> None:
-    assert model.tokenize("<|im_start|>", parse_special=True) == [557]
+def test_tokenize_special(model, tiny) -> None:
+    from tokenizers import Tokenizer
+
+    im_start = Tokenizer.from_file(str(tiny[0] / "tokenizer.json")).token_to_id("<|im_start|>")
+    assert im_start is not None
+    assert model.tokenize("<|im_start|>", parse_special=True) == [im_start]
     assert len(model.tokenize("<|im_start|>", parse_special=False)) > 1
-    assert model.detokenize([557]) == "" and model.detokenize([557], special=True) == "<|im_start|>"
+    assert model.detokenize([im_start]) == "" and model.detokenize([im_start], special=True) == "<|im_start|>"
     assert model.tokenize("") == []
     assert model.detokenize([]) == ""
 
 
+def _rel_ok(got: np.ndarray, want: np.ndarray, tol: float) -> bool:
+    return float(np.abs(got - want).max()) <= tol * float(np.abs(want).max())
+
+
 def test_block_logits_match_reference(model, ref) -> None:
-    B = 8
-    before = model.tokenize("The quick brown fox jumps over the lazy dog, twice.")[:16]
-    assert len(before) == 16
-    for toks in ([5, 6, 7, 559, 559], [559] * 8, [100]):
+    B, mask = 8, model.mask_token
+    # commit_before: any number of tokens (no block alignment); the canvas starts right after
+    before = model.tokenize("The quick brown fox jumps over the lazy dog, twice.")[:13]
+    assert len(before) == 13
+    for toks in ([5, 6, 7, mask, mask], [mask] * 8, [100]):
         got = model.block_logits(toks, commit_before=before)
+        assert model.n_committed == len(before)
         mem = ref.new_memory()
-        ref.prefill(mem, before, B)
+        ref.commit(mem, before)
         want = ref.block_pass(mem, toks, B)
         assert got.shape == (len(toks), model.n_vocab) and got.dtype == np.float32
         # f32 weights, f32 KV cache, no flash attention: float rounding only
-        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        assert _rel_ok(got, want, 1e-4)
     # against an empty memory
     model.reset()
     assert model.n_committed == 0
     got = model.block_logits([1, 2, 3])
     want = ref.block_pass(ref.new_memory(), [1, 2, 3], B)
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert _rel_ok(got, want, 1e-4)
 
 
-def test_commit_and_prefill(model, ref) -> None:
+def test_commit_and_last_logits(model, ref) -> None:
+    """Clover.commit is causal: its logits are the reference's committed-position logits (row t
+    predicts t + 1), last_logits is their last row, and commits split any way add up."""
+    from clover_cpp import CloverError
+
     model.reset()
-    rest = model.prefill(list(range(20)))
-    assert rest == [16, 17, 18, 19] and model.n_committed == 16
-    model.commit(list(range(20, 28)))
-    assert model.n_committed == 24
-    got = model.block_logits([1, 2])
+    with pytest.raises(CloverError):          # nothing committed: no L_last
+        model.last_logits()
+    first, second = list(range(20)), list(range(20, 31))
+    got = model.commit(first, logits=True)
+    assert model.n_committed == 20
     mem = ref.new_memory()
-    ref.prefill(mem, list(range(16)) + list(range(20, 28)), 8)
+    want = ref.commit(mem, first)
+    assert got.shape == (20, model.n_vocab) and got.dtype == np.float32
+    assert _rel_ok(got, want, 1e-4)
+    assert np.array_equal(model.last_logits(), got[-1])
+    assert model.commit(second) is None       # without logits
+    assert model.n_committed == 31
+    want2 = ref.commit(mem, second)
+    assert _rel_ok(model.last_logits(), want2[-1], 1e-4)
+    got = model.block_logits([1, 2])
     want = ref.block_pass(mem, [1, 2], 8)
-    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert _rel_ok(got, want, 1e-4)
+    # the same text in one commit, and token by token
     model.reset()
+    one = model.commit(first + second, logits=True)
+    assert _rel_ok(one, ref.commit(ref.new_memory(), first + second), 1e-4)
+    model.reset()
+    tbt = np.concatenate([model.commit([t], logits=True) for t in first + second])
+    assert np.abs(tbt - one).max() <= 1e-5 * np.abs(one).max()
+    model.reset()
+    assert model.n_committed == 0
+    with pytest.raises(CloverError):
+        model.last_logits()
 
 
 def test_block_logits_default_kv_cache(tiny, ref) -> None:
@@ -267,12 +334,14 @@ def test_block_logits_default_kv_cache(tiny, ref) -> None:
     from clover_cpp import Clover
 
     with Clover(tiny[1], n_ctx=256, n_threads=1) as m:
-        before = list(range(30, 46))
-        got = m.block_logits([3, 559, 559, 4], commit_before=before)
+        mask = m.mask_token
+        before = list(range(30, 47))
+        got = m.block_logits([3, mask, mask, 4], commit_before=before)
         mem = ref.new_memory()
-        ref.prefill(mem, before, 8)
-        want = ref.block_pass(mem, [3, 559, 559, 4], 8)
-        assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+        committed = ref.commit(mem, before)
+        want = ref.block_pass(mem, [3, mask, mask, 4], 8)
+        assert _rel_ok(got, want, 2e-3)
+        assert _rel_ok(m.last_logits(), committed[-1], 2e-3)
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.9, 1.0])
@@ -287,6 +356,10 @@ def test_greedy_equals_reference(model, ref, B: int, threshold: float) -> None:
         assert got.tokens == want.tokens, (prompt, B, threshold)
         assert got.stats.n_decode_passes == want.n_steps
         assert got.stats.n_forward == want.n_forward
+        assert got.stats.n_commits == want.n_commits
+        assert got.stats.tokens_per_forward == pytest.approx(want.tokens_per_forward)
+        if B == 1:  # autoregressive: no pass, one forward per token after the first
+            assert want.n_steps == 0 and want.n_commits == len(want.tokens) - 1
     model.block_size = 8
 
 
@@ -305,8 +378,17 @@ def test_errors(model, tiny, tmp_path: Path) -> None:
     with pytest.raises(CloverError) as ei:
         model.block_logits(list(range(9)))  # more than B tokens
     assert ei.value.message and ei.value.status == _native.CLOVER_ERR_INVALID_ARG
-    with pytest.raises(CloverError, match="whole number of blocks"):
-        model.block_logits([1], commit_before=[1, 2, 3])
+    with pytest.raises(CloverError) as ei:  # an empty prompt: nothing predicts the first block
+        model.generate([], max_tokens=4)
+    assert ei.value.status == _native.CLOVER_ERR_INVALID_ARG and "empty prompt" in ei.value.message
+    with pytest.raises(CloverError) as ei:
+        model.commit([])
+    assert ei.value.status == _native.CLOVER_ERR_INVALID_ARG
+    with pytest.raises(CloverError):
+        model.commit([0, 99999])
+    # no block alignment any more: commit_before of any length
+    assert model.block_logits([1], commit_before=[1, 2, 3]).shape == (1, model.n_vocab)
+    assert model.n_committed == 3
     # loading
     with pytest.raises(CloverError, match="no such file"):
         Clover(tmp_path / "missing.gguf")
