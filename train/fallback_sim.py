@@ -31,23 +31,29 @@ def _probs(logits: np.ndarray, mask: int) -> np.ndarray:
 
 def decode(m: Clover, prompt: list[int], base: list[int], leftmost: bool, tally: list[int]) -> tuple[list[int], int]:
     """(tokens, passes) of a decode of len(base) tokens; tally += [confident picks, wrong ones]
-    counted while everything unmasked so far equals base."""
+    counted while everything unmasked so far equals base. Spec v2: a block's position 0 is
+    predicted by the committed text's last logits, position i > 0 by the pass's row i - 1."""
     mask, seq, passes = m.mask_token, list(prompt), 0
     while len(seq) < len(prompt) + len(base):
         b0 = len(seq) - len(prompt)
         n = min(B, len(base) - b0)            # positions past the budget are never candidates
         want, canvas = base[b0:b0 + n], [mask] * B
+        m.reset()
+        m.commit(seq)
+        last = _probs(m.last_logits()[None], mask)[0]
         while mask in canvas[:n]:
-            p = _probs(m.block_logits(canvas, commit_before=seq), mask)
-            passes += 1
             live = [i for i in range(n) if canvas[i] == mask]
-            conf = {i: p[i].max() for i in live}
+            if any(i > 0 for i in live):      # a pass only when a position after the first needs one
+                p = _probs(m.block_logits(canvas), mask)
+                passes += 1
+            dist = {i: last if i == 0 else p[i - 1] for i in live}
+            conf = {i: dist[i].max() for i in live}
             pick = [i for i in live if conf[i] >= THRESHOLD]
             agreeing = seq[len(prompt):] == base[:b0] and all(canvas[i] in (mask, want[i]) for i in range(n))
             if not pick:
                 pick = [live[0]] if leftmost else [max(live, key=lambda i: (conf[i], -i))]
             for i in pick:
-                canvas[i] = int(p[i].argmax())
+                canvas[i] = int(dist[i].argmax())
                 if agreeing and conf[i] >= THRESHOLD:
                     tally[0] += 1
                     tally[1] += int(canvas[i] != want[i])
@@ -60,7 +66,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--data", default="train/runs/data")
     a = ap.parse_args()
-    ps = prompts(Path(a.data), 8, 64)           # prompts of 64 tokens: blocks stay aligned at B = 32
+    ps = prompts(Path(a.data), 8, 64)
     with Clover(a.model, n_ctx=512, n_threads=1, block_size=1) as m1, \
             Clover(a.model, n_ctx=512, n_threads=1, block_size=B) as mb:
         base = [m1.generate(p, max_tokens=NEW, block_size=1, stop_at_eos=False).tokens for p in ps]
