@@ -119,6 +119,7 @@ class clover_stats(Structure):
         ("n_verifications", c_int32),
         ("n_drafted", c_int32),
         ("n_accepted", c_int32),
+        ("n_decode_forwards", c_int32),
     ]
 
 

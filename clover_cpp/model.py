@@ -118,6 +118,7 @@ class GenerationStats:
     n_verifications: int = 0    # draft-self: causal commits that verified a draft
     n_drafted: int = 0          # draft-self: drafted tokens verified
     n_accepted: int = 0         # draft-self: drafted tokens accepted
+    n_decode_forwards: int = 0  # llama_decode calls after the prompt's (passes + commits on no pass)
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -128,7 +129,8 @@ class GenerationStats:
                    t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size,
                    n_block_switches=s.n_block_switches,
                    calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused,
-                   n_verifications=s.n_verifications, n_drafted=s.n_drafted, n_accepted=s.n_accepted)
+                   n_verifications=s.n_verifications, n_drafted=s.n_drafted, n_accepted=s.n_accepted,
+                   n_decode_forwards=s.n_decode_forwards)
 
     def format(self) -> str:
         """One line for humans (what `clover run` prints after the text)."""
@@ -139,7 +141,11 @@ class GenerationStats:
                 f"({self.tokens_per_forward:.2f} tok/forward), forward passes={self.n_forward}, "
                 f"prefill={self.t_prefill_ms:.1f} ms, decode={self.t_decode_ms:.1f} ms "
                 f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
-                + (f", cost curve {self.calibration}" if self.calibration else ""))
+                + (f", cost curve {self.calibration}" if self.calibration else "")
+                + (f", draft-self: {self.n_accepted}/{self.n_drafted} drafted tokens accepted, "
+                   f"{self.n_generated / self.n_verifications:.2f} tok/verification, "
+                   f"{self.n_decode_passes / max(self.n_generated, 1):.2f} draft passes/tok"
+                   if self.n_verifications else ""))
 
 
 @dataclass

@@ -63,10 +63,10 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
         return CLOVER_ERR_LOAD;
     }
     llama_set_causal_attn(c->lctx, true);
-    c->batch    = llama_batch_init(U, 0, 1);
+    c->U        = (int32_t) llama_n_ubatch(c->lctx); // llama.cpp caps it at n_ctx
+    c->batch    = llama_batch_init(c->U, 0, 1);
     c->batch_ok = true;
     c->B        = B;
-    c->U        = U;
     c->n_committed = 0;
     c->mem_tokens.clear();
     c->last_logits.clear();

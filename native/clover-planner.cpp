@@ -5,10 +5,11 @@
 
 namespace clover_impl {
 
-// candidates for block_size = auto: 1, 2, 4, ... up to max(32, training B), within n_ctx
+// candidates for block_size = auto: 1, 2, 4, ... up to max(32, training B), with a commit of B
+// fused with a pass of B within n_ctx (the calibration measures that)
 std::vector<int32_t> auto_candidates(const clover_context * c) {
     std::vector<int32_t> out;
-    const int32_t        top = std::min(std::max(32, c->model->train_block), c->n_ctx);
+    const int32_t        top = std::min(std::max(32, c->model->train_block), std::max(1, c->n_ctx / 2));
     for (int32_t B = 1; B <= top; B *= 2) {
         out.push_back(B);
     }
@@ -45,6 +46,9 @@ int calibrate_impl(clover_context * c, std::string & msg) {
         const std::vector<int32_t> canvas(B, c->model->mask);
         for (int rep = 0; rep < 7; ++rep) {
             for (int fused = 0; fused < 2; ++fused) {
+                if (fused && 2 * B > c->U) { // a context too small for both: such a step commits first
+                    continue;
+                }
                 clear_memory(c);
                 const auto t0 = std::chrono::steady_clock::now();
                 rc = fused ? fused_commit_pass(c, canvas.data(), B, canvas.data(), B, nullptr, rows, msg)
@@ -64,6 +68,11 @@ int calibrate_impl(clover_context * c, std::string & msg) {
         }
     }
     clear_memory(c);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+        if (ms_fused[i] >= 1e300) { // not measured: a commit of B, then the pass
+            ms_fused[i] = 2.0 * ms[i];
+        }
+    }
     c->auto_sizes    = sizes;
     c->auto_ms       = ms;
     c->auto_ms_fused = ms_fused;

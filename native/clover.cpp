@@ -169,6 +169,12 @@ struct decode_run {
             }
         }
         int rc = CLOVER_OK;
+        if (need_pass && !pending.empty() && (int32_t) pending.size() + B > ctx->U) {
+            rc = commit_pending(); // the two do not fit one ubatch (a context of fewer than 2B positions)
+        }
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
         if (need_pass && !pending.empty()) {
             rc = fused_commit_pass(ctx, pending.data(), (int32_t) pending.size(), canvas.data(), B, &want, rows, msg);
             pending.clear();
@@ -361,6 +367,7 @@ struct decode_run {
             stats->n_verifications    = n_verifications;
             stats->n_drafted          = n_drafted;
             stats->n_accepted         = n_accepted;
+            stats->n_decode_forwards  = n_steps + n_calls;
         }
     }
 };

@@ -270,6 +270,8 @@ typedef struct clover_stats {
     int32_t n_drafted;          /* draft-self: drafted tokens verified */
     int32_t n_accepted;         /* draft-self: drafted tokens accepted (each verification adds one more token
                                    of its own when it rejects one) */
+    int32_t n_decode_forwards;  /* llama_decode calls after the prompt's: block passes and commits that rode on
+                                   no pass (tokens_per_forward = n_generated / this) */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).
