@@ -224,6 +224,9 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
                      help="Top-p (1 = off)."),
         click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=0, show_default=True,
                      help="Sampling seed (-1 = random)."),
+        click.option("--draft-self", "draft_self", is_flag=True,
+                     help="Lossless self-speculative decoding: blocks drafted by block passes, verified by "
+                          "their causal commit (the output of --block-size 1, faster when drafts are good)."),
         click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
         click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="TEXT",
                      help="Stop before TEXT (repeatable; matched across token boundaries)."),
@@ -255,14 +258,14 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
 
 
 def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
-                top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = ()
-                ) -> dict[str, Any]:
+                top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = (),
+                draft_self: bool = False) -> dict[str, Any]:
     if seed == -1:  # as in llama.cpp: a random seed
         import secrets
         seed = secrets.randbits(63)
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
-                stop=list(reverse_prompt))
+                stop=list(reverse_prompt), draft_self=draft_self)
 
 
 # ----------------------------------------------------------------------------- live view
@@ -475,14 +478,14 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("--echo/--no-echo", default=False, help="Print the prompt before the output.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
-        threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int,
+        threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
         flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
         verbose: bool, visual: bool | None, echo: bool, stats: bool) -> None:
     """Generate text from a prompt with block-diffusion decoding."""
     text = _read_prompt(prompt, file)
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
-                     reverse_prompt)
+                     reverse_prompt, draft_self)
     if visual is None:
         visual = sys.stdout.isatty()
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
@@ -532,7 +535,7 @@ def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, t
               help="Live view of the block being denoised (default: when stdout is a terminal).")
 @click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
-         max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, ignore_eos: bool,
+         max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool, ignore_eos: bool,
          reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
          verbose: bool, visual: bool | None, stats: bool) -> None:
@@ -540,7 +543,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     /reset to forget the conversation. Earlier turns stay in the context's memory and are
     not read again (prefix reuse)."""
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
-                     reverse_prompt)
+                     reverse_prompt, draft_self)
     interactive = sys.stdin.isatty()
     if visual is None:
         visual = sys.stdout.isatty()

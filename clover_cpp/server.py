@@ -55,6 +55,7 @@ class _Knobs(BaseModel):
     threshold: float = Field(default=0.9, ge=0.0, le=1.0)
     max_steps: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    draft_self: bool = False  # lossless self-speculative decoding (the output of block_size 1)
 
 
 class _TextPart(BaseModel):
@@ -152,6 +153,7 @@ class Metrics:
     reused_tokens: int = 0
     completion_tokens: int = 0
     decode_passes: int = 0
+    decode_forwards: int = 0    # passes + commits that rode on no pass (B = 1: one per token)
     decode_seconds: float = 0.0
 
     def add(self, r: GenerationResult, n_prompt: int) -> None:
@@ -160,6 +162,7 @@ class Metrics:
         self.reused_tokens += s.n_reused
         self.completion_tokens += len(r.tokens)
         self.decode_passes += s.n_decode_passes
+        self.decode_forwards += s.n_decode_forwards
         self.decode_seconds += s.t_decode_ms / 1000.0
 
 
@@ -221,13 +224,14 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
         pool: Pool = state["pool"]
-        tpf = metrics.completion_tokens / metrics.decode_passes if metrics.decode_passes else 0.0
+        tpf = metrics.completion_tokens / metrics.decode_forwards if metrics.decode_forwards else 0.0
         lines = [
             ("requests_total", metrics.requests), ("errors_total", metrics.errors),
             ("cancelled_total", metrics.cancelled), ("prompt_tokens_total", metrics.prompt_tokens),
             ("prompt_tokens_reused_total", metrics.reused_tokens),
             ("completion_tokens_total", metrics.completion_tokens),
-            ("decode_passes_total", metrics.decode_passes), ("tokens_per_forward", round(tpf, 4)),
+            ("decode_passes_total", metrics.decode_passes), ("decode_forwards_total", metrics.decode_forwards),
+            ("tokens_per_forward", round(tpf, 4)),
             ("decode_seconds_total", round(metrics.decode_seconds, 4)),
             ("contexts", len(pool.slots)), ("contexts_busy", len(pool.slots) - len(pool.free)),
             ("queue_depth", pool.waiting),
@@ -246,7 +250,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return dict(max_tokens=max_tokens, block_size=req.block_size or "auto", threshold=req.threshold,
                     max_steps=req.max_steps, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                    seed=seed, stop=stop, stop_at_eos=not req.ignore_eos)
+                    seed=seed, stop=stop, stop_at_eos=not req.ignore_eos, draft_self=req.draft_self)
 
     async def run(request: Request, req: _Knobs, tokens_for: Any, chat_text: str | None,
                   stop_tokens: Sequence[int], make_chunk: Any, make_final: Any) -> Any:

@@ -231,3 +231,16 @@ def test_auto_blocks_always_fit_the_context(tiny_artifacts, n_ctx: int, max_toke
         assert r.stats.n_generated == max_tokens
         assert_blocks_follow_the_prompt(len(prompt), sched, starts)
         assert all(s + b <= n_ctx for s, b in zip(starts, sched)), (starts, sched)
+
+
+@pytest.mark.parametrize("n_ctx", [3, 40])
+def test_auto_on_a_small_context(tiny_artifacts, n_ctx: int) -> None:
+    """The calibration measures a commit of B fused with a pass of B: auto's candidates keep 2B
+    within n_ctx (a 40-position context aborted the process in llama.cpp's batch check)."""
+    from clover_cpp import Clover
+
+    with Clover(tiny_artifacts["f32"], n_ctx=n_ctx, n_threads=1) as m:
+        curve = m.calibrate(fused=True)
+        assert max(curve) == max(1, 2 ** ((n_ctx // 2).bit_length() - 1)) and all(f > 0 for _, f in curve.values())
+        r = m.generate([5], max_tokens=n_ctx - 1, block_size="auto", stop_at_eos=False)
+        assert r.stats.n_generated == n_ctx - 1

@@ -110,3 +110,17 @@ def test_sampling_draft_self_has_the_autoregressive_distribution(model, tiny_art
     again = model.generate(prompt, max_tokens=40, temperature=T, top_k=k, seed=1, block_size=8, draft_self=True,
                            stop_at_eos=False)
     assert list(r.tokens) == list(again.tokens) and r.stats.n_verifications > 0  # seeded: reproducible
+
+
+def test_cli_draft_self_prints_the_block_size_1_text(tiny_artifacts):
+    import subprocess
+    from pathlib import Path
+
+    clover = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "clover"
+    base = [str(clover), "run", "-m", str(tiny_artifacts["f32"]), "-p", "def add(a, b):", "-n", "24", "-t", "1",
+            "--ignore-eos", "--no-visual"]
+    one = subprocess.run(base + ["--block-size", "1"], capture_output=True, text=True, timeout=120)
+    ds = subprocess.run(base + ["--block-size", "8", "--draft-self"], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and ds.returncode == 0, ds.stderr
+    assert ds.stdout == one.stdout
+    assert "draft-self:" in ds.stderr and "tok/verification" in ds.stderr
