@@ -142,6 +142,7 @@ def cli() -> None:
     clover serve -m MODEL             OpenAI-compatible HTTP server
     clover inspect MODEL              what is in a GGUF
     clover bench -m MODEL             tokens/s and tokens per forward vs block size
+    clover perplexity -m MODEL FILE   perplexity of the causal model, as llama-perplexity
     """
 
 
