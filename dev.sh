@@ -6,6 +6,7 @@
 #   ./dev.sh setup   only the set-up (venv, pip install -e .: pinned llama.cpp + our patches, native build)
 #   ./dev.sh bench   set up, build the benchmark tools, run the benchmarks
 #   ./dev.sh asan    build libllama + libclover with AddressSanitizer, run the decoding tests on it
+#   ./dev.sh upstream-tests  build llama.cpp's own tests on the patched tree, run them with ctest
 #
 # Needs only python3 (>= 3.11), gcc/g++, cmake and the package registries. Re-running
 # reuses the venv, the patched tree and the build. Environment knobs:
@@ -104,6 +105,10 @@ build_native() {
 
 setup() { setup_python; build_native "$@"; setup_llama_cpp_python; }
 
+# llama.cpp's own tools that the tests run on clover GGUFs (the causal path: tests/test_causal_path.py,
+# tests/test_semantics.py); the package build makes only what the wheel ships
+TEST_TOOLS=(llama-perplexity llama-bench llama-simple)
+
 # The native decoding tests, the fuzz corpus and the hardening tests once more, on an
 # AddressSanitizer + UndefinedBehaviorSanitizer build of libllama + libclover + clover-cli.
 # Python itself is not instrumented, so the ASan runtime (and libstdc++, for its __cxa_throw
@@ -136,6 +141,20 @@ convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress
     CLOVER_RPC_SERVER_PATH="$asan_build/bin/ggml-rpc-server" "$PY" -m pytest -q tests/test_rpc.py
 }
 
+# llama.cpp's own tests on the patched tree (native/upstream-tests/CMakeLists.txt says which run,
+# with which arguments, and why the others do not): the product's CMake configuration plus
+# CLOVER_UPSTREAM_TESTS in build-upstream-tests/, where only the tests and what they link are
+# built (no venv needed). Arguments go to ctest (-R REGEX, -V, ...).
+upstream_tests() {
+    local dir=$ROOT/build-upstream-tests
+    configure "$dir" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DCLOVER_UPSTREAM_TESTS=ON
+    log "building llama.cpp's own tests on the patched tree in $dir"
+    cmake --build "$dir" -j "$JOBS" --target clover-upstream-tests
+    log "running them (ctest -L clover-upstream)"
+    (cd "$dir" && OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive} \
+        ctest -L clover-upstream --output-on-failure --timeout 900 -j "$JOBS" "$@")
+}
+
 # The suite on one pytest-xdist worker per core (the wheel tests and the reference cases that share
 # work stay on one worker: --dist loadgroup), unless the arguments choose (-n / -p no:xdist).
 # With several workers, OpenMP threads sleep when idle: spinning ones of two workers would fight
@@ -150,8 +169,9 @@ run_tests() {
 case "${1:-}" in
     setup) setup ;;
     demo)  setup; "$VENV/bin/clover" demo ;;
-    test)  setup; shift; run_tests "$@" ;;
+    test)  setup "${TEST_TOOLS[@]}"; shift; run_tests "$@" ;;
     asan)  setup; asan ;;
+    upstream-tests) shift; upstream_tests "$@" ;;
     bench) setup llama-bench llama-diffusion-cli llama-quantize; shift; "$PY" benchmarks/run_all.py "$@" ;;
-    *)     sed -n '2,15p' "$0"; exit 2 ;;
+    *)     sed -n '2,16p' "$0"; exit 2 ;;
 esac
