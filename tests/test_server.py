@@ -247,7 +247,21 @@ def test_api_key_and_queue_full(gguf) -> None:
                 "ignore_eos": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30,
                           headers={"authorization": "Bearer sekret"}) as first:
-            next(first.iter_lines())
+            # read the stream as a client does (one that stops reading is a slow client), and wait
+            # until the request holds the context: its first chunk can leave before it does
+            def read_all() -> None:
+                try:
+                    for _ in first.iter_lines():
+                        pass
+                except httpx.HTTPError:  # the stream is closed when the test leaves the block
+                    pass
+
+            threading.Thread(target=read_all, daemon=True).start()
+            deadline = time.monotonic() + 20
+            while "clover_contexts_busy 1" not in httpx.get(s.url + "/metrics",
+                                                            headers={"authorization": "Bearer sekret"}).text:
+                assert time.monotonic() < deadline, "the streaming request never took the context"
+                time.sleep(0.02)
             r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"authorization": "Bearer sekret"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
     finally:
