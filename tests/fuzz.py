@@ -34,6 +34,32 @@ def _fields(reader: Any) -> list[tuple[str, Any, Any, Any]]:
     return out
 
 
+def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, ...] = (),
+                 f16: str | None = None) -> Path:
+    """src with metadata values replaced (kv: key -> value, same type), keys dropped, or one F32
+    tensor (its name ending in f16) stored as F16."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "clover")
+    for key, val, vt, sub in _fields(r):
+        if key == "general.architecture" or key in drop:
+            continue
+        w.add_key_value(key, (kv or {}).get(key, val), vt, sub_type=sub)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(t.name, data.astype(np.float16) if f16 and t.name.endswith(f16) else data)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def write_gguf(src: Path, dst: Path, rng: random.Random) -> str:
     """dst = src with one structure-aware mutation; returns its description."""
     import gguf

@@ -96,30 +96,6 @@ def test_gguf_fuzz(tiny_artifacts, tmp_path: Path) -> None:
     assert hashlib.sha256(src.read_bytes()).hexdigest() == before
 
 
-def _gguf_with(src: Path, dst: Path, kv: dict | None = None, f16: str | None = None) -> Path:
-    """src with metadata values replaced (kv: key -> value, same type) or one F32 tensor stored as F16."""
-    import gguf
-    import numpy as np
-
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "clover")
-    for key, val, vt, sub in fuzz._fields(r):
-        if key == "general.architecture":
-            continue
-        w.add_key_value(key, (kv or {}).get(key, val), vt, sub_type=sub)
-    for t in r.tensors:
-        data = np.array(t.data)
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(t.name, data.astype(np.float16) if f16 and t.name.endswith(f16) else data)
-        else:
-            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 ABORTING_METADATA = [  # llama.cpp asserted (abort) or spun forever on each of these
     ({"clover.attention.layer_norm_rms_epsilon": float("nan")}, None, "epsilon"),
     ({"clover.rope.dimension_count": 4096}, None, "rope.dimension_count"),
@@ -136,7 +112,7 @@ ABORTING_METADATA = [  # llama.cpp asserted (abort) or spun forever on each of t
 @pytest.mark.needs_libclover
 @pytest.mark.parametrize("kv,f16,msg", ABORTING_METADATA)
 def test_metadata_llama_cpp_asserts_on_is_refused(tiny_artifacts, tmp_path: Path, kv, f16, msg) -> None:
-    bad = _gguf_with(tiny_artifacts["f32"], tmp_path / "bad.gguf", kv, f16)
+    bad = fuzz.rewrite_gguf(tiny_artifacts["f32"], tmp_path / "bad.gguf", kv, f16=f16)
     code = ("import sys\nfrom clover_cpp import Clover, CloverError\n"
             "try:\n    Clover(sys.argv[1], n_ctx=64, n_threads=1).generate('hi', max_tokens=2)\n"
             "except CloverError as e:\n    print('ERR', e)\n")

@@ -19,29 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = mapping.KEY_SEMANTICS.format(arch="clover")
 
 
-def _without_semantics(src: Path, dst: Path, value: str | None) -> Path:
-    """src with clover.semantics dropped (value None) or set to value."""
-    import gguf
-    import numpy as np
-
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "clover")
-    for key, val, vt, sub in fuzz._fields(r):
-        if key == "general.architecture" or (key == KEY and value is None):
-            continue
-        w.add_key_value(key, value if key == KEY else val, vt, sub_type=sub)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 @pytest.fixture(scope="module", params=[None, "in-place"], ids=["missing", "in-place"])
 def retired(request, tiny_artifacts, tmp_path_factory) -> Path:
-    return _without_semantics(tiny_artifacts["f32"], tmp_path_factory.mktemp("retired") / "old.gguf", request.param)
+    dst = tmp_path_factory.mktemp("retired") / "old.gguf"
+    if request.param is None:  # dropped
+        return fuzz.rewrite_gguf(tiny_artifacts["f32"], dst, drop=(KEY,))
+    return fuzz.rewrite_gguf(tiny_artifacts["f32"], dst, kv={KEY: request.param})
 
 
 def test_the_converter_writes_the_key(tiny_artifacts):
