@@ -1173,8 +1173,8 @@ class Clover:
             tokens = got
             stats.finish_reason = "stop"
             stats.n_generated = len(tokens)
-            if stats.tokens_per_forward > 0:  # the same forwards (after the prompt's), fewer tokens
-                stats.tokens_per_forward *= len(tokens) / max(st.n_generated, 1)
+            if stats.n_decode_forwards:  # the same forwards (after the prompt's), fewer tokens
+                stats.tokens_per_forward = len(tokens) / stats.n_decode_forwards
             if stats.t_decode_ms > 0:
                 stats.tokens_per_second = len(tokens) / (stats.t_decode_ms / 1000.0)
         tail = dec.decode(b"", final=True)
