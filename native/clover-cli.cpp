@@ -37,7 +37,7 @@ void usage(const char * argv0) {
             "  -m, --model FILE       clover GGUF model\n"
             "  -p, --prompt TEXT      prompt\n"
             "  -f, --file FILE        read the prompt from a file\n"
-            "  -n, --n-predict N      max tokens to generate (default 128)\n"
+            "  -n, --n-predict N      max tokens to generate (default -1 = until EOS or the context's end)\n"
             "  -t, --threads N        CPU threads (default: from the hardware, as clover)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
             "  -ngl, --n-gpu-layers N layers to offload to the GPU or RPC servers (default 0)\n"
@@ -50,14 +50,16 @@ void usage(const char * argv0) {
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
             "  --draft-self           lossless self-speculative decoding: blocks drafted by block passes,\n"
             "                         verified by their causal commit (the output of --block-size 1)\n"
-            "  --temp X               temperature (default 0 = greedy)\n"
-            "  --top-k N              top-k (default 0 = off)\n"
-            "  --top-p X              top-p in (0,1] (default 1 = off)\n"
-            "  -s, --seed N           sampling seed (default 0; -1 = random)\n"
+            "  --temp X               temperature (default 0.8, as llama-cli; 0 = greedy)\n"
+            "  --top-k N              top-k (default 40; 0 = off)\n"
+            "  --top-p X              top-p in (0,1] (default 0.95; 1 = off)\n"
+            "  -s, --seed N           sampling seed (default -1 = random)\n"
             "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
             "  -r, --reverse-prompt T stop before the text T (repeatable; matched across blocks)\n"
             "  -fa, --flash-attn X    flash attention: on, off or auto (default auto)\n"
-            "  --visual               show every denoising step of the current block\n"
+            "  --no-echo              do not print the prompt first (alias --no-display-prompt)\n"
+            "  --visual               show every denoising step of the current block (on a terminal;\n"
+            "                         into a pipe stdout stays plain text, the steps go to stderr)\n"
             "  --no-special           do not parse special tokens in the prompt\n"
             "  -v, --verbose          llama.cpp log output to stderr (-v -v: everything)\n"
             "  -h, --help             this help\n",
@@ -238,6 +240,14 @@ int main(int argc, char ** argv) {
     std::string            overrides; // -ot, repeatable
     std::vector<float>     split;
     cp.n_threads = 0; // from the hardware, as `clover run` does
+    // llama-cli's defaults (as `clover run`): sampling at 0.8 / top-k 40 / top-p 0.95, a random
+    // seed, -n -1 (until EOS or the end of the context), the prompt echoed
+    gp.temperature = 0.8;
+    gp.top_k       = 40;
+    gp.top_p       = 0.95;
+    gp.seed        = std::random_device{}() | ((uint64_t) std::random_device{}() << 32);
+    gp.max_tokens  = -1;
+    bool echo      = true;
     cli_state              st;
 
     for (int i = 1; i < argc; ++i) {
@@ -259,7 +269,7 @@ int main(int argc, char ** argv) {
         } else if (a == "-f" || a == "--file") {
             prompt_file = val();
         } else if (a == "-n" || a == "--n-predict") {
-            gp.max_tokens = (int32_t) parse_int(a, val(), 0, 1 << 24);
+            gp.max_tokens = (int32_t) parse_int(a, val(), -1, 1 << 24);
         } else if (a == "-t" || a == "--threads") {
             cp.n_threads = (int32_t) parse_int(a, val(), 1, 512);
         } else if (a == "-c" || a == "--ctx-size") {
@@ -337,6 +347,10 @@ int main(int argc, char ** argv) {
             cp.flash_attn = v == "on" ? 1 : v == "off" ? 0 : -1;
         } else if (a == "--ignore-eos" || a == "--no-stop-at-eos") {
             gp.stop_at_eos = 0;
+        } else if (a == "--echo") {
+            echo = true;
+        } else if (a == "--no-echo" || a == "--no-display-prompt") {
+            echo = false;
         } else if (a == "--visual") {
             st.visual = true;
         } else if (a == "--no-special") {
@@ -421,6 +435,20 @@ int main(int argc, char ** argv) {
     st.n_prompt = n_tok;
     st.tty      = isatty(fileno(stdout)) != 0;
 
+    if (gp.max_tokens == -1) { // the rest of the context, in whole blocks of a fixed B
+        const int32_t B = auto_block ? 1 : cp.block_size;
+        gp.max_tokens   = (cp.n_ctx - n_tok) / B * B;
+        if (gp.max_tokens < 1) {
+            clover_context_free(ctx);
+            clover_model_free(st.model);
+            die("the prompt (" + std::to_string(n_tok) + " tokens) leaves no room for a block of " +
+                std::to_string(B) + " in the context (" + std::to_string(cp.n_ctx) + "); raise -c");
+        }
+    }
+    if (echo) {
+        fwrite(prompt.data(), 1, prompt.size(), stdout);
+        fflush(stdout);
+    }
     gp.block_size     = auto_block ? CLOVER_BLOCK_SIZE_AUTO : cp.block_size;
     gp.step_callback  = on_step;
     gp.block_callback = on_block;
