@@ -37,7 +37,7 @@ void usage(const char * argv0) {
             "  -m, --model FILE       clover GGUF model\n"
             "  -p, --prompt TEXT      prompt\n"
             "  -f, --file FILE        read the prompt from a file\n"
-            "  -n, --n-predict N      max tokens to generate (default -1 = until EOS or the context's end)\n"
+            "  -n, --n-predict N      max tokens to generate (default 128; -1 = until EOS or the context's end)\n"
             "  -t, --threads N        CPU threads (default: from the hardware, as clover)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
             "  -ngl, --n-gpu-layers N layers to offload to the GPU or RPC servers (default 0)\n"
@@ -50,10 +50,10 @@ void usage(const char * argv0) {
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
             "  --draft-self           lossless self-speculative decoding: blocks drafted by block passes,\n"
             "                         verified by their causal commit (the output of --block-size 1)\n"
-            "  --temp X               temperature (default 0.8, as llama-cli; 0 = greedy)\n"
-            "  --top-k N              top-k (default 40; 0 = off)\n"
-            "  --top-p X              top-p in (0,1] (default 0.95; 1 = off)\n"
-            "  -s, --seed N           sampling seed (default -1 = random)\n"
+            "  --temp X               temperature (default 0 = greedy, as clover run; llama-cli: 0.8)\n"
+            "  --top-k N              top-k (default 0 = off; llama-cli: 40)\n"
+            "  --top-p X              top-p in (0,1] (default 1 = off; llama-cli: 0.95)\n"
+            "  -s, --seed N           sampling seed (default 0; -1 = random, llama-cli's default)\n"
             "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
             "  -r, --reverse-prompt T stop before the text T (repeatable; matched across blocks)\n"
             "  -fa, --flash-attn X    flash attention: on, off or auto (default auto)\n"
@@ -240,14 +240,10 @@ int main(int argc, char ** argv) {
     std::string            overrides; // -ot, repeatable
     std::vector<float>     split;
     cp.n_threads = 0; // from the hardware, as `clover run` does
-    // llama-cli's defaults (as `clover run`): sampling at 0.8 / top-k 40 / top-p 0.95, a random
-    // seed, -n -1 (until EOS or the end of the context), the prompt echoed
-    gp.temperature = 0.8;
-    gp.top_k       = 40;
-    gp.top_p       = 0.95;
-    gp.seed        = std::random_device{}() | ((uint64_t) std::random_device{}() << 32);
-    gp.max_tokens  = -1;
-    bool echo      = true;
+    // as `clover run`: greedy by default (the same command prints the same text; README,
+    // "Command-line defaults"), the prompt echoed as llama-cli does, -n -1 = until EOS or the
+    // end of the context
+    bool echo = true;
     cli_state              st;
 
     for (int i = 1; i < argc; ++i) {
