@@ -79,6 +79,9 @@ def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUF
         raise GGUFInfoError(f"{p}: no such file")
     if p.is_dir():
         raise GGUFInfoError(f"{p}: is a folder, not a GGUF file")
+    from clover_convert.outputs import require_regular  # a FIFO would block open() forever
+
+    require_regular(p, GGUFInfoError)
     try:
         with open(p, "rb") as f:
             magic = f.read(4)
