@@ -4,6 +4,9 @@
   reader sees the old file or the new one, never a partial one.
 - An existing output is replaced only with ``force``, and never when it is not a regular file
   (a device node, a FIFO, a folder, a link to one) or when it is one of the inputs.
+- Every file read or replaced is a regular file (or a link to one): a FIFO would block the
+  reader forever (and Ctrl-C with it), a device never ends; they are refused up front.
+- An output is never any file of the input, every shard of a split one included.
 - Temporary files are named ``.NAME.<pid>.<tag>.tmp``; one whose process is gone (a run that
   was killed) is removed by the next write of NAME, with a note.
 """
@@ -11,11 +14,68 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import sys
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a file")
+
+
+def require_regular(path: str | os.PathLike[str], error: type[Exception], missing_ok: bool = True) -> None:
+    """Raise ``error`` (one line) when path exists and is not a regular file (links followed).
+
+    Checked before opening: open() of a FIFO blocks until a writer comes, and no signal handler
+    runs meanwhile in Python's main thread."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise error(f"{path}: no such file") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{path}: is {_kind(mode)}, not a regular file")
+
+
+#: what the converter reads from a checkpoint folder (besides the shards an index names)
+_CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".jinja")
+
+
+def check_regular_inputs(folder: Path, error: type[Exception]) -> None:
+    """Refuse a checkpoint folder whose files the converter reads (JSON, safetensors, the chat
+    template) include a FIFO, a device or a socket, before anything is opened."""
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as e:
+        raise error(f"{folder}: cannot list: {e.strerror or e}") from None
+    for p in entries:
+        if p.name.endswith(_CHECKPOINT_SUFFIXES):
+            try:
+                mode = os.stat(p).st_mode
+            except OSError:
+                continue  # a dangling link: the reader says "not found" in its own words
+            if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                raise error(f"{p}: is {_kind(mode)}, not a regular file")
+
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def split_gguf_files(path: Path) -> list[Path]:
+    """Every file of a split GGUF (NAME-0000i-of-0000n.gguf, as llama.cpp names and loads them)
+    given any one of them; [path] for a single file."""
+    m = _SPLIT.match(path.name)
+    if not m or int(m["n"]) < 1:
+        return [path]
+    n = int(m["n"])
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
 
 
 def check_output(out: Path, inputs: Iterable[Path], force: bool, error: type[Exception]) -> None:
@@ -24,7 +84,7 @@ def check_output(out: Path, inputs: Iterable[Path], force: bool, error: type[Exc
         raise error(f"{out}: is a folder" if out.exists() else f"{out}: output folder does not exist")
     if not out.parent.is_dir():
         raise error(f"{out.parent}: output folder does not exist")
-    for p in inputs:
+    for p in (f for i in inputs for f in split_gguf_files(Path(i))):
         try:
             same = p.exists() and out.exists() and os.path.samefile(p, out)
         except OSError:
