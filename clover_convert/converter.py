@@ -330,14 +330,19 @@ def _plan_tensors(cfg: CloverConfig, inv: _Inventory) -> list[tuple[Rule, str, t
     bad_dtype: list[str] = []
     rows: list[tuple[Rule, str, tuple[int, ...], list[Piece], bool, str]] = []
 
-    def take(name: str, shape: tuple[int, ...]) -> str | None:
+    def take(name: str, shape: tuple[int, ...] | None, alt: tuple[int, ...] | None = None) -> str | None:
+        """shape None: any shape of at most 4 dimensions (kept as it is); alt: a second shape accepted."""
         if name not in inv:
             missing.append(name)
             return None
         consumed.add(name)
         got = inv.shape(name)
-        if got is not None and tuple(got) != tuple(shape):
-            bad_shape.append(f"tensor {name}: expected shape {_shape_str(shape)}, got {_shape_str(got)}")
+        if got is not None and shape is None and len(got) > 4:
+            bad_shape.append(f"tensor {name}: expected at most 4 dimensions, got shape {_shape_str(got)}")
+        elif got is not None and shape is not None and tuple(got) != tuple(shape) and \
+                (alt is None or tuple(got) != tuple(alt)):
+            also = f" or {_shape_str(alt)}" if alt is not None else ""
+            bad_shape.append(f"tensor {name}: expected shape {_shape_str(shape)}{also}, got {_shape_str(got)}")
         dt = inv.dtype(name)
         if dt not in SUPPORTED_SRC_DTYPES and dt != "?":
             bad_dtype.append(f"tensor {name} has unsupported dtype {dt} (supported: F32, F16, BF16)")
@@ -354,7 +359,12 @@ def _plan_tensors(cfg: CloverConfig, inv: _Inventory) -> list[tuple[Rule, str, t
             final = rule.out(cfg) if rule.out else shape
             if rule.scope != "experts":
                 hf = rule.hf.format(i=i)
-                dt = take(hf, shape)
+                if rule.any_shape:  # kept as the checkpoint has it (a 0-d tensor as [1])
+                    dt = take(hf, None)
+                    got = inv.shape(hf) if hf in inv else None
+                    final = (tuple(got) or (1,)) if got is not None else tuple(final)
+                else:
+                    dt = take(hf, shape, rule.alt_shape(cfg) if rule.alt_shape else None)
                 rows.append((rule, gname, tuple(final), [Piece(hf)], False, dt or "?"))
                 continue
             assert rule.fused is not None and rule.fused_shape is not None
@@ -566,6 +576,8 @@ def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: 
     w.add_ssm_inner_size(cfg.Hv * cfg.dv)
     w.add_uint32(mapping.KEY_DIFFUSION_BLOCK_SIZE.format(arch=w.arch), cfg.block_size)
     w.add_string(mapping.KEY_SEMANTICS.format(arch=w.arch), cfg.clover_semantics)
+    w.add_string(mapping.KEY_BLOCK_OPERATOR.format(arch=w.arch), cfg.block_operator)
+    w.add_expert_shared_count(cfg.num_shared_experts)
     add_tokenizer(w, tok)
 
 
@@ -585,6 +597,7 @@ def plan_conversion(
     cfg = _load_config(folder)
     tok = load_tokenizer(folder, cfg)
     inv = _open_inventory(folder, dry_run, hub_meta)
+    cfg = mapping.detect_block_operator(cfg, inv.names())  # Clover's block operator or the release's
     total_size = None
     if inv.virtual is not None and "__total_size__" in inv.virtual:
         ts = inv.virtual.pop("__total_size__")[0]

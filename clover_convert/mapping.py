@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -70,6 +70,13 @@ __all__ = [
     "KEY_SEMANTICS",
     "CONFIG_SEMANTICS",
     "SEMANTICS",
+    "KEY_BLOCK_OPERATOR",
+    "BLOCK_OPERATOR_CLOVER",
+    "BLOCK_OPERATOR_RELEASE",
+    "BLOCK_OPERATORS",
+    "RELEASE_MODEL_TYPE",
+    "RELEASE_ARCHITECTURE",
+    "detect_block_operator",
 ]
 
 
@@ -96,6 +103,27 @@ KEY_SEMANTICS = "{arch}.semantics"                          # string: SEMANTICS,
 # semantics (spec v1: logits at t for the token at t, bidirectional commits) have no such key.
 CONFIG_SEMANTICS = "clover_semantics"
 SEMANTICS = "causal-shift"
+
+# Which block operator the GGUF carries (docs/release-checkpoint.md, spec/gguf-layout.md), written
+# as KEY_BLOCK_OPERATOR; a file without the key is Clover's (every GGUF made before the key existed):
+# * BLOCK_OPERATOR_CLOVER: ours, the mixing gate in_proj_m and the calibrated block softmax
+#   block_calib (spec/model.md); the GDN output of a committed token is
+#   lambda * (memory read of the state before it) + (1 - lambda) * v. Runs B = 1, block
+#   diffusion and draft-self.
+# * BLOCK_OPERATOR_RELEASE: the released checkpoint's (CloverMoeModelLM), whose block softmax
+#   (linear_attn.bd_softmax_logit_scale / history_bias / history_c) is not public. The tensors are
+#   kept (blk.{i}.ssm_bd_*), never run. The trunk is Qwen3.5-MoE's: the GDN output of a committed
+#   token is the gated delta rule's read of the state AFTER the token's write; a block pass runs
+#   the trunk with the block softmax left out (the delta rule continued causally over the canvas,
+#   not written back; look-ahead taps and full attention bidirectional inside the canvas). Runs
+#   B = 1 and draft-self; block diffusion is refused.
+KEY_BLOCK_OPERATOR = "{arch}.block_operator"
+BLOCK_OPERATOR_CLOVER = "clover-mix-calib"
+BLOCK_OPERATOR_RELEASE = "release-bd-softmax"
+BLOCK_OPERATORS = (BLOCK_OPERATOR_CLOVER, BLOCK_OPERATOR_RELEASE)
+# the release's identity in config.json (its trunk config keys are Qwen3.5-MoE's, which we read)
+RELEASE_MODEL_TYPE = "clover_moe"
+RELEASE_ARCHITECTURE = "CloverMoeModelLM"
 
 
 # ---------------------------------------------------------------------------
@@ -139,6 +167,8 @@ class CloverConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()  # every EOS id (config.json may give a list); eos_token_id is the first
     clover_semantics: str = SEMANTICS     # CONFIG_SEMANTICS: what the weights were trained for
+    num_shared_experts: int = 1           # the release's key (expert_shared_count); only 1 runs
+    block_operator: str = BLOCK_OPERATOR_CLOVER  # KEY_BLOCK_OPERATOR: decided by the tensors (detect_block_operator)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "CloverConfig":
@@ -147,7 +177,8 @@ class CloverConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a config.json dict that from_dict reads back (every EOS id kept)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("raw", "eos_token_ids")}
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("raw", "eos_token_ids", "block_operator", "num_shared_experts")}
         d["layer_types"] = list(self.layer_types)
         if len(self.eos_token_ids) > 1:
             d["eos_token_id"] = list(self.eos_token_ids)
@@ -254,11 +285,21 @@ MAX_F32 = 3.4e38
 _RETRAIN = "retrain or re-export them with train/ of this version (python -m train.export --run RUN --out FOLDER)"
 
 
+def _is_release(cfg: dict[str, Any]) -> bool:
+    """config.json names the release's identity: model_type clover_moe, or (without a model_type)
+    architectures CloverMoeModelLM."""
+    mt, archs = cfg.get("model_type"), cfg.get("architectures")
+    return mt == RELEASE_MODEL_TYPE or (mt is None and isinstance(archs, list) and RELEASE_ARCHITECTURE in archs)
+
+
 def _check_semantics(cfg: dict[str, Any], model_type: Any) -> str:
     """config.json's CONFIG_SEMANTICS must be SEMANTICS. A ``model_type: "clover"`` config (a real
-    config.json) must say so; a dict without model_type (a preset, a test's config) gets SEMANTICS."""
+    config.json) must say so; a dict without model_type (a preset, a test's config) gets SEMANTICS.
+    The release (clover_moe) has no such key: it is causal with the next-token shift (its GGUFs
+    run causally in llama.cpp, perplexity included), which is SEMANTICS, so it gets SEMANTICS
+    (and a key it does carry must say so)."""
     if CONFIG_SEMANTICS not in cfg:
-        if model_type is None:
+        if model_type is None or _is_release(cfg):
             return SEMANTICS
         raise ConversionError(
             f'config.json has no "{CONFIG_SEMANTICS}": "{SEMANTICS}": these weights were trained for the '
@@ -281,8 +322,12 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     if not isinstance(cfg, dict):
         raise ConversionError("config.json: not a JSON object")
     mt = cfg.get("model_type")
-    if mt is not None and mt != "clover":
-        raise _err("model_type", "must be 'clover'", mt)
+    if mt is not None and mt not in ("clover", RELEASE_MODEL_TYPE):
+        raise _err("model_type", f"must be 'clover' (or the release's '{RELEASE_MODEL_TYPE}')", mt)
+    release = _is_release(cfg)
+    if release and isinstance(cfg.get("text_config"), dict):
+        # a Qwen3.5-MoE style config nests the trunk's keys; the outer ones (identity) win
+        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k != "text_config"}}
     semantics = _check_semantics(cfg, mt)
 
     def req_int(key: str, minimum: int = 1) -> int:
@@ -326,7 +371,8 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     dk = req_int("linear_key_head_dim")
     dv = req_int("linear_value_head_dim")
     K = req_int("linear_conv_kernel_dim")
-    R = opt_int("linear_conv_lookahead", 0, minimum=0)
+    # the release's right conv (conv_right_weight) has K - 1 taps and no config key
+    R = opt_int("linear_conv_lookahead", K - 1 if release else 0, minimum=0)
     nh = req_int("num_attention_heads")
     nkv = req_int("num_key_value_heads")
     dh = req_int("head_dim")
@@ -338,6 +384,9 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     fai = opt_int("full_attention_interval", 4)
     B0 = opt_int("block_size", 32)
     ctx = opt_int("max_position_embeddings", 262144)
+    n_shared = opt_int("num_shared_experts", 1, minimum=0)
+    if n_shared != 1:
+        raise _err("num_shared_experts", "must be 1 (the graph has one gated shared expert)", n_shared)
 
     if Hv % Hk != 0:
         raise _err("linear_num_value_heads", f"must be a multiple of linear_num_key_heads ({Hk})", Hv)
@@ -405,7 +454,8 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         rms_norm_eps=eps, block_size=B0, mask_token_id=mask, eos_token_id=token_id("eos_token_id"),
         bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("pad_token_id"),
         tie_word_embeddings=tied, max_position_embeddings=ctx, raw=cfg, eos_token_ids=token_ids("eos_token_id"),
-        clover_semantics=semantics,
+        clover_semantics=semantics, num_shared_experts=n_shared,
+        block_operator=BLOCK_OPERATOR_RELEASE if release else BLOCK_OPERATOR_CLOVER,
     )
 
 
@@ -428,6 +478,10 @@ class Rule:
     fused: tuple[str, str] | None = None  # experts: (fused HF name, "first"|"second"|"all")
     fused_shape: Shape | None = None      # experts: shape of the fused HF tensor
     optional: bool = False       # may be absent (e.g. lm_head when tied, lookahead when R == 0)
+    layout: str | None = None    # None: every checkpoint; else only where cfg.block_operator is this
+    marker: bool = False         # present = the checkpoint has this block operator (detect_block_operator)
+    alt_shape: Shape | None = None  # a second HF shape accepted (same values; stored as ``out``)
+    any_shape: bool = False      # the shape is not public: kept as in the checkpoint (``shape`` is the fixtures')
 
 
 L_ = "model.layers.{i}."
@@ -449,14 +503,28 @@ TENSOR_TABLE: list[Rule] = [
     Rule(GA + "in_proj_z.weight", "blk.{i}.attn_gate.weight", "gdn", lambda c: (c.Hv * c.dv, c.H), perm="rows_dv"),
     Rule(GA + "in_proj_b.weight", "blk.{i}.ssm_beta.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1"),
     Rule(GA + "in_proj_a.weight", "blk.{i}.ssm_alpha.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1"),
-    Rule(GA + "in_proj_m.weight", "blk.{i}.ssm_mix.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1"),
+    Rule(GA + "in_proj_m.weight", "blk.{i}.ssm_mix.weight", "gdn", lambda c: (c.Hv, c.H), perm="rows_1",
+         layout=BLOCK_OPERATOR_CLOVER, marker=True),
     Rule(GA + "conv1d.weight", "blk.{i}.ssm_conv1d.weight", "gdn", lambda c: (c.C, 1, c.K),
          out=lambda c: (c.C, c.K), perm="rows_qkv", f32=True),
     Rule(GA + "conv1d_lookahead.weight", "blk.{i}.ssm_conv1d_look.weight", "gdn", lambda c: (c.C, 1, c.R),
-         out=lambda c: (c.C, c.R), perm="rows_qkv", f32=True),  # no tensor when R == 0
+         out=lambda c: (c.C, c.R), perm="rows_qkv", f32=True, layout=BLOCK_OPERATOR_CLOVER),  # none when R == 0
+    # the release's right (look-ahead) conv: R = K - 1 taps, tap j on token t+1+j, [C, K-1] or [C, 1, K-1]
+    Rule(GA + "conv_right_weight", "blk.{i}.ssm_conv1d_look.weight", "gdn", lambda c: (c.C, c.R),
+         out=lambda c: (c.C, c.R), perm="rows_qkv", f32=True, layout=BLOCK_OPERATOR_RELEASE,
+         alt_shape=lambda c: (c.C, 1, c.R)),
     Rule(GA + "dt_bias", "blk.{i}.ssm_dt.bias", "gdn", lambda c: (c.Hv,), perm="cols_1", f32=True),
     Rule(GA + "A_log", "blk.{i}.ssm_a", "gdn", lambda c: (c.Hv,), fn="neg_exp", perm="cols_1", f32=True),
-    Rule(GA + "block_calib", "blk.{i}.ssm_block_calib", "gdn", lambda c: (2, c.Hv), perm="cols_1", f32=True),
+    Rule(GA + "block_calib", "blk.{i}.ssm_block_calib", "gdn", lambda c: (2, c.Hv), perm="cols_1", f32=True,
+         layout=BLOCK_OPERATOR_CLOVER, marker=True),
+    # the release's block softmax (math not public): kept as they are (shape and value-head order of
+    # the checkpoint, F32), never run; the fixtures write [Hv]
+    Rule(GA + "bd_softmax_logit_scale", "blk.{i}.ssm_bd_logit_scale", "gdn", lambda c: (c.Hv,), f32=True,
+         layout=BLOCK_OPERATOR_RELEASE, marker=True, any_shape=True),
+    Rule(GA + "bd_softmax_history_bias", "blk.{i}.ssm_bd_history_bias", "gdn", lambda c: (c.Hv,), f32=True,
+         layout=BLOCK_OPERATOR_RELEASE, marker=True, any_shape=True),
+    Rule(GA + "bd_softmax_history_c", "blk.{i}.ssm_bd_history_c", "gdn", lambda c: (c.Hv,), f32=True,
+         layout=BLOCK_OPERATOR_RELEASE, marker=True, any_shape=True),
     Rule(GA + "norm.weight", "blk.{i}.ssm_norm.weight", "gdn", lambda c: (c.dv,), f32=True),  # plain, no +1
     Rule(GA + "out_proj.weight", "blk.{i}.ssm_out.weight", "gdn", lambda c: (c.H, c.Hv * c.dv), perm="cols_dv"),
     # -- full-attention layers
@@ -496,6 +564,8 @@ _F32_HF_PATTERNS = [re.compile(re.escape(r.hf).replace(r"\{i\}", r"\d+").replace
 
 
 def rule_applies(rule: Rule, cfg: CloverConfig, i: int | None) -> bool:
+    if rule.layout is not None and rule.layout != cfg.block_operator:
+        return False
     if rule.scope == "global":
         if rule.gguf == "output.weight":
             return not cfg.tie_word_embeddings
@@ -538,6 +608,28 @@ def hf_tensor_shapes(cfg: CloverConfig, fused_experts: bool = False) -> dict[str
         if rule_applies(r, cfg, None):
             add(r, None)
     return out
+
+
+def detect_block_operator(cfg: CloverConfig, names: Iterable[str]) -> CloverConfig:
+    """cfg with ``block_operator`` as the checkpoint's tensors say (the table's marker rows: Clover's
+    in_proj_m / block_calib, the release's bd_softmax_*); the config's identity decides only when
+    neither is there (then the missing tensors are reported). The release's layout has R = K - 1."""
+    have = set(names)
+    gdn = [i for i in range(cfg.L) if cfg.is_recurrent(i)]
+    found = {r.layout for r in TENSOR_TABLE if r.marker and any(r.hf.format(i=i) in have for i in gdn)}
+    if len(found) > 1:
+        raise ConversionError(
+            "the checkpoint has two block operators, Clover's (linear_attn.in_proj_m, linear_attn.block_calib) "
+            "and the release's (linear_attn.bd_softmax_*): expected one"
+        )
+    op = found.pop() if found else cfg.block_operator
+    R = cfg.R
+    if op == BLOCK_OPERATOR_RELEASE and R != cfg.K - 1:
+        if "linear_conv_lookahead" in cfg.raw:
+            raise _err("linear_conv_lookahead", f"must be linear_conv_kernel_dim - 1 ({cfg.K - 1}) for the "
+                       "release's right conv (conv_right_weight)", R)
+        R = cfg.K - 1
+    return replace(cfg, block_operator=op, linear_conv_lookahead=R)
 
 
 # ---------------------------------------------------------------------------

@@ -267,12 +267,40 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The released checkpoint's layout (docs/release-checkpoint.md): identity CloverMoeModelLM /
+# clover_moe, Qwen3.5-MoE config keys (rope_parameters nested, layer_types, num_shared_experts, no
+# clover_semantics, no linear_conv_lookahead: the right conv has K - 1 taps), fused experts, and per
+# GDN layer conv_right_weight [C, K-1] plus bd_softmax_logit_scale / history_bias / history_c (here
+# [Hv]) instead of our in_proj_m, conv1d_lookahead and block_calib. mask_token_id and block_size
+# are our keys (the release's are not public). The shape of tiny.
+RELEASE_IDENTITY: dict[str, Any] = {
+    "model_type": "clover_moe",
+    "architectures": ["CloverMoeModelLM"],
+    "auto_map": {"AutoConfig": "configuration_clover.CloverMoeConfig",
+                 "AutoModelForCausalLM": "modeling_clover.CloverMoeModelLM"},
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+}
+PRESETS["release-tiny"] = {
+    **RELEASE_IDENTITY,
+    **{k: v for k, v in PRESETS["tiny"].items() if k not in (*HF_IDENTITY, "linear_conv_lookahead",
+                                                             "rope_theta", "partial_rotary_factor")},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    "num_shared_experts": 1,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+
 # BPE vocabulary target (bytes + merges + specials) and config vocab rounding, per preset
 # (small also merges pairs seen once, to get a larger vocabulary out of the same text)
 _TOKENIZER_SIZE = {"tiny": 256 + 300 + len(bpe.SPECIAL_TOKENS), "small": 256 + 1000 + len(bpe.SPECIAL_TOKENS)}
 _MIN_FREQUENCY = {"tiny": 2, "small": 1}
 _VOCAB_ROUND = {"tiny": 64, "small": 256}
-_WRITABLE = ("tiny", "small")
+_WRITABLE = ("tiny", "small", "release-tiny")
+_TOKENIZER_OF = {"release-tiny": "tiny"}  # presets that share another's fixture tokenizer
+_FUSED_OF = {"release-tiny": True}        # presets written with fused experts unless told otherwise
 
 
 @lru_cache(maxsize=None)
@@ -312,9 +340,10 @@ def preset_config(preset: str, config_overrides: dict[str, Any] | None = None, d
     if dtype not in ("f32", "bf16"):
         raise ValueError(f"dtype must be f32 or bf16, not {dtype!r}")
     cfg = copy.deepcopy(PRESETS[preset])
-    if preset in _TOKENIZER_SIZE:
-        tok = train_fixture_tokenizer(preset)
-        cfg["vocab_size"] = _round_up(tok.get_vocab_size(), _VOCAB_ROUND[preset])
+    tok_preset = _TOKENIZER_OF.get(preset, preset)
+    if tok_preset in _TOKENIZER_SIZE:
+        tok = train_fixture_tokenizer(tok_preset)
+        cfg["vocab_size"] = _round_up(tok.get_vocab_size(), _VOCAB_ROUND[tok_preset])
         cfg["eos_token_id"] = tok.token_to_id(bpe.EOS_TOKEN)
         cfg["pad_token_id"] = tok.token_to_id(bpe.EOS_TOKEN)
         cfg["mask_token_id"] = tok.token_to_id(bpe.MASK_TOKEN)
@@ -373,7 +402,7 @@ def _init(name: str, shape: tuple[int, ...], cfg: dict[str, Any], seed: int, tie
     if name == "lm_head.weight":
         return normal(2.0 / math.sqrt(H))
     if "linear_attn." in name:
-        if short in ("conv1d.weight", "conv1d_lookahead.weight"):
+        if short in ("conv1d.weight", "conv1d_lookahead.weight", "conv_right_weight"):
             return normal(0.3)
         if short == "A_log":
             return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
@@ -453,7 +482,7 @@ def write_checkpoint(
     preset: str = "tiny",
     dtype: str = "f32",
     shards: int = 1,
-    fused_experts: bool = False,
+    fused_experts: bool | None = None,
     tied: bool = False,
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
@@ -461,7 +490,10 @@ def write_checkpoint(
     """Write a synthetic checkpoint of a preset to folder; returns its config.
 
     Stale weight files (``model*.safetensors``, the index) in folder are removed first.
+    ``fused_experts=None``: the preset's way (fused for release-tiny, per expert otherwise).
     """
+    if fused_experts is None:
+        fused_experts = _FUSED_OF.get(preset, False)
     if preset not in _WRITABLE:
         if preset in PRESETS:
             n = count_params(preset_config(preset))
@@ -476,7 +508,7 @@ def write_checkpoint(
     overrides.setdefault("tie_word_embeddings", bool(tied))
     tied = bool(overrides["tie_word_embeddings"])
     cfg = preset_config(preset, overrides, dtype)
-    tok = train_fixture_tokenizer(preset)
+    tok = train_fixture_tokenizer(_TOKENIZER_OF.get(preset, preset))
     if cfg["vocab_size"] < tok.get_vocab_size():
         raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer ({tok.get_vocab_size()})")
 
@@ -545,7 +577,7 @@ def cli(preset, out, dtype, shards, fused_experts, tied, seed, dry_run):
             raise click.ClickException(f"preset {preset!r} is too big to write; use --dry-run")
         return
     try:
-        cfg = write_checkpoint(out, preset, dtype, shards, fused_experts, tied, seed)
+        cfg = write_checkpoint(out, preset, dtype, shards, fused_experts or None, tied, seed)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     n = count_params(cfg)

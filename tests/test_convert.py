@@ -765,7 +765,7 @@ BAD_CONFIGS = [
                                      "got 32"),
     (dict(mask_token_id=_DEL), "error: config.json: mask_token_id is missing"),
     (dict(rms_norm_eps=-1.0), "error: config.json: rms_norm_eps must be a positive number, got -1.0"),
-    (dict(model_type="llama"), "error: config.json: model_type must be 'clover', got 'llama'"),
+    (dict(model_type="llama"), "error: config.json: model_type must be 'clover' (or the release's 'clover_moe'), got 'llama'"),
 ]
 
 _RETRAIN = "retrain or re-export them with train/ of this version (python -m train.export --run RUN --out FOLDER)"
