@@ -102,6 +102,8 @@ struct cli_state {
     int32_t        mask       = -1;
     int32_t        n_prompt   = 0;
     std::string    piece_buf;
+    std::string    echo;            // the prompt, printed when the generation starts (not before a refusal)
+    bool           started = false; // a callback ran: the generation was not refused
     // -r/--reverse-prompt: the output stops before the first of these strings, which may span
     // blocks: text that could still begin one is held back until the next block decides
     std::vector<std::string> stops;
@@ -186,8 +188,18 @@ void on_sigint(int) {
     g_interrupted = 1;
 }
 
+void flush_echo(cli_state & st) {
+    st.started = true;
+    if (!st.echo.empty()) {
+        fwrite(st.echo.data(), 1, st.echo.size(), stdout);
+        fflush(stdout);
+        st.echo.clear();
+    }
+}
+
 int on_step(int32_t block_start, const int32_t * canvas, int32_t block_size, int32_t n_masked, void * ud) {
     auto & st = *static_cast<cli_state *>(ud);
+    flush_echo(st);
     if (g_interrupted) {
         return 1;
     }
@@ -213,6 +225,7 @@ int on_step(int32_t block_start, const int32_t * canvas, int32_t block_size, int
 
 int on_block(int32_t /*block_start*/, const int32_t * tokens, int32_t n, void * ud) {
     auto & st = *static_cast<cli_state *>(ud);
+    flush_echo(st);
     if (st.tty && st.block_open) {
         fputs("\0338\033[J", stdout); // replace the live view by the final text
         st.block_open = false;
@@ -442,8 +455,7 @@ int main(int argc, char ** argv) {
         }
     }
     if (echo) {
-        fwrite(prompt.data(), 1, prompt.size(), stdout);
-        fflush(stdout);
+        st.echo = prompt;
     }
     gp.block_size     = auto_block ? CLOVER_BLOCK_SIZE_AUTO : cp.block_size;
     gp.step_callback  = on_step;
@@ -457,7 +469,12 @@ int main(int argc, char ** argv) {
                          sizeof(err));
     if (st.stopped && rc == CLOVER_ERR_CANCELLED) {
         rc = CLOVER_OK; // a reverse prompt ended it: a normal finish
+    } else if (rc != CLOVER_OK && !g_interrupted && !st.started) {
+        clover_context_free(ctx);
+        clover_model_free(st.model);
+        die(err); // refused before anything was printed (the prompt is echoed once it runs)
     } else {
+        flush_echo(st); // nothing generated (-n 0, EOS first): the echo still comes
         fwrite(st.held.data(), 1, st.held.size(), stdout);
     }
     fputs("\n", stdout);
