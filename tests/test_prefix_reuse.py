@@ -213,6 +213,6 @@ def test_cli_reverse_prompt(tiny_artifacts) -> None:
     stop = full[6:9]
     res = CliRunner().invoke(cli, ["run", "-m", str(tiny_artifacts["f16"]), "-p", "hello", "-n", "24",
                                    "--block-size", "4", "-c", "256", "-t", "1", "--ignore-eos", "--no-stats",
-                                   "--no-visual", "-r", stop], catch_exceptions=False)
+                                   "--no-visual", "--no-echo", "-r", stop], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert res.output == full[:full.index(stop)] + "\n"
