@@ -51,7 +51,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        return {k: float(v) for k, v in (line.split() for line in text.splitlines())}
+        return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
 
     def client(self, **kw):
         kw.setdefault("timeout", 60)

@@ -1,0 +1,273 @@
+"""``clover serve``: request bodies, their checks, the limits, and the one error shape.
+
+Every field a request may carry is declared here: a field is either honoured or refused with
+a 400 that names it (``extra="forbid"``: an unknown field is an error, never silently
+ignored). Values are checked strictly (``"5"`` is not an int, ``NaN`` is not a number).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (``clover serve`` flags; docs/server.md)."""
+
+    max_body_bytes: int = 8 * 2**20    # --max-body: a larger body gets 413 before it is read
+    max_messages: int = 4096           # --max-messages: chat messages per request
+    body_timeout: float = 30.0         # --body-timeout: seconds to receive the whole body (408)
+    max_block_size: int = 512          # --max-block-size: block_size above it gets 400
+    stuck_after: float = 120.0         # --stuck-timeout: a generation with no progress this long is cancelled
+    max_json_depth: int = 64           # nesting of the body's JSON
+    max_stop: int = 16                 # stop strings per request
+
+
+# ----------------------------------------------------------------------------- errors
+
+class APIError(Exception):
+    """An error answered as OpenAI does: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, kind: str | None = None, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def encoded(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+def unsupported(field: str, why: str) -> APIError:
+    return APIError(400, f"'{field}' is not supported by this server: {why}", code="unsupported_field", param=field)
+
+
+# ----------------------------------------------------------------------------- the body
+
+def _depth_ok(x: Any, limit: int) -> bool:
+    stack = [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            if d > limit:
+                return False
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return True
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
+    """The request body as a JSON object, or an APIError saying why not."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {limits.max_json_depth} levels") from None
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if not _depth_ok(body, limits.max_json_depth):
+        raise APIError(400, f"the request body nests deeper than {limits.max_json_depth} levels")
+    return body
+
+
+def validate(cls: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``cls`` from the body; the first problem as a 400 naming its field."""
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        if first.get("type") == "extra_forbidden":
+            raise APIError(400, f"unknown field '{where}' (fields this server honours: docs/server.md)",
+                           code="unknown_field", param=where) from None
+        if first.get("type") == "missing":
+            raise APIError(400, f"'{where}' is required", param=where) from None
+        raise APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=where or None) from None
+
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Knobs(BaseModel):
+    """Fields both endpoints share: OpenAI's names, then Clover's own knobs."""
+
+    model_config = _STRICT
+
+    model: str | None = None  # any name is accepted: one model is served
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)  # OpenAI's newer name
+    temperature: float = Field(default=0.8, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=-1, le=2**64 - 1)  # None or -1: a fresh random seed
+    stop: Union[str, list[str], None] = None
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)  # an end-user id (OpenAI's): not used for output
+    # OpenAI's penalties and biases: only their neutral values (there is no penalty sampler)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    # structured output and log-probabilities (answered by the endpoint: supported or a 400)
+    logprobs: Any = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
+    # Clover's own knobs
+    block_size: Union[int, Literal["auto"], None] = None
+    threshold: float = Field(default=0.9, ge=0.0, le=1.0, allow_inf_nan=False)
+    max_steps: int = Field(default=0, ge=0, le=INT32_MAX)
+    ignore_eos: bool = False
+    draft_self: bool = False  # lossless self-speculative decoding (the output of block_size 1)
+
+    def stops(self, limits: Limits) -> list[str]:
+        s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(s) > limits.max_stop:
+            raise APIError(400, f"stop: at most {limits.max_stop} strings, got {len(s)}", param="stop")
+        if any(not x for x in s):
+            raise APIError(400, "stop: an empty string never matches", param="stop")
+        return s
+
+    def check_neutral(self) -> None:
+        """The OpenAI fields with no sampler behind them: refused unless neutral."""
+        for f in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, f):
+                raise unsupported(f, "there is no penalty sampler (send 0 or leave it out)")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "there is no logit bias (send {} or leave it out)")
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: Union[str, dict[str, Any]]
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (Hugging Face's shape): content a string,
+        tool calls' arguments as objects when they are JSON."""
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        pass
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                          "arguments": args}})
+            m["tool_calls"] = calls
+        return m
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedChoice(BaseModel):
+    model_config = _STRICT
+
+    class _Name(BaseModel):
+        model_config = _STRICT
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
+class ChatRequest(_Knobs):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
+    parallel_tool_calls: bool = True
+
+
+class CompletionRequest(_Knobs):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int = Field(default=1, ge=1, le=1)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(BaseModel):
+    model_config = _STRICT
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
+    parallel_tool_calls: bool = True
