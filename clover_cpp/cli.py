@@ -207,10 +207,17 @@ class BlockSizeType(click.ParamType):
 BLOCK_SIZE = BlockSizeType()
 
 
-def _sampling_options(f: Any, n_default: int = 128) -> Any:
+# Greedy by default, unlike llama-cli (temp 0.8, top-k 40, top-p 0.95, seed -1, -n -1): the same
+# command prints the same text, as Clover.generate returns it, and --draft-self reproduces it token
+# for token (README, "Command-line defaults"); llama-cli's sampling is one set of flags away
+DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT = 0.0, 0, 1.0, 0, 128
+
+
+def _sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:
     opts = [
-        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(0, 2**31 - 1), default=n_default,
-                     show_default=True, help="Tokens to generate at most."),
+        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(-1, 2**31 - 1), default=n_default,
+                     show_default=True, help="Tokens to generate at most (-1 = until EOS or the end of the "
+                                             "context, as llama-cli)."),
         click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
                      help="Block size B (1 = autoregressive; auto = chosen per block from the pass cost, "
                           "measured once per model and machine and cached, and the tokens per pass)."),
@@ -218,12 +225,13 @@ def _sampling_options(f: Any, n_default: int = 128) -> Any:
                      help="Unmask every position whose confidence is at least this."),
         click.option("--step-cap", "--max-steps", "max_steps", type=click.IntRange(0, 2**31 - 1), default=0,
                      show_default=True, help="Denoising steps per block at most (0 = no cap)."),
-        click.option("--temp", "temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
-                     help="Sampling temperature (0 = greedy)."),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k (0 = off)."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True,
-                     help="Top-p (1 = off)."),
-        click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=0, show_default=True,
+        click.option("--temp", "temperature", type=click.FloatRange(min=0.0), default=DEFAULT_TEMP,
+                     show_default=True, help="Sampling temperature (0 = greedy)."),
+        click.option("--top-k", type=click.IntRange(min=0), default=DEFAULT_TOP_K, show_default=True,
+                     help="Top-k (0 = off)."),
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_TOP_P,
+                     show_default=True, help="Top-p (1 = off)."),
+        click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=DEFAULT_SEED, show_default=True,
                      help="Sampling seed (-1 = random)."),
         click.option("--draft-self", "draft_self", is_flag=True,
                      help="Lossless self-speculative decoding: blocks drafted by block passes, verified by "
@@ -267,6 +275,31 @@ def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: in
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
                 stop=list(reverse_prompt), draft_self=draft_self)
+
+
+def _until_context_end(m: Any, n_prompt: int, block_size: Any) -> int:
+    """The budget of -n -1: the rest of the context, in whole blocks of a fixed B (decode blocks
+    start right after the prompt; block size auto only picks blocks that fit)."""
+    B = 1 if block_size == "auto" else int(block_size)
+    budget = (m.n_ctx - n_prompt) // B * B
+    if budget < 1:
+        raise UserError(f"the prompt ({n_prompt} tokens) leaves no room for a block of {B} in the context "
+                        f"({m.n_ctx}); raise -c")
+    return budget
+
+
+CHAT_SEPARATOR = "----"
+
+
+def _visual_option(f: Any) -> Any:
+    return click.option("--visual/--no-visual", default=None,
+                        help="Live view of the block being denoised, on a terminal only (default: on when "
+                             "stdout is a terminal; a pipe or a file always gets plain text).")(f)
+
+
+def _use_visual(visual: bool | None) -> bool:
+    """--visual draws with cursor movements: only on a terminal, never into a pipe or a file."""
+    return (visual is None or visual) and sys.stdout.isatty()
 
 
 # ----------------------------------------------------------------------------- live view
@@ -364,7 +397,9 @@ class LiveView:
 
 def _generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any = None, prefix: str = "",
                           **kw: Any) -> Any:
-    """Run one generation, writing prefix then its text to stdout (live view or plain streaming)."""
+    """Run one generation, writing prefix then its text to stdout (live view or plain streaming).
+    The prefix (the echoed prompt) is written once the generation runs: a refused call (the
+    context too small, a bad argument) prints only its one-line error."""
     if visual:
         # tokenize here so that the view knows which canvas positions hold the prompt
         if chat_messages is not None:
@@ -374,23 +409,38 @@ def _generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any 
         else:
             toks = m.tokenize(prompt, add_special=True, parse_special=True)
         view = LiveView(m, color=True, n_prompt=len(toks))
-        if prefix:
-            view.write(f"\x1b[1m{prefix}\x1b[0m", width_of=prefix)
+        pending = [prefix]
+
+        def echo() -> None:
+            if pending and pending.pop():
+                view.write(f"\x1b[1m{prefix}\x1b[0m", width_of=prefix)
+
+        def step(*a: Any) -> Any:
+            echo()
+            return view.step(*a)
+
+        def block(*a: Any) -> Any:
+            echo()
+            return view.block(*a)
         try:
-            r = m.generate(toks, on_step=view.step, on_block=view.block, **kw)
+            r = m.generate(toks, on_step=step, on_block=block, **kw)
+            echo()
         finally:
             view.finish()
         return r
-    if prefix:
-        sys.stdout.write(prefix)
     stream = m.chat(chat_messages, stream=True, **kw) if chat_messages is not None else \
         m.generate(prompt, stream=True, **kw)
     try:
         for piece in stream:
+            if prefix:
+                sys.stdout.write(prefix)
+                prefix = ""
             sys.stdout.write(piece)
             sys.stdout.flush()
     finally:
         stream.close()
+    if prefix:  # nothing generated (EOS first, -n 0): the echo still comes
+        sys.stdout.write(prefix)
     return stream.result
 
 
@@ -474,24 +524,29 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("-f", "--file", default=None, metavar="FILE", help="Read the prompt from FILE.")
 @_sampling_options
 @_runtime_options
-@click.option("--visual/--no-visual", default=None,
-              help="Live view of the block being denoised (default: when stdout is a terminal).")
-@click.option("--echo/--no-echo", default=False, help="Print the prompt before the output.")
+@_visual_option
+@click.option("--echo/--no-echo", default=True, show_default=True,
+              help="Print the prompt before the output, as llama-cli does.")
+@click.option("--no-display-prompt", "no_display_prompt", is_flag=True, hidden=True,
+              help="llama-cli's name for --no-echo.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
         flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
-        verbose: bool, visual: bool | None, echo: bool, stats: bool) -> None:
-    """Generate text from a prompt with block-diffusion decoding."""
+        verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool) -> None:
+    """Generate text from a prompt with block-diffusion decoding (the prompt is echoed first,
+    as llama-cli does; --no-echo leaves it out)."""
     text = _read_prompt(prompt, file)
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                      reverse_prompt, draft_self)
-    if visual is None:
-        visual = sys.stdout.isatty()
+    visual = _use_visual(visual)
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
                      tensor_split, override_tensor) as m:
-        r = _generate_to_terminal(m, text, visual, prefix=text if echo else "", **kw)
+        if n_predict == -1:
+            n_prompt = len(m.tokenize(text, add_special=True, parse_special=True))
+            kw["max_tokens"] = _until_context_end(m, n_prompt, block_size)
+        r = _generate_to_terminal(m, text, visual, prefix=text if echo and not no_display_prompt else "", **kw)
         sys.stdout.write("\n")
         sys.stdout.flush()
         if stats:
@@ -532,22 +587,25 @@ def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, t
 @click.option("--system", default=None, help="System message.")
 @_sampling_options
 @_runtime_options
-@click.option("--visual/--no-visual", default=None,
-              help="Live view of the block being denoised (default: when stdout is a terminal).")
+@_visual_option
 @click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
+@click.option("--separator", default=CHAT_SEPARATOR, show_default=True, metavar="TEXT",
+              help="Line written between replies when stdout is not a terminal ('' = none).")
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool, ignore_eos: bool,
          reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
-         verbose: bool, visual: bool | None, stats: bool) -> None:
+         verbose: bool, visual: bool | None, stats: bool, separator: str) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
     /reset to forget the conversation. Earlier turns stay in the context's memory and are
-    not read again (prefix reuse)."""
+    not read again (prefix reuse). When stdout is not a terminal, a separator line is written
+    between replies."""
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                      reverse_prompt, draft_self)
     interactive = sys.stdin.isatty()
-    if visual is None:
-        visual = sys.stdout.isatty()
+    visual = _use_visual(visual)
+    separate = bool(separator) and not sys.stdout.isatty()
+    n_replies = 0
     base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
                      tensor_split, override_tensor) as m:
@@ -572,34 +630,39 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
                 continue
             history.append({"role": "user", "content": line})
             try:
-                msgs = _fit_history(m, base, history, kw["max_tokens"], kw["block_size"])
+                msgs, budget = _fit_history(m, base, history, n_predict, kw["block_size"])
             except UserError as e:  # this message does not fit: say so, keep the session and its history
                 history.pop()
                 click.echo(f"error: {e.format_message()}", err=True)
                 continue
-            r = _generate_to_terminal(m, None, visual, chat_messages=msgs, **kw)
+            if separate and n_replies:
+                sys.stdout.write(separator + "\n")
+            r = _generate_to_terminal(m, None, visual, chat_messages=msgs, **dict(kw, max_tokens=budget))
             sys.stdout.write("\n")
             sys.stdout.flush()
+            n_replies += 1
             history.append({"role": "assistant", "content": r.text})
             if stats:
                 click.echo(r.stats.format(), err=True)
 
 
 def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str]],
-                 max_tokens: int, block_size: Any) -> list[dict[str, str]]:
+                 max_tokens: int, block_size: Any) -> tuple[list[dict[str, str]], int]:
     """Drop the oldest turns until the prompt plus the budget fits the context: decode blocks of
     B start right after the prompt, so they need the budget rounded up to whole blocks
-    (clover_generate's rule; with block size auto, B is only ever one whose blocks fit)."""
+    (clover_generate's rule; with block size auto, B is only ever one whose blocks fit).
+    max_tokens -1: at least one block must fit, and the budget is the rest of the context.
+    Returns the messages and the token budget."""
     B = 1 if block_size == "auto" else block_size
     while True:
         msgs = base + history
         n = len(m.tokenize(m.format_chat(msgs), add_special=True, parse_special=True))
-        need = n + -(-max_tokens // B) * B
+        need = n + (B if max_tokens == -1 else -(-max_tokens // B) * B)
         if need <= m.n_ctx or len(history) <= 1:
             if need > m.n_ctx:
                 raise UserError(f"the message ({n} tokens) and -n {max_tokens} do not fit the context "
                                 f"({m.n_ctx}); raise -c or lower -n")
-            return msgs
+            return msgs, (_until_context_end(m, n, block_size) if max_tokens == -1 else max_tokens)
         del history[:2]
 
 
@@ -615,13 +678,26 @@ def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str
               help="Requests that may wait for a context; more get 503.")
 @click.option("--api-key", default=None, envvar="CLOVER_API_KEY", metavar="KEY",
               help="Require 'Authorization: Bearer KEY' (also $CLOVER_API_KEY).")
+@click.option("--max-body", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True, metavar="BYTES",
+              help="Largest request body; larger gets 413.")
+@click.option("--max-messages", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Most chat messages per request.")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True, metavar="S",
+              help="Seconds to receive a request body; slower (or a Content-Length larger than the body) gets 408.")
+@click.option("--max-block-size", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Largest block_size a request may ask for.")
+@click.option("--stuck-timeout", type=click.FloatRange(min=0.1), default=120.0, show_default=True, metavar="S",
+              help="A generation without progress this long is stopped, and /health answers 503 meanwhile.")
 @_runtime_options
-def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None,
+def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None, max_body: int,
+          max_messages: int, body_timeout: float, max_block_size: int, stuck_timeout: float,
           threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
           tensor_split: list[float] | None, override_tensor: str | None, verbose: bool) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics. Clover's knobs are extra request fields (block_size, threshold)."""
+    /health, /metrics, /props, /tokenize, /detokenize. Clover's knobs are extra request
+    fields (block_size, threshold); endpoints, fields and limits: docs/server.md."""
     try:
+        from .server import Limits
         from .server import serve as run_server
     except ImportError as e:
         raise UserError(str(e)) from None
@@ -634,7 +710,9 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
     run_server(model, host=host, port=port, parallel=parallel, api_key=api_key, n_ctx=ctx_size, n_threads=threads,
                n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
                flash_attn={"on": True, "off": False}.get(flash_attn), rpc_servers=rpc, tensor_split=tensor_split,
-               override_tensor=override_tensor)
+               override_tensor=override_tensor,
+               limits=Limits(max_body_bytes=max_body, max_messages=max_messages, body_timeout=body_timeout,
+                             max_block_size=max_block_size, stuck_after=stuck_timeout))
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -827,8 +905,7 @@ def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads
     """Block-diffusion generation with the bundled default model (built on first use)."""
     path, desc = demo_model(Path(cache_dir) if cache_dir else default_cache_dir())
     click.echo(f"model: {desc}\n       {path}", err=True)
-    if visual is None:
-        visual = sys.stdout.isatty()
+    visual = _use_visual(visual)
     with _open_model(str(path), threads, 4096, 0, block_size, False) as m:
         B = block_size
         click.echo(f"prompt: {prompt!r}; block size {B}, threshold {threshold}", err=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,18 +103,112 @@ def test_run_plain(files) -> None:
     res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "24", "-t", "1", "--no-visual"])
     assert res.exit_code == 0, res.output
     with Clover(files["model"], n_threads=1) as m:
-        want = m.generate("hello world", max_tokens=24).text
-    assert res.stdout == want + "\n"
+        want = m.generate("hello world", max_tokens=24, temperature=0.0).text
+    assert res.stdout == "hello world" + want + "\n"  # the prompt echoed first, as llama-cli does
     assert "[clover]" in res.stderr and "tok/forward" in res.stderr and "generated=24" in res.stderr
+    for off in ("--no-echo", "--no-display-prompt"):  # ours, llama-cli's
+        res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "24", "-t", "1", "--no-visual", off])
+        assert res.exit_code == 0 and res.stdout == want + "\n", res.output
 
 
 @needs_lib
-def test_run_visual(files) -> None:
-    res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1", "--visual",
-                  "--echo", "--block-size", "4", "--threshold", "0.5"])
+def test_defaults_are_greedy_and_documented(files) -> None:
+    """The defaults the README states: greedy (--temp 0, top-k off, top-p 1, seed 0: the same
+    command prints the same text, equal to Clover.generate's), -n 128; -s -1 is a random seed."""
+    from clover_cpp.cli import DEFAULT_N_PREDICT, DEFAULT_SEED, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P
+
+    assert (DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT) == (0.0, 0, 1.0, 0, 128)
+    help_text = " ".join(invoke(["run", "--help"]).output.split())
+    for shown in ("greedy). [default: 0.0;", "[default: 128;", "(-1 = random). [default: 0;"):
+        assert shown in help_text, help_text
+    args = ["run", "-m", files["model"], "-p", "hello", "-n", "16", "-t", "1", "--block-size", "4", "--no-stats",
+            "--ignore-eos"]
+    plain = {invoke(args).stdout for _ in range(2)}
+    greedy = invoke(args + ["--temp", "0", "--top-k", "0", "--top-p", "1", "-s", "0"]).stdout
+    assert plain == {greedy}
+    # llama-cli's sampling flags: a random seed, so different texts from run to run
+    sampled = {invoke(args + ["--temp", "0.8", "--top-k", "40", "--top-p", "0.95", "-s", "-1"]).stdout
+               for _ in range(4)}
+    assert len(sampled) > 1
+
+
+@needs_lib
+@pytest.mark.parametrize("block_size", ["1", "4", "auto"])
+def test_n_predict_minus_one_runs_to_the_end_of_the_context(files, block_size: str) -> None:
+    """-n -1 (llama-cli's "until EOS or the end of the context"): the rest of the context, in
+    whole blocks of a fixed B, on both tools; a prompt that fills the context is one line."""
+    from clover_cpp import Clover
+
+    with Clover(files["model"], n_threads=1) as m:
+        n = len(m.tokenize("hello world", add_special=True, parse_special=True))
+    B = 1 if block_size == "auto" else int(block_size)
+    want = (70 - n) // B * B
+    args = ["-p", "hello world", "-n", "-1", "-c", "70", "--block-size", block_size, "-t", "1", "--ignore-eos"]
+    res = invoke(["run", "-m", files["model"], *args, "--no-visual"])
     assert res.exit_code == 0, res.output
-    assert "\u2591" in res.stdout and "\x1b[" in res.stdout  # masked cells, ANSI redraws
-    assert "B=4" in res.stderr
+    assert f"generated={want} tok" in res.stderr and "finish=max_tokens" in res.stderr, res.stderr
+    p = subprocess.run([str(CLI_BIN), "-m", str(files["model"]), *args], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"generated {want} tok".encode() in p.stderr
+    assert p.stdout.decode(errors="replace") == res.stdout
+    # without --ignore-eos: EOS or the budget ends it
+    res = invoke(["run", "-m", files["model"], "-p", "hello world", "-n", "-1", "-c", "70", "-t", "1", "--no-visual"])
+    assert res.exit_code == 0 and re.search(r"finish=(max_tokens|eos)", res.stderr), res.stderr
+    assert_user_error(invoke(["run", "-m", files["model"], "-p", "hello world " * 20, "-n", "-1", "-c", "20",
+                              "--block-size", "4", "-t", "1"]), "leaves no room", "raise -c")
+    p = subprocess.run([str(CLI_BIN), "-m", str(files["model"]), "-p", "hello world " * 20, "-n", "-1", "-c", "20",
+                        "-t", "1"], capture_output=True, text=True, errors="replace", timeout=60)
+    assert p.returncode == 1 and p.stderr.startswith("error: ") and "leaves no room" in p.stderr, p.stderr
+
+
+def _in_a_terminal(cmd: list[str], timeout: float = 120) -> bytes:
+    """cmd's stdout when it is a terminal (a pseudo-terminal; stderr stays a pipe)."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen(cmd, stdout=slave, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    try:
+        while True:
+            r, _, _ = select.select([master], [], [], timeout)
+            if not r:
+                raise AssertionError(f"no output for {timeout} s from {cmd}")
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(master)
+        assert p.wait(timeout=timeout) == 0, cmd
+    return out
+
+
+@needs_lib
+def test_visual_only_on_a_terminal(files) -> None:
+    """--visual draws the block being denoised with cursor movements on a terminal; into a pipe or
+    a file both tools write the plain text (the same bytes as without --visual)."""
+    args = ["-m", str(files["model"]), "-p", "hello world", "-n", "16", "-t", "1", "--block-size", "4",
+            "--threshold", "0.5"]
+    py = [sys.executable, "-m", "clover_cpp.cli", "run", "--no-stats"]
+    tty = _in_a_terminal(py + args + ["--visual"])
+    assert "\u2591".encode() in tty and b"\x1b[" in tty  # masked cells, ANSI redraws
+    tty_default = _in_a_terminal(py + args)  # the default on a terminal: the live view
+    assert b"\x1b[" in tty_default
+    tty_cli = _in_a_terminal([str(CLI_BIN)] + args + ["--visual"])
+    assert b"\x1b[" in tty_cli
+    for tool in (py, [str(CLI_BIN)]):
+        plain = subprocess.run(tool + args, capture_output=True, timeout=120)
+        vis = subprocess.run(tool + args + ["--visual"], capture_output=True, timeout=120)
+        assert plain.returncode == 0 and vis.returncode == 0, vis.stderr
+        assert b"\x1b" not in vis.stdout and vis.stdout == plain.stdout and plain.stdout.startswith(b"hello world")
+    # the CliRunner's stdout is not a terminal either
+    res = invoke(["run", *args, "--visual"])
+    assert res.exit_code == 0 and "\x1b" not in res.stdout and "\u2591" not in res.stdout
 
 
 @needs_lib
@@ -124,7 +219,7 @@ def test_run_prompt_file_and_stdin(files, tmp_path: Path) -> None:
     b = invoke(["run", "-m", files["model"], "-p", "-", "-n", "8", "-t", "1", "--no-visual", "--no-stats"],
                input="hello world")
     assert a.exit_code == 0 and b.exit_code == 0
-    assert a.stdout == b.stdout and a.stdout.strip()
+    assert a.stdout == b.stdout and a.stdout.startswith("hello world") and a.stdout[len("hello world"):].strip()
 
 
 @needs_lib
@@ -135,6 +230,32 @@ def test_chat(files) -> None:
     assert res.stderr.count("[clover]") == 2  # two replies, the line after /exit is not read
     res = invoke(["chat", "-m", files["model"], "-n", "8", "-t", "1", "--no-visual"], input="hello\n")
     assert res.exit_code == 0, res.output  # end of input ends the chat
+
+
+@needs_lib
+def test_chat_separates_replies_when_not_on_a_terminal(files) -> None:
+    """Piped, the replies do not run together: a separator line between them (--separator TEXT,
+    '' = none); each reply equals the same turn's Clover.chat text."""
+    from clover_cpp import Clover
+
+    with Clover(files["model"], n_threads=1) as m:
+        msgs = [{"role": "user", "content": "hi there"}]
+        one = m.chat(msgs, max_tokens=8, block_size=4).text
+        msgs += [{"role": "assistant", "content": one}, {"role": "user", "content": "how are you?"}]
+        two = m.chat(msgs, max_tokens=8, block_size=4).text
+    # (a fixed B: auto's choice follows the tokens per pass seen so far, and the text follows B)
+    args = ["chat", "-m", files["model"], "-n", "8", "-t", "1", "--block-size", "4"]
+    res = invoke(args, input="hi there\nhow are you?\n")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == f"{one}\n----\n{two}\n", res.stdout
+    res = invoke(args + ["--separator", "=== next ==="], input="hi there\n/reset\nhi there\n")
+    assert res.stdout == f"{one}\n=== next ===\n{one}\n", res.stdout
+    res = invoke(args + ["--separator", ""], input="hi there\nhow are you?\n")
+    assert res.stdout == f"{one}\n{two}\n", res.stdout
+    # -n -1 in a chat: each reply may use the rest of the context
+    res = invoke(["chat", "-m", files["model"], "-n", "-1", "-c", "96", "-t", "1", "--stats", "--ignore-eos"],
+                 input="hi there\n")
+    assert res.exit_code == 0 and "finish=max_tokens" in res.stderr, res.output
 
 
 @needs_lib
@@ -331,7 +452,7 @@ def test_subprocess_help() -> None:
 def test_subprocess_run(files) -> None:
     p = _sub(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1", "--no-visual"])
     assert p.returncode == 0, p.stderr
-    assert "\x1b[" not in p.stdout and p.stdout.endswith("\n") and len(p.stdout) > 1
+    assert "\x1b[" not in p.stdout and p.stdout.endswith("\n") and len(p.stdout) > len("hello world\n")
     assert p.stderr.startswith("[clover]") and "Traceback" not in p.stderr
     # stdout is a pipe: plain text even without --no-visual
     q = _sub(["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1"])
@@ -407,7 +528,7 @@ def test_more_flags_same_effect_on_both_tools(files, tmp_path, extra: list[str])
     The stop strings are read from the unstopped output (WORD, PUNCT: see _stop_from)."""
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("hello")
-    base = ["-f", str(prompt), "-n", "40", "--block-size", "4", "--ignore-eos", "-t", "1"]
+    base = ["-f", str(prompt), "-n", "40", "--block-size", "4", "--ignore-eos", "-t", "1", "--no-echo"]
     full = invoke(["run", "-m", files["model"], *base, "--no-stats", "--no-visual"]).output
     extra = [_stop_from(full, a) if a in ("WORD", "PUNCT") else a for a in extra]
     args = [*base, *extra]
@@ -459,3 +580,14 @@ def test_ctrl_c_exits_130_with_one_line(files, tmp_path) -> None:
         lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith(("clover serve:", "[block"))]
         assert p.returncode == 130, (k, p.returncode, text[-500:])
         assert lines == ["error: interrupted"], (k, text[-500:])
+
+
+@needs_lib
+def test_a_refused_run_prints_only_its_error(files) -> None:
+    """The prompt is echoed once the generation runs: a refusal (the context too small) leaves
+    stdout empty on both tools, with the one-line error."""
+    args = ["-m", str(files["model"]), "-p", "hello", "-c", "8", "-n", "64", "-t", "1"]
+    for tool in ([sys.executable, "-m", "clover_cpp.cli", "run"], [str(CLI_BIN)]):
+        p = subprocess.run(tool + args, capture_output=True, text=True, errors="replace", timeout=60)
+        assert p.returncode == 1 and p.stdout == "", (tool, p.stdout)
+        assert p.stderr.startswith("error: ") and "n_ctx" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
