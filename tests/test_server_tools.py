@@ -1,0 +1,163 @@
+"""Tool calling in `clover serve`, with the official openai client: tools rendered by the model's
+chat template (the Qwen tool template fixture), the reply's <tool_call> markup parsed into
+tool_calls (whole and streamed), tool_choice none / auto / required / a named function, and
+the next turn (the assistant's calls and the tool's result) rendered back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_server_harness import InProcessServer, ScriptedClover, tool_gguf
+
+pytestmark = pytest.mark.needs_libclover
+
+openai = pytest.importorskip("openai", reason="the test extra installs openai")
+httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def gguf(tiny_artifacts, tmp_path_factory) -> Path:
+    return tool_gguf(tiny_artifacts["f32"], tmp_path_factory.mktemp("tools") / "tiny-tools.gguf")
+
+
+@pytest.fixture(scope="module")
+def real(gguf):
+    from clover_cpp import Clover
+
+    with Clover(gguf, n_ctx=1024, n_threads=1) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def scripted(real):
+    model = ScriptedClover(real, lambda prompt: "")
+    s = InProcessServer(model)
+    yield s, model
+    s.stop()
+
+
+def _say(model: ScriptedClover, text: str) -> None:
+    model.script = lambda prompt: text
+
+
+def test_tools_are_rendered_by_the_template(scripted, real) -> None:
+    s, _ = scripted
+    r = httpx.post(s.url + "/apply-template", json={"messages": ASK, "tools": [WEATHER]}).json()["prompt"]
+    assert r == real.format_chat(ASK, tools=[WEATHER])
+    assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in r and r.endswith("<|im_start|>assistant\n")
+    none = httpx.post(s.url + "/apply-template", json={"messages": ASK, "tools": [WEATHER],
+                                                       "tool_choice": "none"}).json()["prompt"]
+    assert "<tools>" not in none and none == real.format_chat(ASK)
+
+
+def test_tool_calls_whole_and_streamed(scripted) -> None:
+    s, model = scripted
+    c = s.client()
+    _say(model, "Let me check.\n" + CALL)
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Let me check."
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # streamed: the content arrives without any of the markup, the call as a tool_calls delta
+    chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], stream=True))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content.strip() == "Let me check." and "<" not in content
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_calls_xml_form_and_text_that_is_no_call(scripted) -> None:
+    s, model = scripted
+    c = s.client()
+    two = CALL + "\n" + '<tool_call>\n{"name": "get_time", "arguments": "{}"}\n</tool_call>'
+    _say(model, two)
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME])
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather", "get_time"]
+    assert r.choices[0].message.content is None
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], parallel_tool_calls=False)
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather"]
+    # Qwen3.5's XML form
+    _say(model, "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    # not JSON, or a function the request did not offer: the text stays content
+    for text in ("<tool_call>\n{not json}\n</tool_call>",
+                 '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'):
+        _say(model, text)
+        r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
+        assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == text
+        assert r.choices[0].finish_reason == "stop"
+    # without tools in the request, markup is just text
+    _say(model, CALL)
+    r = c.chat.completions.create(model="x", messages=ASK)
+    assert r.choices[0].message.content == CALL and r.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_required_and_named(scripted) -> None:
+    s, model = scripted
+    c = s.client()
+    _say(model, '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    assert model.prompts[-1].endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    _say(model, '{"city": "Rome"}}\n</tool_call>')
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME],
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert model.prompts[-1].endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_the_next_turn_renders_calls_and_results(scripted) -> None:
+    s, model = scripted
+    c = s.client()
+    _say(model, CALL)
+    first = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER]).choices[0].message
+    _say(model, "Sunny.")
+    history = ASK + [first.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny, 21 C"}]
+    r = c.chat.completions.create(model="x", messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "Sunny." and r.choices[0].finish_reason == "stop"
+    assert CALL in model.prompts[-1]
+    assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response><|im_end|>" in model.prompts[-1]
+
+
+def test_real_model_with_tools(real, tiny_artifacts) -> None:
+    """The real tiny model, tools offered: a normal reply (it never learnt the markup), the
+    prompt as the template renders it; a template without tools refuses them by name."""
+    s = InProcessServer(real.new_context())
+    try:
+        c = s.client()
+        r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0,
+                                      extra_body={"block_size": 4})
+        prompt = real.format_chat(ASK, tools=[WEATHER])
+        assert r.usage.prompt_tokens == len(real.tokenize(prompt, add_special=True))
+        assert isinstance(r.choices[0].message.content, str)
+    finally:
+        s.stop()
+    from clover_cpp import Clover
+
+    with Clover(tiny_artifacts["f32"], n_ctx=256, n_threads=1) as plain:
+        s = InProcessServer(plain)
+        try:
+            with pytest.raises(openai.BadRequestError, match="tools"):
+                s.client().chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
+        finally:
+            s.stop()
