@@ -47,7 +47,7 @@ from .mapping import (
     rule_applies,
 )
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, f32_to_bf16, read_header
-from .outputs import check_output, clean_stale_temps, fmt_bytes, temp_path
+from .outputs import check_output, check_regular_inputs, clean_stale_temps, fmt_bytes, temp_path
 from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
 
 __all__ = [
@@ -594,6 +594,7 @@ def plan_conversion(
         raise ConversionError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
     split = parse_size(split_max_size)
     folder, src_s, hub_meta = _resolve_source(src, dry_run)
+    check_regular_inputs(folder, ConversionError)  # a FIFO would block a read forever (issue 28)
     cfg = _load_config(folder)
     tok = load_tokenizer(folder, cfg)
     inv = _open_inventory(folder, dry_run, hub_meta)
