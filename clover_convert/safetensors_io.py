@@ -31,6 +31,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from .outputs import require_regular
+
 __all__ = [
     "CheckpointError",
     "SafetensorsFile",
@@ -108,6 +110,7 @@ def read_header(path: str | os.PathLike) -> tuple[int, dict[str, Any]] | None:
     None when its first bytes are not a header. The library gives neither the data offsets nor
     anything of a file whose data is absent (dry runs on headers-only files need the shapes)."""
     try:
+        require_regular(path, OSError)  # a FIFO: open() would block forever
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) != 8:
@@ -144,6 +147,7 @@ class SafetensorsFile:
 
     def _open(self) -> Any:
         if self._handle is None:
+            require_regular(self.path, CheckpointError)  # a FIFO would block the reader forever
             try:
                 self._handle = safe_open(self.path, framework="np")
             except FileNotFoundError:
@@ -271,6 +275,7 @@ class CheckpointReader:
             raise _err(f"{self.folder}: neither {SINGLE_NAME} nor {INDEX_NAME} found")
 
     def _load_index(self, index_path: Path) -> None:
+        require_regular(index_path, CheckpointError)
         try:
             index = json.loads(index_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -31,6 +31,7 @@ from typing import Any
 from gguf import GGUFWriter, TokenType
 
 from .mapping import CloverConfig, ConversionError
+from .outputs import require_regular
 
 __all__ = ["TokenizerInfo", "load_tokenizer", "add_tokenizer"]
 
@@ -50,6 +51,7 @@ class TokenizerInfo:
 
 
 def _read_json(path: Path) -> Any:
+    require_regular(path, ConversionError)  # a FIFO would block the read forever
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -84,6 +86,9 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
     for tok, i in model["vocab"].items():
         if not isinstance(i, int) or i < 0:
             raise ConversionError(f"{tj_path}: token {tok!r} has a bad id {i!r}")
+        if i in id_to_tok:  # llama.cpp keeps one string per id: the other would vanish silently
+            raise ConversionError(f"{tj_path}: token id {i} has two strings in model.vocab: "
+                                  f"{id_to_tok[i]!r} and {tok!r}")
         id_to_tok[i] = tok
         types[i] = int(TokenType.NORMAL)
     added = tj.get("added_tokens") or []
@@ -95,9 +100,17 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
         i, content = at.get("id"), at.get("content")
         if not isinstance(i, int) or i < 0 or not isinstance(content, str):
             raise ConversionError(f"{tj_path}: bad added token {at!r}")
+        if i in id_to_tok and id_to_tok[i] != content:  # the same string again (vocab + added) is fine
+            raise ConversionError(f"{tj_path}: token id {i} has two strings: {id_to_tok[i]!r} and "
+                                  f"{content!r} (added_tokens)")
         id_to_tok[i] = content
         types[i] = int(TokenType.CONTROL if at.get("special") else TokenType.USER_DEFINED)
 
+    seen: dict[str, int] = {}
+    for i in sorted(id_to_tok):  # one string on two ids: the tokenizer could only ever produce one
+        if id_to_tok[i] in seen:
+            raise ConversionError(f"{tj_path}: token {id_to_tok[i]!r} has two ids: {seen[id_to_tok[i]]} and {i}")
+        seen[id_to_tok[i]] = i
     n_real = max(id_to_tok) + 1 if id_to_tok else 0
     V = cfg.vocab_size
     if n_real > V:
@@ -164,6 +177,7 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
     template = tc.get("chat_template")
     jinja = folder / "chat_template.jinja"
     if template is None and jinja.exists():
+        require_regular(jinja, ConversionError)
         template = jinja.read_text(encoding="utf-8")
     named = isinstance(template, list) and all(
         isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)

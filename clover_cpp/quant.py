@@ -46,6 +46,10 @@ class QuantizeError(ValueError):
     pass
 
 
+#: the most quantizer threads accepted (llama.cpp starts that many; 100000 made it abort)
+MAX_THREADS = max(256, os.cpu_count() or 1)
+
+
 def parse_quant_type(name: str | int) -> tuple[str, int]:
     if isinstance(name, int):
         for k, v in QUANT_TYPES.items():
@@ -62,29 +66,42 @@ def parse_quant_type(name: str | int) -> tuple[str, int]:
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str | int, *,
              n_threads: int = 0, force: bool = False, allow_requantize: bool = False,
              leave_output_tensor: bool = False, pure: bool = False, imatrix: str | os.PathLike[str] | None = None,
-             progress: Callable[[int, int, str], None] | None = None, verbose: bool = False) -> Path:
+             progress: Callable[[int, int, str], None] | None = None, verbose: bool = False,
+             warn: Callable[[str], None] | None = None) -> Path:
     """Quantize the Clover GGUF src into dst (type by name, e.g. "Q4_K_M").
 
     llama.cpp's quantizer runs in a child process, so that Ctrl-C (or SIGTERM) stops it at once:
     the child is terminated and its temporary file removed. ``progress(i, n, tensor)`` is called
-    per tensor. The result is written to a temporary file next to dst, read back, and renamed
+    per tensor; ``warn(line)`` (default: stderr) gets the warnings (weights without importance
+    data). The result is written to a temporary file next to dst, read back, and renamed
     into place; dst is replaced only with force, and never when it is not a regular file or is
     src. Returns dst."""
-    from clover_convert.outputs import check_output, clean_stale_temps, temp_path
+    from clover_convert.outputs import check_output, clean_stale_temps, require_regular, split_gguf_files, temp_path
 
     src, dst = Path(src), Path(dst)
     name, ftype = parse_quant_type(qtype)
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 0 <= n_threads <= MAX_THREADS:
+        raise QuantizeError(f"threads must be 0 (all cores) to {MAX_THREADS}, got {n_threads!r}")
     if name in NEEDS_IMATRIX and imatrix is None:
         raise QuantizeError(f"{name} needs an importance matrix: pass --imatrix FILE")
+    # every file llama.cpp will open, refused up front when it is a FIFO or a device (it would
+    # block or never end): the input, each shard of a split input, the importance matrix
+    for p in split_gguf_files(src):
+        require_regular(p, QuantizeError)
     if imatrix is not None:
-        load_imatrix(imatrix)  # a bad file fails here, with its own message, before any work
+        require_regular(imatrix, QuantizeError)
+        im = load_imatrix(imatrix)  # a bad file fails here, with its own message, before any work
     try:
         info = check_clover_gguf(src)
     except GGUFInfoError as e:
         raise QuantizeError(str(e)) from None
+    if imatrix is not None:
+        for line in check_imatrix(im, info, Path(imatrix)):
+            (warn or (lambda s: print(s, file=sys.stderr)))(line)
     if dst.is_dir():
         dst = dst / f"{src.stem.rsplit('-', 1)[0]}-{name.lower()}.gguf"  # like gguf tools: OUT may be a folder
-    check_output(dst, [src], force, QuantizeError)
+    # never any file of the input (every shard of a split one) nor the importance matrix
+    check_output(dst, [src] + ([Path(imatrix)] if imatrix is not None else []), force, QuantizeError)
     src_type = info.metadata.get("general.file_type")
     if isinstance(src_type, int) and src_type not in UNQUANTIZED_FTYPES and not allow_requantize:
         have = next((k for k, v in QUANT_TYPES.items() if v == src_type), str(src_type))
@@ -110,6 +127,11 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
                 sys.stderr.write(line)
             tail = (tail + [line.strip()])[-20:]
         rc = child.wait()
+        refused = next((t for t in tail if t.startswith(_REFUSED)), None)
+        if refused is not None:
+            which, why = refused[len(_REFUSED):].split(": ", 1)
+            raise QuantizeError(f"{src}: not a model clover can load: {why}" if which == "input" else
+                                f"llama.cpp wrote {name}, but clover cannot load the result ({why}); choose another type")
         if rc != 0 or not tmp.is_file():
             why = next((t for t in reversed(tail) if "error" in t.lower() or "failed" in t.lower()), "")
             raise QuantizeError(f"llama.cpp could not quantize {src} to {name}" + (f": {why}" if why else
@@ -169,7 +191,19 @@ def load_imatrix(path: str | os.PathLike[str]) -> ImportanceMatrix:
         c = counts[name]
         if c.size == 0 or s.size % c.size:
             raise QuantizeError(f"{path}: {name}: {s.size} sums do not split into {c.size} experts")
+        # sums of squares and counts: finite and >= 0; a tensor whose data is all zero would make
+        # every quantized block's weighting zero (the quantizer then picks scales at random: the
+        # model prints only spaces)
+        for what, a in (("sums", s), ("counts", c)):
+            if not np.isfinite(a).all():
+                raise QuantizeError(f"{path}: {name}: {what} hold NaN or infinite values")
+            if (a < 0).any():
+                raise QuantizeError(f"{path}: {name}: {what} hold negative values ({float(a.min()):g})")
         per = s.reshape(c.size, -1)
+        if not (c > 0).any():
+            raise QuantizeError(f"{path}: {name}: every count is zero (no data was collected)")
+        if not (per[c > 0] > 0).any():
+            raise QuantizeError(f"{path}: {name}: every importance value is zero")
         entries[name] = np.where(c[:, None] > 0, per / np.maximum(c[:, None], 1), 1.0).astype(np.float32).reshape(-1)
 
     def field(key: str) -> Any:
@@ -177,6 +211,30 @@ def load_imatrix(path: str | os.PathLike[str]) -> ImportanceMatrix:
         return f.contents() if f is not None else None
 
     return ImportanceMatrix(entries, list(field("imatrix.datasets") or []), int(field("imatrix.chunk_count") or 0))
+
+
+def check_imatrix(im: ImportanceMatrix, info: Any, path: Path) -> list[str]:
+    """Match an importance matrix to the model (its GGUF header): every entry names a weight
+    and has one value per input column (and expert), else QuantizeError; returns the warning
+    lines (weights that get no importance data)."""
+    shapes = {t.name: t.shape for t in info.tensors}  # numpy order: (experts, rows, columns)
+    unknown = sorted(n for n in im.entries if n not in shapes)
+    if unknown:
+        raise QuantizeError(f"{path}: {len(unknown)} of {len(im.entries)} entries name no tensor of "
+                            f"{info.path.name} (e.g. {', '.join(unknown[:3])}): an importance matrix of another model?")
+    for n, data in im.entries.items():
+        shape = shapes[n]
+        want = int(shape[-1]) * (int(shape[0]) if len(shape) == 3 else 1)
+        if len(shape) < 2 or data.size != want:
+            raise QuantizeError(f"{path}: {n}: {data.size} values, but the tensor {tuple(shape)} needs {want} "
+                                f"(one per input column{' and expert' if len(shape) == 3 else ''})")
+    missing = [t.name for t in info.tensors if len(t.shape) >= 2 and t.name.endswith(".weight")
+               and t.name != "token_embd.weight" and t.name not in im.entries]
+    if not missing:
+        return []
+    more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+    return [f"warning: {path.name} has no data for {len(missing)} weight tensors ({', '.join(missing[:6])}{more}); "
+            f"they are quantized without importance weighting"]
 
 
 def _die_with_parent() -> None:
@@ -229,6 +287,34 @@ def _child_main() -> None:
         params.kv_overrides = kv
         print(f"clover: importance matrix {a['imatrix']}: {len(im.entries)} entries, {im.chunk_count} chunks",
               file=sys.stderr)
+    why = _loader_refuses(a["src"])
+    if why is not None:  # never turn a file `clover run` refuses into one it might not
+        print(f"{_REFUSED}input: {why}", file=sys.stderr, flush=True)
+        os._exit(1)
     rc = llama_cpp.llama_model_quantize(os.fsencode(a["src"]), os.fsencode(a["dst"]), ctypes.byref(params))
+    if rc == 0:
+        why = _loader_refuses(a["dst"])
+        if why is not None:
+            print(f"{_REFUSED}output: {why}", file=sys.stderr, flush=True)
+            os._exit(1)
     sys.stderr.flush()
     os._exit(0 if rc == 0 else 1)
+
+
+_REFUSED = "clover-quantize: the loader refuses the "
+
+
+def _loader_refuses(path: str) -> str | None:
+    """libclover's own loader on path (memory-mapped: nothing is read but the header and the
+    checks): its one-line reason when it refuses the file, else None."""
+    from . import _native as N
+
+    L = N.lib()
+    mp = L.clover_model_default_params()
+    mp.use_mmap = 1
+    err, n = N.err_buffer()
+    m = L.clover_model_load(os.fsencode(path), ctypes.byref(mp), err, n)
+    if not m:
+        return " ".join((err.value or b"load failed").decode("utf-8", "replace").split())
+    L.clover_model_free(m)
+    return None
