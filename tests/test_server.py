@@ -264,6 +264,7 @@ def test_api_key_and_queue_full(gguf) -> None:
                 time.sleep(0.02)
             r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"authorization": "Bearer sekret"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+            assert int(r.headers["retry-after"]) >= 1
     finally:
         s.stop()
 
@@ -312,3 +313,130 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
     # the prompt in one decode and the new tokens one by one against one commit of all of them: the
     # same numbers up to float rounding (measured 9e-5 of the largest logit)
     assert np.abs(theirs - ours).max() <= 1e-3 * np.abs(ours).max()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1.0}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 3.0}}, "logit_bias"),
+    ({"prompt": "x", "suffix": "tail"}, "suffix"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "frobnicate": True}, "frobnicate"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "seed": -2}, "seed"),
+    ({"prompt": "x", "top_k": 2**40}, "top_k"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": "x", "max_completion_tokens": 5000}, "max_completion_tokens"),
+    ({"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ({"prompt": "x", "block_size": 1000}, "block_size"),
+    ({"prompt": "x", "block_size": 1024}, "block_size"),  # n_ctx, above --max-block-size 512
+    ({"prompt": "x", "block_size": -1}, "block_size"),
+    ({"prompt": "x", "max_steps": 2**31}, "max_steps"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
+    ({"prompt": [2**32 + 5]}, "prompt"),
+])
+def test_every_field_honoured_or_named(server, body, param) -> None:
+    """A field the server cannot honour, or a value out of its range, is a 400 naming it
+    (never a 200 that ignores it)."""
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in (err["param"] or "") and err["message"]
+
+
+def test_chat_fields_honoured_or_named(server) -> None:
+    c = server.client()
+    for kw, param in [(dict(presence_penalty=1.0), "presence_penalty"), (dict(logit_bias={"1": 5}), "logit_bias"),
+                      (dict(extra_body={"tools_please": 1}), "tools_please"),
+                      (dict(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
+                      (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+                       "messages.0.content")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**{"model": "x", "messages": MSGS, "max_tokens": 2, **kw})
+        assert param in (e.value.body.get("param") or "") or param in e.value.body["message"], (kw, e.value.body)
+
+
+def test_max_completion_tokens_is_max_tokens(server) -> None:
+    c = server.client()
+    r = c.chat.completions.create(model="x", messages=MSGS, max_completion_tokens=5, temperature=0,
+                                  extra_body={"block_size": 4, "ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    # seeds: None and -1 draw a fresh one (reported), a given one is used and reported
+    r = c.completions.create(model="x", prompt="x", max_tokens=2, seed=1234, extra_body={"block_size": 4})
+    assert r.model_extra["clover"]["seed"] == 1234
+    seeds = {c.completions.create(model="x", prompt="x", max_tokens=1, seed=-1).model_extra["clover"]["seed"]
+             for _ in range(3)}
+    assert len(seeds) == 3
+
+
+def test_info_endpoints(server, local) -> None:
+    props = httpx.get(server.url + "/props").json()
+    assert props["n_ctx"] == 1024 and props["model"] == local.metadata("general.name")
+    assert props["train_block_size"] == local.train_block_size and props["block_size"] == "auto"
+    assert props["mode"] == "block-diffusion" and props["parallel"] == 2
+    assert props["limits"]["max_block_size"] == 512
+    text = "def add(a, b):\n    return a + b"
+    toks = httpx.post(server.url + "/tokenize", json={"content": text}).json()["tokens"]
+    assert toks == local.tokenize(text)
+    pieces = httpx.post(server.url + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == text and [p["id"] for p in pieces] == toks
+    assert httpx.post(server.url + "/detokenize", json={"tokens": toks}).json()["content"] == text
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [2**70]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    (card,) = server.client().models.list().data
+    assert card.model_extra["meta"]["n_vocab"] == local.n_vocab and card.model_extra["meta"]["n_ctx"] == 1024
+    assert server.client().models.retrieve(card.id).id == card.id
+    # Prometheus text format: every sample has its HELP and TYPE
+    lines = httpx.get(server.url + "/metrics").text.splitlines()
+    samples = [ln.split()[0] for ln in lines if not ln.startswith("#")]
+    assert samples and all(f"# HELP {s} " in "\n".join(lines) and f"# TYPE {s} " in "\n".join(lines)
+                           for s in samples)
+    # unknown routes and methods: the one error shape
+    for r in (httpx.get(server.url + "/v1/nothing"), httpx.get(server.url + "/v1/completions")):
+        assert r.status_code in (404, 405) and r.json()["error"]["message"]
+
+
+def _long_body(**kw) -> dict:
+    # threshold 1.0 at B = 64: one token per 64-token pass, 900 of them: seconds of work
+    return {"prompt": "hello", "max_tokens": 900, "block_size": 64, "threshold": 1.0, "ignore_eos": True,
+            "temperature": 0, **kw}
+
+
+def _next_request_time(server) -> float:
+    t0 = time.monotonic()
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "block_size": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+def test_disconnect_cancels_non_streaming(gguf) -> None:
+    """A non-streaming request whose client leaves (the openai client's timeout, or a raw socket
+    closed) is cancelled: the one context is free for the next request at once."""
+    s = Server(gguf, "--parallel", "1", "-t", "1")
+    try:
+        baseline = min(_next_request_time(s) for _ in range(3))
+        before = s.metrics()
+        with pytest.raises(openai.APITimeoutError):
+            s.client(timeout=0.5).completions.create(model="x", prompt="hello", max_tokens=900, temperature=0,
+                                                     extra_body={k: v for k, v in _long_body().items()
+                                                                 if k not in ("prompt", "max_tokens", "temperature")})
+        assert _next_request_time(s) < 0.2 + baseline
+        body = json.dumps(_long_body()).encode()
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 10
+            while "clover_contexts_busy 1" not in httpx.get(s.url + "/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert _next_request_time(s) < 0.2 + baseline
+        after = s.metrics()
+        assert after["clover_cancelled_total"] == before["clover_cancelled_total"] + 2
+        assert after["clover_completion_tokens_total"] - before["clover_completion_tokens_total"] < 2 * 900
+    finally:
+        s.stop()
