@@ -180,9 +180,14 @@ std::string render_block(cli_state & st, const int32_t * canvas, int32_t n, int3
 // Ctrl-C: the generation stops at the next denoising step (the callbacks return "cancel") and
 // the tool exits 130 with one line, as `clover` does; a second Ctrl-C exits at once.
 volatile sig_atomic_t g_interrupted = 0;
+volatile sig_atomic_t g_loading     = 0; // in clover_model_load, which has no cancel hook (an RPC connect)
 
 void on_sigint(int) {
-    if (g_interrupted) {
+    if (g_interrupted || g_loading) {
+        if (g_loading) {
+            const char msg[] = "error: interrupted\n";
+            (void) !write(2, msg, sizeof(msg) - 1);
+        }
         _exit(130);
     }
     g_interrupted = 1;
@@ -402,7 +407,9 @@ int main(int argc, char ** argv) {
     mp.tensor_split   = split.empty() ? nullptr : split.data();
     mp.tensor_overrides = overrides.empty() ? nullptr : overrides.c_str();
     mp.n_tensor_split = (int32_t) split.size();
-    st.model = clover_model_load(model_path.c_str(), &mp, err, sizeof(err));
+    g_loading = 1;
+    st.model  = clover_model_load(model_path.c_str(), &mp, err, sizeof(err));
+    g_loading = 0;
     if (!st.model) {
         die(err);
     }
