@@ -39,6 +39,7 @@ CLOVER_ERR_BUFFER_TOO_SMALL = -6
 CLOVER_ERR_INTERNAL = -7
 
 CLOVER_BLOCK_SIZE_AUTO = -1
+CLOVER_MAX_TOP_LOGPROBS = 20
 
 CLOVER_FINISH_NONE = 0
 CLOVER_FINISH_EOS = 1
@@ -95,6 +96,12 @@ class clover_generate_params(Structure):
         ("user_data", c_void_p),
         ("reuse_prefix", c_int32),
         ("draft_self", c_int32),
+        ("grammar", c_char_p),
+        ("grammar_root", c_char_p),
+        ("logprobs", POINTER(c_float)),
+        ("n_top_logprobs", c_int32),
+        ("top_tokens", POINTER(c_int32)),
+        ("top_logprobs", POINTER(c_float)),
     ]
 
 
@@ -120,6 +127,7 @@ class clover_stats(Structure):
         ("n_drafted", c_int32),
         ("n_accepted", c_int32),
         ("n_decode_forwards", c_int32),
+        ("grammar_mode", c_int32),
     ]
 
 

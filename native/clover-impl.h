@@ -148,4 +148,49 @@ bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::
 int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
                       int32_t * order_out);
 
+// Grammar (constrained decoding) and log-probabilities of one clover_generate call, for the decode
+// loop (spec/decoding.md, "Grammar"; clover.h, clover_generate_params). Without a grammar and
+// logprob buffers every hook is a no-op and pick() is pick_candidate().
+class gen_extras {
+  public:
+    gen_extras() = default;
+    gen_extras(const gen_extras &) = delete;
+    gen_extras & operator=(const gen_extras &) = delete;
+    ~gen_extras();
+    // a grammar without draft-self: the call decodes at block size 1
+    static bool forces_ar(const clover_generate_params & gp);
+    // parse the grammar, check the logprob buffers: CLOVER_OK or CLOVER_ERR_INVALID_ARG + msg
+    int init(const clover_model * m, const clover_generate_params & gp, std::string & msg);
+    // the candidate of a position; next = it is the next output position (the grammar applies)
+    void pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
+              pick_work & w, int32_t & tok, double & conf);
+    // a denoising step unmasked canvas position p (tok, predicted by row); draft-self drafts: nothing
+    void unmasked(int32_t p, const float * row, int32_t tok);
+    // the finished block's output is canvas[0, n)
+    void block_from_canvas(int32_t n);
+    // draft-self: the verification's output is rebuilt token by token (the grammar accepts each)
+    void verify_begin();
+    void verified(const float * row, int32_t tok);
+    // the block's output joins the generation's
+    void take_block();
+    // the first n_gen records into gp's buffers; stats->grammar_mode
+    void report(const clover_generate_params & gp, int32_t n_gen, clover_stats * stats) const;
+
+  private:
+    bool allows(int32_t tok);
+    void accept(int32_t tok);
+    void record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp);
+    const clover_model * model = nullptr;
+    llama_sampler *      smpl  = nullptr;
+    bool    draft_self = false;
+    bool    want_lp    = false;
+    int32_t n_top      = 0;
+    std::vector<llama_token_data> cur;       // the grammar's candidates
+    std::vector<float>            constrained;
+    std::vector<int32_t>          idx;       // top-n selection
+    std::vector<float>   canvas_lp, block_lp, gen_lp;           // per position / output token
+    std::vector<int32_t> canvas_top_tok, block_top_tok, gen_top_tok; // n_top per position / token
+    std::vector<float>   canvas_top_lp, block_top_lp, gen_top_lp;
+};
+
 } // namespace clover_detail

@@ -210,6 +210,234 @@ int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t 
     return std::min(k, n);
 }
 
+// ------------------------------------------------------------------ grammar and log-probabilities
+
+gen_extras::~gen_extras() {
+    if (smpl) {
+        llama_sampler_free(smpl);
+    }
+}
+
+bool gen_extras::forces_ar(const clover_generate_params & gp) {
+    return gp.grammar && gp.grammar[0] && !gp.draft_self;
+}
+
+int gen_extras::init(const clover_model * m, const clover_generate_params & gp, std::string & msg) {
+    model      = m;
+    draft_self = gp.draft_self != 0;
+    if (gp.n_top_logprobs < 0 || gp.n_top_logprobs > CLOVER_MAX_TOP_LOGPROBS) {
+        msg = "n_top_logprobs must be in [0, " + std::to_string(CLOVER_MAX_TOP_LOGPROBS) + "], got " +
+              std::to_string(gp.n_top_logprobs);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (gp.n_top_logprobs > 0 && (!gp.top_tokens || !gp.top_logprobs)) {
+        msg = "n_top_logprobs > 0 needs the top_tokens and top_logprobs buffers";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (gp.block_size < CLOVER_BLOCK_SIZE_AUTO) {
+        msg = "block size must be >= 1 (or CLOVER_BLOCK_SIZE_AUTO), got " + std::to_string(gp.block_size);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    n_top   = gp.n_top_logprobs;
+    want_lp = gp.logprobs != nullptr || n_top > 0;
+    if (gp.grammar && gp.grammar[0]) {
+        const char * root = gp.grammar_root && gp.grammar_root[0] ? gp.grammar_root : "root";
+        clover_impl::g_last_log_error.clear();
+        smpl = llama_sampler_init_grammar(m->vocab, gp.grammar, root);
+        if (!smpl) {
+            std::string why = clover_impl::last_log_error();
+            const size_t nl = why.find('\n');
+            if (nl != std::string::npos) {
+                why.erase(nl);
+            }
+            if (why.size() > 300) {
+                why = why.substr(0, 300) + "...";
+            }
+            msg = "invalid grammar" + (why.empty() ? std::string() : ": " + why);
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        cur.resize(m->n_vocab);
+        constrained.resize(m->n_vocab);
+    }
+    return CLOVER_OK;
+}
+
+bool gen_extras::allows(int32_t tok) {
+    llama_token_data       one{ tok, 0.0f, 0.0f };
+    llama_token_data_array arr{ &one, 1, -1, false };
+    llama_sampler_apply(smpl, &arr);
+    return one.logit != -std::numeric_limits<float>::infinity();
+}
+
+void gen_extras::accept(int32_t tok) {
+    if (smpl && allows(tok)) { // (a token the grammar refuses is only ever the stuck case's EOS)
+        llama_sampler_accept(smpl, tok);
+    }
+}
+
+void gen_extras::pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
+                      pick_work & w, int32_t & tok, double & conf) {
+    const int32_t V = model->n_vocab;
+    if (!smpl || !next) {
+        pick_candidate(row, V, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
+        return;
+    }
+    if (gp.temperature == 0.0) { // greedy: the free argmax, when the grammar allows it, is the constrained one
+        pick_candidate(row, V, model->mask, 0.0, gp.top_k, gp.top_p, rng, w, tok, conf);
+        if (allows(tok)) {
+            return;
+        }
+    }
+    for (int32_t i = 0; i < V; ++i) {
+        cur[i] = llama_token_data{ i, row[i], 0.0f };
+    }
+    llama_token_data_array arr{ cur.data(), (size_t) V, -1, false };
+    llama_sampler_apply(smpl, &arr);
+    bool any = false;
+    for (int32_t i = 0; i < V; ++i) {
+        constrained[i] = cur[i].logit;
+        any            = any || (i != model->mask && cur[i].logit > -std::numeric_limits<float>::infinity());
+    }
+    if (!any) { // no token of the vocabulary continues the grammar: the output ends here, as at EOS
+        if (model->eos < 0) {
+            throw std::runtime_error("grammar: no token of the vocabulary can continue the output, and the model "
+                                     "has no EOS token");
+        }
+        tok  = model->eos;
+        conf = 1.0;
+        w.p.assign(V, 0.0); // the distribution it was chosen from (draft-self's acceptance reads it)
+        w.p[tok] = 1.0;
+        return;
+    }
+    pick_candidate(constrained.data(), V, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
+}
+
+void gen_extras::record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp) {
+    const int32_t V    = model->n_vocab;
+    const int32_t mask = model->mask;
+    const double  NEG  = -std::numeric_limits<double>::infinity();
+    double        mx   = NEG;
+    for (int32_t i = 0; i < V; ++i) {
+        if (i != mask && row[i] == row[i]) {
+            mx = std::max(mx, (double) row[i]);
+        }
+    }
+    double sum = 0.0;
+    if (mx > NEG && mx < -NEG) {
+        for (int32_t i = 0; i < V; ++i) {
+            if (i != mask && row[i] == row[i]) {
+                sum += std::exp((double) row[i] - mx);
+            }
+        }
+    }
+    // infinite or absent logits: the distribution is degenerate, reported as 0 / -inf
+    auto logp = [&](int32_t i) -> double {
+        const double l = row[i];
+        if (i == mask || l != l) {
+            return NEG;
+        }
+        if (!(mx > NEG && mx < -NEG)) {
+            return l == mx ? 0.0 : NEG;
+        }
+        return l - mx - std::log(sum);
+    };
+    lp = (float) logp(tok);
+    if (n_top > 0) {
+        idx.resize(V);
+        for (int32_t i = 0; i < V; ++i) {
+            idx[i] = i;
+        }
+        auto key = [&](int32_t i) { return i == mask || row[i] != row[i] ? NEG : (double) row[i]; };
+        const int32_t n = std::min(n_top, V);
+        std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
+            const double ka = key(a), kb = key(b);
+            return ka > kb || (ka == kb && a < b);
+        });
+        for (int32_t j = 0; j < n_top; ++j) {
+            top_tok[j] = j < n ? idx[j] : -1;
+            top_lp[j]  = j < n ? (float) logp(idx[j]) : (float) NEG;
+        }
+    }
+}
+
+void gen_extras::unmasked(int32_t p, const float * row, int32_t tok) {
+    if (draft_self) {
+        return; // a draft: the verification decides (and records) the output
+    }
+    if (want_lp) {
+        if ((int32_t) canvas_lp.size() <= p) {
+            canvas_lp.resize(p + 1);
+            canvas_top_tok.resize((size_t) (p + 1) * n_top);
+            canvas_top_lp.resize((size_t) (p + 1) * n_top);
+        }
+        record(row, tok, canvas_lp[p], canvas_top_tok.data() + (size_t) p * n_top,
+               canvas_top_lp.data() + (size_t) p * n_top);
+    }
+    if (smpl) { // block size 1: the one position is the next output token
+        accept(tok);
+    }
+}
+
+void gen_extras::block_from_canvas(int32_t n) {
+    if (!want_lp) {
+        return;
+    }
+    n = std::min<int32_t>(n, (int32_t) canvas_lp.size());
+    block_lp.assign(canvas_lp.begin(), canvas_lp.begin() + n);
+    block_top_tok.assign(canvas_top_tok.begin(), canvas_top_tok.begin() + (size_t) n * n_top);
+    block_top_lp.assign(canvas_top_lp.begin(), canvas_top_lp.begin() + (size_t) n * n_top);
+}
+
+void gen_extras::verify_begin() {
+    block_lp.clear();
+    block_top_tok.clear();
+    block_top_lp.clear();
+}
+
+void gen_extras::verified(const float * row, int32_t tok) {
+    if (want_lp) {
+        block_lp.push_back(0.0f);
+        block_top_tok.resize(block_top_tok.size() + n_top);
+        block_top_lp.resize(block_top_lp.size() + n_top);
+        record(row, tok, block_lp.back(), block_top_tok.data() + block_top_tok.size() - n_top,
+               block_top_lp.data() + block_top_lp.size() - n_top);
+    }
+    accept(tok);
+}
+
+void gen_extras::take_block() {
+    if (!want_lp) {
+        return;
+    }
+    gen_lp.insert(gen_lp.end(), block_lp.begin(), block_lp.end());
+    gen_top_tok.insert(gen_top_tok.end(), block_top_tok.begin(), block_top_tok.end());
+    gen_top_lp.insert(gen_top_lp.end(), block_top_lp.begin(), block_top_lp.end());
+    block_lp.clear();
+    block_top_tok.clear();
+    block_top_lp.clear();
+}
+
+void gen_extras::report(const clover_generate_params & gp, int32_t n_gen, clover_stats * stats) const {
+    if (stats) {
+        stats->grammar_mode = !smpl ? 0 : draft_self ? 2 : 1;
+    }
+    if (!want_lp || n_gen <= 0) {
+        return;
+    }
+    const float   nan  = std::numeric_limits<float>::quiet_NaN();
+    const int32_t have = std::min<int32_t>(n_gen, (int32_t) gen_lp.size());
+    if (gp.logprobs) {
+        std::copy(gen_lp.begin(), gen_lp.begin() + have, gp.logprobs);
+        std::fill(gp.logprobs + have, gp.logprobs + n_gen, nan);
+    }
+    if (n_top > 0) {
+        std::copy(gen_top_tok.begin(), gen_top_tok.begin() + (size_t) have * n_top, gp.top_tokens);
+        std::copy(gen_top_lp.begin(), gen_top_lp.begin() + (size_t) have * n_top, gp.top_logprobs);
+        std::fill(gp.top_tokens + (size_t) have * n_top, gp.top_tokens + (size_t) n_gen * n_top, -1);
+        std::fill(gp.top_logprobs + (size_t) have * n_top, gp.top_logprobs + (size_t) n_gen * n_top, nan);
+    }
+}
+
 } // namespace clover_detail
 
 using clover_impl::guarded;

@@ -79,6 +79,7 @@ struct decode_run {
     bool                           auto_B;
     int32_t                        B;
     std::string                    msg;
+    clover_detail::gen_extras &    ex; // grammar and log-probabilities (clover-sampling.cpp)
 
     std::mt19937_64          rng;
     clover_detail::pick_work work;
@@ -100,8 +101,9 @@ struct decode_run {
     std::vector<float>         last_before;    // draft-self: L_last before the verifying commit
     std::vector<float>         draft_q;        // draft-self, temperature > 0: each canvas position's draft distribution
 
-    decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b)
-        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), rng(p.seed) {}
+    decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b,
+               clover_detail::gen_extras & e)
+        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), ex(e), rng(p.seed) {}
 
     // commit the prompt past the reused prefix (L_last: its last token's logits)
     int prefill(int32_t reuse) {
@@ -199,8 +201,7 @@ struct decode_run {
         }
         for (int32_t j = 0; j < nm; ++j) {
             const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
-            clover_detail::pick_candidate(row, m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p, rng, work,
-                                          cand_tok[j], cand_conf[j]);
+            ex.pick(row, masked[j] == 0, gp, rng, work, cand_tok[j], cand_conf[j]);
             if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
                 std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
             }
@@ -208,7 +209,9 @@ struct decode_run {
         const int32_t k =
             clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, s, order.data());
         for (int32_t j = 0; j < k; ++j) {
-            canvas[masked[order[j]]] = cand_tok[order[j]];
+            const int32_t p = masked[order[j]];
+            canvas[p]       = cand_tok[order[j]];
+            ex.unmasked(p, p == 0 ? ctx->last_logits.data() : rows[p - 1], canvas[p]);
         }
         masked.erase(std::remove_if(masked.begin(), masked.end(), [&](int32_t p) { return canvas[p] != m->mask; }),
                      masked.end());
@@ -219,6 +222,7 @@ struct decode_run {
     // returns the block callback's verdict (nonzero = cancel)
     int take_block(int32_t start, bool & has_eos) {
         gen.insert(gen.end(), block_out.begin(), block_out.end());
+        ex.take_block();
         const int32_t eos         = gp.stop_at_eos ? ctx->model->eos : -1;
         int32_t       new_visible = (int32_t) gen.size();
         if (eos >= 0) {
@@ -270,6 +274,7 @@ struct decode_run {
             if (masked.empty()) {
                 auto_observe(ctx, B, n_cand, std::max(1, n_steps - passes));
                 block_out.assign(canvas.begin(), canvas.begin() + n_cand);
+                ex.block_from_canvas(n_cand);
                 if (gp.draft_self) {
                     const int rc = verify(n_cand);
                     if (rc != CLOVER_OK) {
@@ -316,15 +321,19 @@ struct decode_run {
         }
         int32_t k = 0, next = -1;
         double  conf = 0.0;
+        auto row_of = [&](int32_t i) { return i == 0 ? last_before.data() : verify_logits.data() + (size_t) (i - 1) * V; };
+        ex.verify_begin();
         for (; k < n; ++k) {
-            const float * row = k == 0 ? last_before.data() : verify_logits.data() + (size_t) (k - 1) * V;
-            clover_detail::pick_candidate(row, m->n_vocab, m->mask, gp.temperature, gp.top_k, gp.top_p, rng, work,
-                                          next, conf);
+            ex.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
             if (gp.temperature == 0.0 ? next != canvas[k]
                                       : !clover_detail::accept_draft(work.p.data(), draft_q.data() + (size_t) k * V,
                                                                      m->n_vocab, canvas[k], rng, next)) {
                 break;
             }
+            ex.verified(row_of(k), canvas[k]);
+        }
+        if (k < n) {
+            ex.verified(row_of(k), next);
         }
         n_accepted += k;
         if (k == n) { // all kept: the commit stands, L_last predicts the next block's position 0
@@ -369,6 +378,7 @@ struct decode_run {
             stats->n_accepted         = n_accepted;
             stats->n_decode_forwards  = n_steps + n_calls;
         }
+        ex.report(gp, n_gen, stats);
     }
 };
 
@@ -392,6 +402,12 @@ clover_generate_params clover_generate_default_params(void) {
     p.user_data      = nullptr;
     p.reuse_prefix   = 1;
     p.draft_self     = 0;
+    p.grammar        = nullptr;
+    p.grammar_root   = nullptr;
+    p.logprobs       = nullptr;
+    p.n_top_logprobs = 0;
+    p.top_tokens     = nullptr;
+    p.top_logprobs   = nullptr;
     return p;
 }
 
@@ -411,10 +427,17 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
         }
         const clover_generate_params gp = params ? *params : clover_generate_default_params();
-        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO;
-        int32_t     B      = gp.block_size == 0 ? ctx->B : auto_B ? 1 : gp.block_size;
+        // a grammar needs the text left to right: without draft-self the call runs at B = 1
+        // (the context's B is kept), spec/decoding.md "Grammar"
+        const bool  ar_grammar = clover_detail::gen_extras::forces_ar(gp);
+        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !ar_grammar;
+        int32_t     B      = ar_grammar ? 1 : gp.block_size == 0 ? ctx->B : auto_B ? 1 : gp.block_size;
         std::string msg;
+        clover_detail::gen_extras ex;
         int         rc = check_generate_args(ctx, gp, B, prompt, n_prompt, out, out_cap, msg);
+        if (rc == CLOVER_OK) {
+            rc = ex.init(ctx->model, gp, msg);
+        }
         if (rc != CLOVER_OK || gp.max_tokens <= 0) {
             return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
         }
@@ -436,9 +459,9 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
         const int32_t reuse = prefix ? nc : 0;
         if (reuse > 0) {
-            rc = switch_block_size_keep(ctx, B, msg);
+            rc = switch_block_size_keep(ctx, ar_grammar ? ctx->B : B, msg);
         } else {
-            rc = set_block_size_impl(ctx, B, msg);
+            rc = set_block_size_impl(ctx, ar_grammar ? ctx->B : B, msg);
             if (rc == CLOVER_OK) {
                 clear_memory(ctx);
             }
@@ -450,7 +473,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             stats->n_reused = reuse;
         }
 
-        decode_run run(ctx, gp, prompt, n_prompt, auto_B, B);
+        decode_run run(ctx, gp, prompt, n_prompt, auto_B, B, ex);
         rc = run.prefill(reuse);
         if (rc == CLOVER_OK) {
             rc = run.run();

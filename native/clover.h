@@ -245,7 +245,34 @@ typedef struct clover_generate_params {
                               temperature 0, in distribution otherwise: speculative sampling's
                               acceptance against the draft's distributions, seeded). 0 (default) =
                               block diffusion */
+    /* Constrained decoding (spec/decoding.md, "Grammar"): a GBNF grammar (llama.cpp's format, as
+     * llama-server's `grammar` field; applied by llama.cpp's grammar sampler over the model's
+     * vocabulary), NULL or "" = none; grammar_root: its start rule, NULL or "" = "root". Every
+     * output token is one the grammar allows after the output before it (EOS only where the
+     * grammar is complete; when no token can continue it, the output ends there as at EOS). The
+     * grammar needs the text left to right: with draft_self = 0 a constrained call decodes at
+     * block size 1 (autoregressive; block_size is not used and the context's B is not changed;
+     * stats.grammar_mode = 1); with draft_self = 1 the drafts are free and the verification
+     * chooses from the grammar-constrained distribution, so the output is that of the
+     * constrained block size 1 decoding (stats.grammar_mode = 2). A grammar that does not parse:
+     * CLOVER_ERR_INVALID_ARG with llama.cpp's one-line reason. */
+    const char * grammar;
+    const char * grammar_root;
+    /* Log-probabilities (as llama-server's `logprobs`): for output token i, logprobs[i] = its log
+     * probability under the distribution it was chosen from: the log-softmax (temperature 1, no
+     * top-k / top-p / grammar; the mask token excluded) of the logits row that predicted it, at
+     * the denoising step that unmasked it (draft-self: the verifying causal row, i.e. that of
+     * block size 1). NULL = not computed; else max_tokens floats. n_top_logprobs in [0, 20]:
+     * top_tokens / top_logprobs (max_tokens * n_top_logprobs entries each; row i = output token
+     * i) receive the n most probable tokens of that distribution and their log-probabilities,
+     * most probable first (ties: lower id first); both must be non-NULL when n > 0. */
+    float *   logprobs;
+    int32_t   n_top_logprobs;
+    int32_t * top_tokens;
+    float *   top_logprobs;
 } clover_generate_params;
+
+#define CLOVER_MAX_TOP_LOGPROBS 20
 
 CLOVER_API clover_generate_params clover_generate_default_params(void);
 
@@ -272,6 +299,8 @@ typedef struct clover_stats {
                                    of its own when it rejects one) */
     int32_t n_decode_forwards;  /* llama_decode calls after the prompt's: block passes and commits that rode on
                                    no pass (tokens_per_forward = n_generated / this) */
+    int32_t grammar_mode;       /* 0 = no grammar, 1 = grammar at block size 1 (autoregressive), 2 = grammar with
+                                   draft-self */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).
