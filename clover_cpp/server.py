@@ -380,6 +380,11 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 result = await asyncio.to_thread(run, False)
             except CloverError as e:
                 raise _api_error(e) from None
+            except asyncio.CancelledError:
+                if not st.shutting_down:
+                    raise
+                # uvicorn gave up waiting at shutdown: answer (if anyone listens), do not log a traceback
+                raise APIError(503, "the server is shutting down", code="shutting_down") from None
             finally:
                 cancel.set()
                 watcher.cancel()

@@ -88,13 +88,18 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     return body
 
 
+_TYPE_NAMES = {"int", "str", "float", "bool", "list", "dict", "none"}
+
+
 def validate(cls: type[BaseModel], body: dict[str, Any]) -> Any:
     """``cls`` from the body; the first problem as a 400 naming its field."""
     try:
         return cls.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
+        # the field's path, without the union members pydantic names in it ("block_size.int")
+        where = ".".join(str(x) for x in first.get("loc", ()) if isinstance(x, int) or not (
+            x[:1].isupper() or "[" in x or x in _TYPE_NAMES))
         if first.get("type") == "extra_forbidden":
             raise APIError(400, f"unknown field '{where}' (fields this server honours: docs/server.md)",
                            code="unknown_field", param=where) from None
