@@ -160,8 +160,18 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     async def _internal(request: Request, e: Exception) -> JSONResponse:  # a bug: still the one shape
         return error_response(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
 
+    def checked(raw: bytes, cls: type) -> Any:
+        body = parse_body(raw, limits)
+        msgs = body.get("messages")
+        if isinstance(msgs, list) and len(msgs) > limits.max_messages:  # before validating each of them
+            raise APIError(400, f"messages: at most {limits.max_messages} per request (--max-messages), "
+                                f"got {len(msgs)}", param="messages")
+        return validate(cls, body)
+
     async def body_of(request: Request, cls: type) -> Any:
-        return validate(cls, parse_body(await request.body(), limits))
+        """The body, parsed and validated on a thread (a large one must not stall the loop)."""
+        raw = await request.body()
+        return await asyncio.to_thread(checked, raw, cls) if len(raw) > 65536 else checked(raw, cls)
 
     # ------------------------------------------------------------------ information
 

@@ -258,3 +258,32 @@ def test_sigterm_ends_the_process(gguf, stuck: bool) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_forty_thousand_messages_do_not_freeze_the_server(gguf) -> None:
+    """The reproducer of issue 28 (40k short chat messages, 1.3 MB, froze /health for 12 s), under
+    the default limits: refused by --max-messages before any message is validated or rendered,
+    and the event loop answers /health meanwhile."""
+    from clover_cpp import Clover
+
+    with Clover(gguf, n_ctx=1024, n_threads=1) as m:
+        s = InProcessServer(m)
+        try:
+            body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 40000}).encode()
+            assert len(body) > 10**6
+            res: list[httpx.Response] = []
+            th = threading.Thread(target=lambda: res.append(httpx.post(
+                s.url + "/v1/chat/completions", content=body, timeout=30,
+                headers={"content-type": "application/json"})))
+            t0 = time.monotonic()
+            th.start()
+            worst = 0.0
+            while th.is_alive() and time.monotonic() - t0 < 20:
+                t = time.monotonic()
+                assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+                worst = max(worst, time.monotonic() - t)
+            th.join(20)
+            assert _shape(res[0], 400)["param"] == "messages" and time.monotonic() - t0 < 10
+            assert worst < 1.0
+        finally:
+            s.stop()
