@@ -47,6 +47,7 @@ struct clover_model {
     int32_t mask        = -1;
     int32_t eos         = -1;
     int32_t train_block = 0;
+    bool    has_block_operator = true; // false: clover.block_operator = release-bd-softmax (no block diffusion)
     bool     on_rpc           = false; // some layers live on RPC servers
     uint64_t rpc_failures_now = 0;     // rpc_failures() when loaded: more = a server was lost
 };
@@ -105,6 +106,11 @@ int guarded(char * err, size_t err_len, F && f) {
         return set_err(err, err_len, CLOVER_ERR_INTERNAL, "internal error: unknown exception");
     }
 }
+
+// ---- the model (clover-model.cpp)
+// CLOVER_OK, or CLOVER_ERR_INVALID_ARG and the one-line refusal when a decode at block size B would
+// run block diffusion (B > 1 without draft-self) on a model without a block operator
+int check_block_diffusion(const clover_model * m, int32_t B, std::string & msg);
 
 // ---- the llama.cpp context and the memory (clover-context.cpp)
 constexpr llama_seq_id SCRATCH_SEQ = 2;

@@ -78,7 +78,8 @@ std::string check_hparams(const gguf_context * g) {
             return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
         };
         const bool must_f32 = ends("norm.weight") || ends("ssm_conv1d.weight") || ends("ssm_conv1d_look.weight") ||
-                              ends("ssm_dt.bias") || ends("ssm_a") || ends("ssm_block_calib");
+                              ends("ssm_dt.bias") || ends("ssm_a") || ends("ssm_block_calib") ||
+                              name.find(".ssm_bd_") != std::string::npos;
         if (must_f32 && gguf_get_tensor_type(g, i) != GGML_TYPE_F32) {
             return "tensor '" + name + "' must be F32, not " + ggml_type_name(gguf_get_tensor_type(g, i));
         }
@@ -86,6 +87,15 @@ std::string check_hparams(const gguf_context * g) {
     return "";
 }
 
+int check_block_diffusion(const clover_model * m, int32_t B, std::string & msg) {
+    if (B <= 1 || !m || m->has_block_operator) {
+        return CLOVER_OK;
+    }
+    msg = "block diffusion (block size " + std::to_string(B) + " without draft-self) needs a block operator this model "
+          "lacks: its GGUF has the release's block softmax (bd_softmax_*, clover.block_operator = release-bd-softmax), "
+          "whose math is not public, and not Clover's (ssm_mix, ssm_block_calib); use block size 1 or draft-self";
+    return CLOVER_ERR_INVALID_ARG;
+}
 
 } // namespace clover_impl
 
@@ -344,6 +354,9 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
         if (llama_model_meta_val_str(lm, "clover.diffusion.block_size", buf, sizeof(buf)) > 0) {
             cm->train_block = (int32_t) strtol(buf, nullptr, 10);
         }
+        // (the loader refused any other value; no key: a file of ours)
+        cm->has_block_operator = !(llama_model_meta_val_str(lm, "clover.block_operator", buf, sizeof(buf)) > 0 &&
+                                   std::string(buf) == "release-bd-softmax");
         result = cm;
         return CLOVER_OK;
     });

@@ -430,11 +430,17 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         // a grammar needs the text left to right: without draft-self the call runs at B = 1
         // (the context's B is kept), spec/decoding.md "Grammar"
         const bool  ar_grammar = clover_detail::gen_extras::forces_ar(gp);
-        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !ar_grammar;
-        int32_t     B      = ar_grammar ? 1 : gp.block_size == 0 ? ctx->B : auto_B ? 1 : gp.block_size;
+        // a model without a block operator (the release's layout) never runs block diffusion: auto is
+        // B = 1 there, a B > 1 without draft-self is refused (check_block_diffusion)
+        const bool  no_diffusion = !gp.draft_self && !ctx->model->has_block_operator;
+        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !ar_grammar && !no_diffusion;
+        int32_t     B      = ar_grammar ? 1 : gp.block_size == 0 ? ctx->B : gp.block_size == CLOVER_BLOCK_SIZE_AUTO ? 1 : gp.block_size;
         std::string msg;
         clover_detail::gen_extras ex;
         int         rc = check_generate_args(ctx, gp, B, prompt, n_prompt, out, out_cap, msg);
+        if (rc == CLOVER_OK && no_diffusion && !ar_grammar) {
+            rc = check_block_diffusion(ctx->model, B, msg);
+        }
         if (rc == CLOVER_OK) {
             rc = ex.init(ctx->model, gp, msg);
         }

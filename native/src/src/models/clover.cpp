@@ -8,6 +8,13 @@
 // everything before it, bidirectional inside the canvas (KV mask, block softmax, look-ahead
 // taps), and not written into the GDN state or conv tail (native/clover.cpp drops the canvas's
 // KV cells). So one llama_decode can commit a block causally and run the next block's first pass.
+//
+// clover.block_operator = "release-bd-softmax" (the released checkpoint, spec/gguf-layout.md): no
+// ssm_mix / ssm_block_calib; the release's block softmax (ssm_bd_*) is loaded and never run. The
+// GDN is then the trunk's (Qwen3.5) gated delta rule: a committed token's output is the read of
+// the state after its write; a canvas continues the delta rule causally over its tokens from the
+// committed state, not written back (the block softmax left out), with the look-ahead taps and
+// bidirectional attention inside the canvas as for our operator.
 #include "models.h"
 #include "llama-memory-recurrent.h"
 
@@ -30,6 +37,9 @@ public:
 
     void set_input(const llama_ubatch * ubatch) override {
         GGML_ASSERT(ubatch->n_seq_tokens == (uint32_t) n_tok);
+        if (!gdn_write) { // the release's layout: its delta rule needs no write mask
+            return;
+        }
         std::vector<float> v_write(2 * n_tok * n_seqs, 0.0f);
         for (int64_t s = 0; s < n_seqs; ++s) {
             for (int64_t t = 0; t < n_tok - n_canvas; ++t) {
@@ -47,7 +57,8 @@ public:
     const int64_t n_tok, n_seqs;
     const int64_t n_canvas; // the graph's shape: look-ahead taps, block softmax and conv tail depend on it
 
-    ggml_tensor * gdn_write = nullptr; // F32 [1, 1, 2 n_tok, n_seqs]: 1 = the step writes (a committed token's write)
+    ggml_tensor * gdn_write = nullptr; // F32 [1, 1, 2 n_tok, n_seqs]: 1 = the step writes (a committed token's write);
+                                       // none for the release's layout (no ssm_mix)
 };
 
 void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
@@ -64,6 +75,14 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     ml.get_key(LLM_KV_SSM_GROUP_COUNT,      hparams.ssm_n_group);
     ml.get_key(LLM_KV_DIFFUSION_BLOCK_SIZE, hparams.diffusion_block_size);
     ml.get_key_or_arr(LLM_KV_ATTENTION_RECURRENT_LAYERS, hparams.is_recr_impl, hparams.n_layer_all, true);
+    {
+        std::string op;
+        ml.get_key(LLM_KV_BLOCK_OPERATOR, op, false);
+        if (!op.empty() && op != "clover-mix-calib" && op != "release-bd-softmax") {
+            throw std::runtime_error("clover: unknown clover.block_operator '" + op +
+                                     "' (expected clover-mix-calib or release-bd-softmax)");
+        }
+    }
 
     // the weights' semantics (spec v2: causal commit, next-token shift); files of the retired
     // in-place semantics carry no key and would decode to garbage
@@ -111,6 +130,25 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
     const int64_t n_ff_exp  = hparams.n_ff_exp();
     const int64_t n_ff_sh   = hparams.n_ff_shexp;
 
+    std::string block_op;
+    ml.get_key(LLM_KV_BLOCK_OPERATOR, block_op, false);
+    const bool release = block_op == "release-bd-softmax";
+    // the release's block softmax tensors: their shape is the checkpoint's (the math is not public)
+    auto keep_as_is = [&](llm_tensor t, int il) -> ggml_tensor * {
+        const std::string name = tn(t, il).str();
+        const ggml_tensor * meta = ml.get_tensor_meta(name.c_str());
+        if (!meta) {
+            throw std::runtime_error("clover: missing tensor '" + name + "' (clover.block_operator = release-bd-softmax)");
+        }
+        const int64_t * ne = meta->ne;
+        switch (ggml_n_dims(meta)) {
+            case 1:  return create_tensor(tn(t, il), { ne[0] }, 0);
+            case 2:  return create_tensor(tn(t, il), { ne[0], ne[1] }, 0);
+            case 3:  return create_tensor(tn(t, il), { ne[0], ne[1], ne[2] }, 0);
+            default: return create_tensor(tn(t, il), { ne[0], ne[1], ne[2], ne[3] }, 0);
+        }
+    };
+
     for (int il = 0; il < n_layer; ++il) {
         auto & layer = layers[il];
 
@@ -127,14 +165,22 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
             layer.wqkv_gate       = create_tensor(tn(LLM_TENSOR_ATTN_GATE,        "weight", il), { n_embd, value_dim }, 0);
             layer.ssm_beta        = create_tensor(tn(LLM_TENSOR_SSM_BETA,         "weight", il), { n_embd, n_v_heads }, 0);
             layer.ssm_alpha       = create_tensor(tn(LLM_TENSOR_SSM_ALPHA,        "weight", il), { n_embd, n_v_heads }, 0);
-            layer.ssm_mix         = create_tensor(tn(LLM_TENSOR_SSM_MIX,          "weight", il), { n_embd, n_v_heads }, 0);
+            if (!release) {
+                layer.ssm_mix     = create_tensor(tn(LLM_TENSOR_SSM_MIX,          "weight", il), { n_embd, n_v_heads }, 0);
+            }
             layer.ssm_conv1d      = create_tensor(tn(LLM_TENSOR_SSM_CONV1D,       "weight", il), { hparams.ssm_d_conv, conv_dim }, 0);
             if (hparams.ssm_d_conv_look > 0) {
                 layer.ssm_conv1d_look = create_tensor(tn(LLM_TENSOR_SSM_CONV1D_LOOK, "weight", il), { hparams.ssm_d_conv_look, conv_dim }, 0);
             }
             layer.ssm_dt          = create_tensor(tn(LLM_TENSOR_SSM_DT,           "bias",   il), { n_v_heads }, 0);
             layer.ssm_a           = create_tensor(tn(LLM_TENSOR_SSM_A_NOSCAN,               il), { n_v_heads }, 0);
-            layer.ssm_block_calib = create_tensor(tn(LLM_TENSOR_SSM_BLOCK_CALIB,              il), { n_v_heads, 2 }, 0);
+            if (!release) {
+                layer.ssm_block_calib = create_tensor(tn(LLM_TENSOR_SSM_BLOCK_CALIB,          il), { n_v_heads, 2 }, 0);
+            } else {
+                layer.ssm_bd_logit_scale  = keep_as_is(LLM_TENSOR_SSM_BD_LOGIT_SCALE,  il);
+                layer.ssm_bd_history_bias = keep_as_is(LLM_TENSOR_SSM_BD_HISTORY_BIAS, il);
+                layer.ssm_bd_history_c    = keep_as_is(LLM_TENSOR_SSM_BD_HISTORY_C,    il);
+            }
             layer.ssm_norm        = create_tensor(tn(LLM_TENSOR_SSM_NORM,         "weight", il), { d_state }, 0);
             layer.ssm_out         = create_tensor(tn(LLM_TENSOR_SSM_OUT,          "weight", il), { value_dim, n_embd }, 0);
         }
@@ -160,8 +206,14 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     GGML_ASSERT(ubatch.equal_seqs());
     {
         auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams, ubatch);
-        inp->gdn_write = ggml_new_tensor_4d(ctx0, GGML_TYPE_F32, 1, 1, 2 * inp->n_tok, inp->n_seqs);
-        ggml_set_input(inp->gdn_write);
+        bool release = false; // clover.block_operator = release-bd-softmax: GDN layers without ssm_mix
+        for (int il = 0; il < n_layer; ++il) {
+            release = release || (hparams.is_recr(il) && model.layers[il].ssm_mix == nullptr);
+        }
+        if (!release) {
+            inp->gdn_write = ggml_new_tensor_4d(ctx0, GGML_TYPE_F32, 1, 1, 2 * inp->n_tok, inp->n_seqs);
+            ggml_set_input(inp->gdn_write);
+        }
         blocks = inp.get();
         res->add_input(std::move(inp));
     }
@@ -287,8 +339,7 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     ggml_tensor * decay = ggml_softplus(ctx0, ggml_add(ctx0, build_lora_mm(layer.ssm_alpha, cur), layer.ssm_dt));
     decay = ggml_mul(ctx0, decay, layer.ssm_a);                                               // ssm_a = -exp(A_log)
 
-    ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
-    lambda = ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs);
+    const bool release = layer.ssm_mix == nullptr; // clover.block_operator = release-bd-softmax
 
     // causal taps over [committed conv tail ; u]; the new tail ends before the canvas
     ggml_tensor * conv_states_all = mctx->get_r_l(il);
@@ -339,10 +390,47 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     q = build_gdn_l2_norm(ctx0, q, 1e-6f);
     k = build_gdn_l2_norm(ctx0, k, 1e-6f);
 
-    // memory: two delta-rule steps per token, a read (S^T q / sqrt(dk) of the state before the
-    // token) and a write (committed tokens only)
     ggml_tensor * state = build_rs(inp, mctx->get_s_l(il), hparams.n_embd_s(), n_seqs);
     state = ggml_reshape_4d(ctx0, state, d_state, d_state, n_v_heads, n_seqs);
+    auto store_state = [&](ggml_tensor * new_state) {
+        ggml_build_forward_expand(gf, ggml_cpy(ctx0, new_state,
+                ggml_view_2d(ctx0, mctx->get_s_l(il), hparams.n_embd_s(), n_seqs, mctx->get_s_l(il)->nb[1],
+                        mctx->get_head() * hparams.n_embd_s() * ggml_element_size(mctx->get_s_l(il)))));
+    };
+
+    ggml_tensor * o = nullptr;
+    if (release) {
+        // the trunk's gated delta rule, one step per token, output = read of the state after the
+        // token's write (S_t^T q / sqrt(dk)): over the committed rows (their final state is kept),
+        // then continued over the canvas rows from there (not kept)
+        ggml_tensor * g4 = ggml_reshape_4d(ctx0, decay, 1, n_v_heads, n_tok, n_seqs);
+        ggml_tensor * b4 = ggml_reshape_4d(ctx0, beta,  1, n_v_heads, n_tok, n_seqs);
+        auto rows = [&](ggml_tensor * x, int64_t t0, int64_t n) {
+            return ggml_cont(ctx0, ggml_view_4d(ctx0, x, x->ne[0], x->ne[1], n, x->ne[3], x->nb[1], x->nb[2], x->nb[3],
+                                                t0 * x->nb[2]));
+        };
+        ggml_tensor * kept = state;
+        for (const auto [t0, n] : { std::pair<int64_t, int64_t>{ 0, n_commit }, { n_commit, n_canvas } }) {
+            if (n == 0) {
+                continue;
+            }
+            auto [o_part, s_part] = n == n_tok ? build_delta_net_fused(q, k, v, g4, b4, kept, il)
+                                               : build_delta_net_fused(rows(q, t0, n), rows(k, t0, n), rows(v, t0, n),
+                                                                       rows(g4, t0, n), rows(b4, t0, n), kept, il);
+            o = o ? ggml_concat(ctx0, o, o_part, 2) : o_part;
+            if (t0 == 0) {
+                kept = s_part;
+            }
+        }
+        store_state(kept);
+        o = ggml_reshape_4d(ctx0, ggml_cont(ctx0, o), d_state, n_v_heads, n_tok, n_seqs);
+        cb(o, "o_trunk", il);
+    } else {
+    ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
+    lambda = ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs);
+
+    // memory: two delta-rule steps per token, a read (S^T q / sqrt(dk) of the state before the
+    // token) and a write (committed tokens only)
     auto twice = [&](ggml_tensor * x, int64_t width) { // [width, n_tok, n_seqs] -> [width, 2 n_tok, n_seqs], rows 2t, 2t+1 = row t
         x = ggml_reshape_4d(ctx0, x, width, 1, n_tok, n_seqs);
         return ggml_reshape_3d(ctx0, ggml_repeat_4d(ctx0, x, width, 2, n_tok, n_seqs), width, 2 * n_tok, n_seqs);
@@ -355,9 +443,7 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     ggml_tensor * b2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(beta,  n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
 
     auto [gdn_out, new_state] = build_delta_net_fused(q2, k2, v2, g2, b2, state, il);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx0, new_state,
-            ggml_view_2d(ctx0, mctx->get_s_l(il), hparams.n_embd_s(), n_seqs, mctx->get_s_l(il)->nb[1],
-                    mctx->get_head() * hparams.n_embd_s() * ggml_element_size(mctx->get_s_l(il)))));
+    store_state(new_state);
 
     // the read steps' outputs (even rows)
     ggml_tensor * o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, gdn_out), d_state * n_v_heads, 2, n_tok, n_seqs);
@@ -397,7 +483,8 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
     cb(o_blk, "o_blk", il);
 
     // o = lambda * o_mem + (1 - lambda) * o_blk
-    ggml_tensor * o = ggml_add(ctx0, o_blk, ggml_mul(ctx0, ggml_sub(ctx0, o_mem, o_blk), lambda));
+    o = ggml_add(ctx0, o_blk, ggml_mul(ctx0, ggml_sub(ctx0, o_mem, o_blk), lambda));
+    }
 
     // y = norm_w * rmsnorm(o) * silu(z), then the output projection
     z = ggml_reshape_4d(ctx0, z, d_state, n_v_heads, n_tok, n_seqs);
