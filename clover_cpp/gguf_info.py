@@ -14,6 +14,8 @@ from clover_convert.outputs import fmt_bytes as human_bytes
 __all__ = ["GGUFInfoError", "GGUFInfo", "read_info", "check_clover_gguf"]
 
 ARCH = "clover"
+BLOCK_OPERATOR_CLOVER = "clover-mix-calib"     # clover_convert.mapping's (not imported: no numpy needed here)
+BLOCK_OPERATOR_RELEASE = "release-bd-softmax"
 
 
 class GGUFInfoError(ValueError):
@@ -45,6 +47,34 @@ class GGUFInfo:
     @property
     def type_counts(self) -> Counter[str]:
         return Counter(t.type for t in self.tensors)
+
+    def layout(self) -> tuple[str, str]:
+        """(layout, block operator): which checkpoint layout the file was converted from, by its
+        ``clover.block_operator`` (none: a file of ours made before the key existed)."""
+        op = self.metadata.get(f"{self.architecture}.block_operator") or BLOCK_OPERATOR_CLOVER
+        if op == BLOCK_OPERATOR_RELEASE:
+            return "release (CloverMoeModelLM / clover_moe)", op
+        if op == BLOCK_OPERATOR_CLOVER:
+            return "clover (ours: CloverForBlockDiffusion)", op
+        return "unknown", str(op)
+
+    def capabilities(self) -> dict[str, str]:
+        """What libclover runs on this file: causal (B = 1), draft-self, block diffusion; "yes" or
+        "no: why" (the loader's and check_block_diffusion's rules)."""
+        sem = self.metadata.get(f"{self.architecture}.semantics")
+        _, op = self.layout()
+        if sem != "causal-shift":
+            no = "no: weights of the retired in-place semantics (no clover.semantics = causal-shift); reconvert"
+            return {"causal (B = 1)": no, "draft-self": no, "block diffusion": no}
+        if op == BLOCK_OPERATOR_RELEASE:
+            diff = ("no: the release's block softmax (bd_softmax_*) is not public and Clover's (ssm_mix, "
+                    "ssm_block_calib) is absent")
+            return {"causal (B = 1)": "yes", "draft-self": "yes (drafts from the trunk, the block softmax left out)",
+                    "block diffusion": diff}
+        if op != BLOCK_OPERATOR_CLOVER:
+            no = f"no: unknown block operator {op!r}"
+            return {"causal (B = 1)": no, "draft-self": no, "block diffusion": no}
+        return {"causal (B = 1)": "yes", "draft-self": "yes", "block diffusion": "yes"}
 
     def hparams(self) -> dict[str, Any]:
         pre = self.architecture + "."
@@ -134,6 +164,10 @@ def format_info(info: GGUFInfo, all_tensors: bool = False) -> str:
         lines.append(f"name:          {md['general.name']}")
     if "general.file_type" in md:
         lines.append(f"file type:     {_ftype_name(md['general.file_type'])}")
+    if info.architecture == ARCH:
+        layout, op = info.layout()
+        lines.append(f"layout:        {layout}, block operator {op}")
+        lines.append("runs:          " + "; ".join(f"{k}: {v}" for k, v in info.capabilities().items()))
     lines.append("hyperparameters:")
     for k, v in sorted(info.hparams().items()):
         lines.append(f"  {k:34s} {_fmt(v)}")

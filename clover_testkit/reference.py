@@ -49,6 +49,19 @@ Project decisions (beyond the spec):
 * MoE: softmax over all E, top-k (ties: lower expert index), renormalised when
   norm_topk_prob; shared expert gated by sigmoid(x . w_shared_gate).
 
+The released checkpoint's layout (``cfg.block_operator == "release-bd-softmax"``, detected from
+the weights: bd_softmax_* instead of in_proj_m / block_calib; docs/release-checkpoint.md):
+
+* The GDN is the trunk's (Qwen3.5) gated delta rule, no mixing gate, no block softmax: per token
+  t in order, ``S <- exp(g) S; S <- S + k^ (beta (v - S^T k^))^T`` and then
+  ``o_t = S^T q^_t / sqrt(dk)`` (the read of the state AFTER the token's write). A commit does
+  this token by token and keeps S; a block pass continues it over the canvas tokens in order
+  from the committed state and throws the states away ("the block softmax left out"). The
+  bd_softmax_* tensors are never used. Conv (causal taps plus the right conv
+  ``conv_right_weight`` as the look-ahead taps inside the canvas), full attention (bidirectional
+  inside the canvas), MoE, norms, logits and the next-token shift are as above, so a canvas of
+  one token is exactly the causal step.
+
 Decoding (``generate``, spec "Decoding"):
 
 * The prompt must not be empty (ValueError). It is committed whole; L_last = the
@@ -237,6 +250,9 @@ class CloverReference:
     def __init__(self, cfg: CloverConfig, weights: dict[str, np.ndarray]):
         self.cfg = cfg
         w = {k: np.asarray(v) for k, v in weights.items()}
+        cfg = mapping.detect_block_operator(cfg, w)  # Clover's block operator or the release's
+        self.cfg = cfg
+        self.release = cfg.block_operator == mapping.BLOCK_OPERATOR_RELEASE
         _unfuse_experts(cfg, w)
         # tied when the config says so or when lm_head is absent (then embed_tokens is used)
         self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
@@ -245,6 +261,10 @@ class CloverReference:
         if missing:
             raise ValueError(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
         for k, shp in want.items():
+            if k.endswith("linear_attn.conv_right_weight"):  # [C, R] or [C, 1, R]
+                w[k] = w[k].reshape(w[k].shape[0], -1)
+            if "linear_attn.bd_softmax_" in k:  # kept, never used: any shape
+                continue
             if tuple(w[k].shape) != shp:
                 raise ValueError(f"{k}: shape {tuple(w[k].shape)} != expected {shp}")
         self.w = {k: w[k].astype(np.float64) for k in want}
@@ -281,15 +301,24 @@ class CloverReference:
                           c.linear_key_head_dim, c.linear_value_head_dim)
         r = Hv // Hk
         u, z = x @ W("in_proj_qkv.weight").T, x @ W("in_proj_z.weight").T
-        b, a, m = x @ W("in_proj_b.weight").T, x @ W("in_proj_a.weight").T, x @ W("in_proj_m.weight").T
-        w_look = (W("conv1d_lookahead.weight")[:, 0, :] if c.linear_conv_lookahead
-                  else np.zeros((c.conv_dim, 0)))
+        b, a = x @ W("in_proj_b.weight").T, x @ W("in_proj_a.weight").T
+        m = None if self.release else x @ W("in_proj_m.weight").T
+        if not c.linear_conv_lookahead:
+            w_look = np.zeros((c.conv_dim, 0))
+        else:
+            w_look = W("conv_right_weight") if self.release else W("conv1d_lookahead.weight")[:, 0, :]
         conv = bidirectional_conv(mem.conv_tail[i], u, W("conv1d.weight")[:, 0, :], w_look)
         cs = silu(conv)
         q = l2_norm(cs[:, :Hk * dk].reshape(n, Hk, dk))
         k = l2_norm(cs[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk))
         v = cs[:, 2 * Hk * dk:].reshape(n, Hv, dv)
         S = mem.state[i]
+        if self.release:
+            o = self._trunk_delta_rule(i, S, q, k, v, b, a)
+            on = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + c.rms_norm_eps)
+            y = W("norm.weight") * on * silu(z.reshape(n, Hv, dv))
+            out = y.reshape(n, Hv * dv) @ W("out_proj.weight").T
+            return out, dict(u=u, conv=conv, q=q, k=k, v=v, b=b, a=a, m=m, z=z, tau=None, o=o)
         tau = block_tau(W("block_calib"), B, c.block_size)
         lam = sigmoid(m)
         o = np.zeros((n, Hv, dv))
@@ -303,6 +332,26 @@ class CloverReference:
         y = W("norm.weight") * on * silu(z.reshape(n, Hv, dv))
         out = y.reshape(n, Hv * dv) @ W("out_proj.weight").T
         return out, dict(u=u, conv=conv, q=q, k=k, v=v, b=b, a=a, m=m, z=z, tau=tau, o=o)
+
+    def _trunk_delta_rule(self, i: int, S0: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          b: np.ndarray, a: np.ndarray) -> np.ndarray:
+        """The release's GDN output o [n, Hv, dv]: the gated delta rule over the n tokens in order
+        from S0 (not changed), each token's output read from the state after its write."""
+        c, p = self.cfg, f"model.layers.{i}.linear_attn."
+        Hv, dk = c.linear_num_value_heads, c.linear_key_head_dim
+        r = Hv // c.linear_num_key_heads
+        heads = np.arange(Hv) // r
+        beta = sigmoid(b)                                                       # [n, Hv]
+        g = -np.exp(self.w[p + "A_log"]) * softplus(a + self.w[p + "dt_bias"])  # [n, Hv]
+        S = S0.copy()
+        o = np.zeros((len(q), Hv, c.linear_value_head_dim))
+        for t in range(len(q)):
+            kt, qt = k[t][heads], q[t][heads]                                   # [Hv, dk]
+            S = S * np.exp(g[t])[:, None, None]
+            err = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", S, kt))
+            S = S + kt[:, :, None] * err[:, None, :]
+            o[t] = np.einsum("hkv,hk->hv", S, qt) / math.sqrt(dk)
+        return o
 
     def _attn(self, i: int, x: np.ndarray, mem: Memory, pos: np.ndarray) -> tuple[np.ndarray, dict]:
         c, p = self.cfg, f"model.layers.{i}.self_attn."
