@@ -380,6 +380,11 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     k = req_int("num_experts_per_tok")
     I = req_int("moe_intermediate_size")  # noqa: E741
     Is = req_int("shared_expert_intermediate_size")
+    if release and cfg.get("mask_token_id") is None:
+        raise ConversionError(
+            "config.json: mask_token_id is missing (the release's mask token and its config key are not public: "
+            'add "mask_token_id": the id of its mask token, which draft-self drafts with)'
+        )
     mask = req_int("mask_token_id", minimum=0)
     fai = opt_int("full_attention_interval", 4)
     B0 = opt_int("block_size", 32)

@@ -170,6 +170,14 @@ def test_num_shared_experts_other_than_1_refused(release, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_release_config_without_a_mask_token_refused(release, tmp_path):
+    ck = _rewrite(release["ckpt"], tmp_path / "ck", edit_config=lambda c: c.pop("mask_token_id"))
+    with pytest.raises(ConversionError) as e:
+        convert(ck, tmp_path / "x.gguf", outtype="f32", progress=False)
+    assert str(e.value).startswith("config.json: mask_token_id is missing (the release's mask token and its config "
+                                   "key are not public")
+
+
 def test_two_block_operators_refused(release, tmp_path):
     def add_ours(t):
         t["model.layers.0.linear_attn.in_proj_m.weight"] = np.zeros((4, 64), np.float32)
@@ -335,3 +343,19 @@ def test_inspect_says_layout_and_what_runs(release, tiny_artifacts):
             "out); block diffusion: no: the release's block softmax (bd_softmax_*) is not public") in rel.stdout
     assert "layout:        clover (ours: CloverForBlockDiffusion), block operator clover-mix-calib" in ours.stdout
     assert "runs:          causal (B = 1): yes; draft-self: yes; block diffusion: yes" in ours.stdout
+
+
+@pytest.mark.needs_libclover
+def test_quantized_release_file_keeps_the_block_softmax_and_runs(release, tmp_path):
+    from clover_cpp import Clover, quantize
+
+    out = tmp_path / "q8.gguf"
+    quantize(release["gguf"], out, "Q8_0")
+    g = _gguf(out)
+    assert g.fields["clover.block_operator"].contents() == "release-bd-softmax"
+    assert all(t.tensor_type.name == "F32" for t in g.tensors if ".ssm_bd_" in t.name or "conv1d_look" in t.name)
+    prompt = _prompts(release["cfg"], 1)[0]
+    with Clover(out, block_size=8, n_ctx=256, n_threads=1) as m:
+        one = m.generate(prompt, max_tokens=10, block_size=1, stop_at_eos=False)
+        ds = m.generate(prompt, max_tokens=10, block_size=8, stop_at_eos=False, draft_self=True)
+        assert len(one.tokens) == 10 and list(ds.tokens) == list(one.tokens)
