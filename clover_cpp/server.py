@@ -15,6 +15,7 @@ spell is refused untokenized), so ``/health`` answers while a huge request is be
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ from typing import Any
 
 from . import _native as N
 from .model import Clover, CloverError, GenerationResult
+from . import server_format as fmt
 from .server_asgi import Guard
 from .server_pool import Metrics, Pool, Slot
 from .server_tools import ToolPlan, ToolStream, plan
@@ -46,6 +48,8 @@ except ImportError as e:  # pragma: no cover - exercised by users without the ex
     raise ImportError(f"clover serve needs the server extra: pip install 'clover-cpp[server]' ({e})") from None
 
 __all__ = ["Limits", "create_app", "serve"]
+
+_GENERATE_TAKES = set(inspect.signature(Clover.generate).parameters)
 
 #: seconds after SIGTERM / SIGINT at which the process ends even if a generation will not stop
 HARD_EXIT_AFTER = 10.0
@@ -78,23 +82,6 @@ def _api_error(e: CloverError, param: str | None = None) -> APIError:
     if e.status in (N.CLOVER_ERR_INVALID_ARG, N.CLOVER_ERR_CONTEXT_FULL):
         return APIError(400, e.message, param=param)
     return APIError(500, e.message, code="generation_failed")
-
-
-def _finish_reason(r: GenerationResult) -> str:
-    return "length" if r.stats.finish_reason == "max_tokens" else "stop"
-
-
-def _usage(r: GenerationResult) -> dict[str, Any]:
-    n_prompt = r.stats.n_prompt
-    return {"prompt_tokens": n_prompt, "completion_tokens": len(r.tokens), "total_tokens": n_prompt + len(r.tokens),
-            "prompt_tokens_details": {"cached_tokens": r.stats.n_reused}}
-
-
-def _clover_stats(r: GenerationResult, seed: int) -> dict[str, Any]:
-    s = r.stats
-    return {"block_size": s.block_size, "tokens_per_forward": round(s.tokens_per_forward, 4),
-            "decode_passes": s.n_decode_passes, "reused_prompt_tokens": s.n_reused,
-            "tokens_per_second": round(s.tokens_per_second, 2), "seed": seed}
 
 
 def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max_queue: int = 64,
@@ -282,18 +269,18 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
 
     # ------------------------------------------------------------------ generation
 
-    def structured(req: _Knobs, chat: bool) -> None:
-        """logprobs, response_format and grammar: refused by name until the runtime has them."""
+    def constraints(req: _Knobs) -> dict[str, Any]:
+        """logprobs, response_format and grammar as Clover.generate takes them (a constrained
+        request decodes autoregressively or with draft-self: stats.grammar_mode)."""
         req.check_neutral()
-        if req.logprobs not in (None, False, 0):
-            raise unsupported("logprobs", "log-probabilities are not available in this build")
-        if req.top_logprobs:
-            raise unsupported("top_logprobs", "log-probabilities are not available in this build")
-        if req.response_format is not None and req.response_format != {"type": "text"}:
-            raise unsupported("response_format", "constrained decoding is not available in this build "
-                                                 "(only {'type': 'text'})")
-        if req.grammar:
-            raise unsupported("grammar", "constrained decoding is not available in this build")
+        rf = req.response_format.for_runtime() if req.response_format is not None else None
+        if rf is not None and req.grammar:
+            raise APIError(400, "grammar and response_format: give one", param="grammar")
+        out = {"logprobs": req.n_logprobs(), "grammar": req.grammar or None, "response_format": rf}
+        for k, v in out.items():
+            if v is not None and k not in _GENERATE_TAKES:  # (a runtime without them: refused by name)
+                raise unsupported(k, "this build's runtime has no constrained decoding / log-probabilities")
+        return {k: v for k, v in out.items() if v is not None}
 
     def gen_kwargs(req: _Knobs, n_prompt: int, param: str) -> dict[str, Any]:
         room = model.n_ctx - n_prompt
@@ -321,7 +308,19 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         return dict(max_tokens=max_tokens, block_size=B or "auto", threshold=req.threshold,
                     max_steps=req.max_steps, temperature=req.temperature, top_k=min(req.top_k, INT32_MAX),
                     top_p=req.top_p, seed=seed, stop=req.stops(limits), stop_at_eos=not req.ignore_eos,
-                    draft_self=req.draft_self)
+                    draft_self=req.draft_self, **constraints(req))
+
+    def constraint_param(req: _Knobs) -> str | None:
+        return "grammar" if req.grammar else "response_format" if req.response_format is not None else None
+
+    def token_bytes(t: int) -> bytes:
+        return model.token_to_piece(t, special=True)
+
+    def chat_logprobs(r: GenerationResult) -> dict[str, Any] | None:
+        return fmt.chat_logprobs(r, token_bytes)
+
+    def completion_logprobs(r: GenerationResult, offset: int) -> dict[str, Any] | None:
+        return fmt.completion_logprobs(r, token_bytes, offset)
 
     async def wait_disconnect(request: Request, cancel: threading.Event, left: list[bool]) -> None:
         """Sets ``cancel`` when the client goes away (the body has been read: the next ASGI
@@ -389,7 +388,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
             try:
                 result = await asyncio.to_thread(run, False)
             except CloverError as e:
-                raise _api_error(e) from None
+                raise _api_error(e, constraint_param(req)) from None
             except asyncio.CancelledError:
                 if not st.shutting_down:
                     raise
@@ -407,7 +406,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
             it = await asyncio.to_thread(run, True)
         except CloverError as e:
             await finish(None, prompt)
-            raise _api_error(e) from None
+            raise _api_error(e, constraint_param(req)) from None
 
         def next_piece() -> str | None:
             try:
@@ -450,20 +449,20 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
 
     def message_of(r: GenerationResult, tp: ToolPlan | None) -> tuple[dict[str, Any], str]:
         if tp is None or not tp.active:
-            return {"role": "assistant", "content": r.text}, _finish_reason(r)
+            return {"role": "assistant", "content": r.text}, fmt.finish_reason(r)
         ts = ToolStream(tp)
         ts.feed(r.text)
         ts.finish()
         content, calls = ts.message()
         if not calls:
-            return {"role": "assistant", "content": content}, _finish_reason(r)
+            return {"role": "assistant", "content": content}, fmt.finish_reason(r)
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req: ChatRequest = await body_of(request, ChatRequest)
-        structured(req, chat=True)
+        constraints(req)  # refused fields: before the template is rendered
         text, tp = await render(req)
         fits_bytes(text, "messages")
         cid, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
@@ -482,16 +481,18 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 i, call = v
                 return choice({"tool_calls": [{"index": i, **call}]})
             if kind == "usage":
-                return {**base, "choices": [], "usage": _usage(v)}
+                return {**base, "choices": [], "usage": fmt.usage(v)}
             r, ts, seed = v
-            finish = "tool_calls" if ts is not None and ts.calls else _finish_reason(r)
-            return {**choice({}, finish), "clover": _clover_stats(r, seed)}
+            finish = "tool_calls" if ts is not None and ts.calls else fmt.finish_reason(r)
+            end = choice({}, finish)
+            end["choices"][0]["logprobs"] = chat_logprobs(r)  # streamed: all of them with the last chunk
+            return {**end, "clover": fmt.clover_stats(r, seed)}
 
         def final(r: GenerationResult, seed: int) -> dict[str, Any]:
             msg, finish = message_of(r, tp)
             return {"id": cid, "object": "chat.completion", "created": now, "model": name,
-                    "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}],
-                    "usage": _usage(r), "clover": _clover_stats(r, seed)}
+                    "choices": [{"index": 0, "message": msg, "logprobs": chat_logprobs(r), "finish_reason": finish}],
+                    "usage": fmt.usage(r), "clover": fmt.clover_stats(r, seed)}
 
         def score(slot: Slot) -> int:
             return len(slot.chat_text) if slot.chat_text and text.startswith(slot.chat_text) else 0
@@ -503,7 +504,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     @app.post("/completions")
     async def completions(request: Request) -> Any:
         req: CompletionRequest = await body_of(request, CompletionRequest)
-        structured(req, chat=False)
+        constraints(req)
         if req.suffix:
             raise unsupported("suffix", "fill-in-the-middle is not supported")
         p = req.prompt
@@ -533,12 +534,16 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
             if kind == "content":
                 return choice(v)
             if kind == "usage":
-                return {**base, "choices": [], "usage": _usage(v)}
+                return {**base, "choices": [], "usage": fmt.usage(v)}
             r, _, seed = v
-            return {**choice("", _finish_reason(r)), "clover": _clover_stats(r, seed)}
+            end = choice("", fmt.finish_reason(r))
+            end["choices"][0]["logprobs"] = completion_logprobs(r, len(echo))
+            return {**end, "clover": fmt.clover_stats(r, seed)}
 
         def final(r: GenerationResult, seed: int) -> dict[str, Any]:
-            return {**choice(echo + r.text, _finish_reason(r)), "usage": _usage(r), "clover": _clover_stats(r, seed)}
+            out = choice(echo + r.text, fmt.finish_reason(r))
+            out["choices"][0]["logprobs"] = completion_logprobs(r, len(echo))
+            return {**out, "usage": fmt.usage(r), "clover": fmt.clover_stats(r, seed)}
 
         job = _Job(req, lambda slot: slot.token_reuse(prompt), lambda slot: prompt, None, (), chunk, final)
         return await generate(request, job, "prompt")

@@ -116,6 +116,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchema(BaseModel):
+    model_config = _STRICT
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama-server's json_object + schema
+
+    def for_runtime(self) -> dict[str, Any] | None:
+        """The response_format Clover.generate takes (None: plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise APIError(400, "response_format: json_schema needs json_schema.schema", param="response_format")
+            return {"type": "json_schema", "json_schema": {"schema": self.json_schema.schema_}}
+        if self.schema_ is not None:
+            return {"type": "json_schema", "json_schema": {"schema": self.schema_}}
+        return {"type": "json_object"}
+
+
 class _Knobs(BaseModel):
     """Fields both endpoints share: OpenAI's names, then Clover's own knobs."""
 
@@ -137,11 +164,9 @@ class _Knobs(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    # structured output and log-probabilities (answered by the endpoint: supported or a 400)
-    logprobs: Any = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    grammar: str | None = None
+    # structured output: a JSON object / schema (OpenAI's) or a GBNF grammar (llama-server's)
+    response_format: ResponseFormat | None = None
+    grammar: str | None = Field(default=None, max_length=1 << 20)
     # Clover's own knobs
     block_size: Union[int, Literal["auto"], None] = None
     threshold: float = Field(default=0.9, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -164,6 +189,10 @@ class _Knobs(BaseModel):
                 raise unsupported(f, "there is no penalty sampler (send 0 or leave it out)")
         if self.logit_bias:
             raise unsupported("logit_bias", "there is no logit bias (send {} or leave it out)")
+
+    def n_logprobs(self) -> int | None:
+        """generate()'s logprobs: None = off, N = each token's and the N most probable."""
+        return None
 
 
 class TextPart(BaseModel):
@@ -248,6 +277,13 @@ class ChatRequest(_Knobs):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
     parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def n_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Knobs):
@@ -255,6 +291,10 @@ class CompletionRequest(_Knobs):
     echo: bool = False
     suffix: str | None = None
     best_of: int = Field(default=1, ge=1, le=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy API's: the N most probable
+
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(BaseModel):

@@ -1,0 +1,62 @@
+"""``clover serve``: the pieces of a reply (finish reason, usage, Clover's stats, log-probabilities)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .model import GenerationResult
+
+
+def finish_reason(r: GenerationResult) -> str:
+    return "length" if r.stats.finish_reason == "max_tokens" else "stop"
+
+
+def usage(r: GenerationResult) -> dict[str, Any]:
+    n_prompt = r.stats.n_prompt
+    return {"prompt_tokens": n_prompt, "completion_tokens": len(r.tokens), "total_tokens": n_prompt + len(r.tokens),
+            "prompt_tokens_details": {"cached_tokens": r.stats.n_reused}}
+
+
+def clover_stats(r: GenerationResult, seed: int) -> dict[str, Any]:
+    s = r.stats
+    out = {"block_size": s.block_size, "tokens_per_forward": round(s.tokens_per_forward, 4),
+           "decode_passes": s.n_decode_passes, "reused_prompt_tokens": s.n_reused,
+           "tokens_per_second": round(s.tokens_per_second, 2), "seed": seed}
+    if getattr(s, "grammar_mode", ""):
+        out["grammar_mode"] = s.grammar_mode  # "ar" or "draft-self": how a constrained request decoded
+    return out
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+def chat_logprobs(r: GenerationResult, piece: Callable[[int], bytes]) -> dict[str, Any] | None:
+    """OpenAI's chat logprobs: per token, its text, log-probability, bytes and top ones
+    (``bytes``: a token may hold part of a character)."""
+    if r.logprobs is None:
+        return None
+    out = []
+    for i, (t, lp) in enumerate(zip(r.tokens, r.logprobs)):
+        b = piece(t)
+        top = [{"token": _text(piece(tt)), "logprob": tlp, "bytes": list(piece(tt))}
+               for tt, tlp in (r.top_logprobs[i] if r.top_logprobs else [])]
+        out.append({"token": _text(b), "logprob": lp, "bytes": list(b), "top_logprobs": top})
+    return {"content": out}
+
+
+def completion_logprobs(r: GenerationResult, piece: Callable[[int], bytes], offset: int) -> dict[str, Any] | None:
+    """The legacy completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    if r.logprobs is None:
+        return None
+    tokens, offsets, tops = [], [], []
+    for i, t in enumerate(r.tokens):
+        text = _text(piece(t))
+        offsets.append(offset)
+        offset += len(text)
+        tokens.append(text)
+        if r.top_logprobs:
+            tops.append({_text(piece(tt)): tlp for tt, tlp in r.top_logprobs[i]})
+    return {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": tops or None,
+            "text_offset": offsets}
