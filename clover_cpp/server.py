@@ -269,20 +269,24 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
 
     # ------------------------------------------------------------------ generation
 
-    def constraints(req: _Knobs) -> dict[str, Any]:
+    def constraints(req: _Knobs, tools: ToolPlan | None = None) -> dict[str, Any]:
         """logprobs, response_format and grammar as Clover.generate takes them (a constrained
         request decodes autoregressively or with draft-self: stats.grammar_mode)."""
         req.check_neutral()
         rf = req.response_format.for_runtime() if req.response_format is not None else None
         if rf is not None and req.grammar:
             raise APIError(400, "grammar and response_format: give one", param="grammar")
-        out = {"logprobs": req.n_logprobs(), "grammar": req.grammar or None, "response_format": rf}
+        forced = tools.grammar if tools is not None and "grammar" in _GENERATE_TAKES else None
+        if forced and (rf is not None or req.grammar):
+            raise APIError(400, "tool_choice forces a call: grammar and response_format cannot apply too",
+                           param="tool_choice")
+        out = {"logprobs": req.n_logprobs(), "grammar": req.grammar or forced, "response_format": rf}
         for k, v in out.items():
             if v is not None and k not in _GENERATE_TAKES:  # (a runtime without them: refused by name)
                 raise unsupported(k, "this build's runtime has no constrained decoding / log-probabilities")
         return {k: v for k, v in out.items() if v is not None}
 
-    def gen_kwargs(req: _Knobs, n_prompt: int, param: str) -> dict[str, Any]:
+    def gen_kwargs(req: _Knobs, n_prompt: int, param: str, tools: ToolPlan | None) -> dict[str, Any]:
         room = model.n_ctx - n_prompt
         if room < 1:
             raise APIError(400, f"the prompt ({n_prompt} tokens) does not fit the context ({model.n_ctx} tokens)",
@@ -308,7 +312,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         return dict(max_tokens=max_tokens, block_size=B or "auto", threshold=req.threshold,
                     max_steps=req.max_steps, temperature=req.temperature, top_k=min(req.top_k, INT32_MAX),
                     top_p=req.top_p, seed=seed, stop=req.stops(limits), stop_at_eos=not req.ignore_eos,
-                    draft_self=req.draft_self, **constraints(req))
+                    draft_self=req.draft_self, **constraints(req, tools))
 
     def constraint_param(req: _Knobs) -> str | None:
         return "grammar" if req.grammar else "response_format" if req.response_format is not None else None
@@ -370,7 +374,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 prompt = await asyncio.to_thread(job.tokens_for, slot)
             except CloverError as e:
                 raise _api_error(e, param) from None
-            kw = gen_kwargs(req, len(prompt), param)
+            kw = gen_kwargs(req, len(prompt), param, job.tools)
         except BaseException:
             await finish(None, [])
             raise
@@ -462,8 +466,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req: ChatRequest = await body_of(request, ChatRequest)
-        constraints(req)  # refused fields: before the template is rendered
         text, tp = await render(req)
+        constraints(req, tp)  # refused fields: before anything is tokenized
         fits_bytes(text, "messages")
         cid, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         base = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": name}

@@ -39,6 +39,7 @@ class ToolPlan:
     names: set[str]
     prefill: str                        # text the reply starts with (part of the prompt)
     parallel: bool
+    grammar: str | None = None          # GBNF the rest of the reply must follow (a forced call's arguments)
 
     @property
     def active(self) -> bool:
@@ -59,15 +60,38 @@ def plan(tools: list[Tool] | None, choice: str | NamedChoice | None, parallel: b
     if template is None or "tools" not in template:
         raise APIError(400, "tools: the model's chat template does not render tools", param="tools")
     rendered = [t.model_dump(exclude_none=True) for t in tools]
+    forced = None
     if isinstance(choice, NamedChoice):
         if choice.function.name not in names:
             raise APIError(400, f"tool_choice: no tool named '{choice.function.name}'", param="tool_choice")
-        prefill = f'{OPEN}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
-    elif choice == "required":
-        prefill = f"{OPEN}\n"
-    else:
-        prefill = ""
-    return ToolPlan(rendered, names, prefill, parallel)
+        forced = next(t for t in tools if t.function.name == choice.function.name)
+    elif choice == "required" and len(tools) == 1:
+        forced = tools[0]
+    if forced is not None:  # the call up to its arguments, which then follow the tool's schema
+        prefill = f'{OPEN}\n{{"name": {json.dumps(forced.function.name)}, "arguments": '
+        return ToolPlan(rendered, names, prefill, parallel, _arguments_grammar(forced.function.parameters))
+    return ToolPlan(rendered, names, f"{OPEN}\n" if choice == "required" else "", parallel)
+
+
+_ROOT = re.compile(r"(?<![^\s(|])root(?=[\s)?*+]|$)", re.M)  # the rule name root, not inside a literal
+
+
+def _arguments_grammar(schema: dict[str, Any] | None) -> str | None:
+    """GBNF for a forced call's rest: the arguments as the tool's JSON schema says, then the
+    call's end. None (the prefill alone) when the runtime has no grammar converter."""
+    try:
+        from .grammar import GrammarError, json_schema_grammar  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        g = json_schema_grammar(schema or {"type": "object"})
+    except GrammarError as e:
+        if "install" in str(e):  # no converter here: the prefill alone
+            return None
+        raise APIError(400, f"tools: {e}", param="tools") from None
+    if "tool-call-args" in g:
+        return None
+    return _ROOT.sub("tool-call-args", g) + f'\nroot ::= tool-call-args "}}" "\\n{CLOSE}"\n'
 
 
 def _call(body: str, names: set[str]) -> dict[str, Any] | None:
@@ -75,8 +99,8 @@ def _call(body: str, names: set[str]) -> dict[str, Any] | None:
     body = body.strip()
     name: Any
     if body.startswith("{"):
-        try:
-            obj = json.loads(body)
+        try:  # lenient on what the model wrote (a raw tab in a string), strict in what we send
+            obj = json.loads(body, strict=False)
         except ValueError:
             return None
         if not isinstance(obj, dict):
@@ -85,7 +109,7 @@ def _call(body: str, names: set[str]) -> dict[str, Any] | None:
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = json.loads(args, strict=False)
             except ValueError:
                 return None
     elif (m := _XML_FN.search(body)) is not None:
