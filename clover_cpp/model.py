@@ -119,6 +119,7 @@ class GenerationStats:
     n_drafted: int = 0          # draft-self: drafted tokens verified
     n_accepted: int = 0         # draft-self: drafted tokens accepted
     n_decode_forwards: int = 0  # llama_decode calls after the prompt's (passes + commits on no pass)
+    grammar_mode: str = ""      # a grammar: "ar" (decoded at block_size=1) or "draft-self"; "" = none
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -163,6 +164,11 @@ class GenerationResult:
     text: str
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
+    #: generate(logprobs=N): per token of ``tokens``, its log-probability under the distribution it
+    #: was chosen from (clover.h, clover_generate_params.logprobs), and the N most probable
+    #: (token id, log-probability) pairs of that distribution, most probable first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -349,6 +355,20 @@ class StopMatcher:
     def flush(self) -> str:
         held, self._held = ("" if self.hit else self._held), ""
         return held
+
+
+def _constraint_params(grammar: Any, logprobs: Any, response_format: Any) -> dict[str, Any]:
+    """generate()'s grammar / response_format (-> GBNF text, clover_cpp.grammar) and logprobs."""
+    from .grammar import GrammarError, grammar_for
+
+    try:
+        text = grammar_for(grammar, response_format)
+    except GrammarError as e:
+        raise CloverError(str(e), N.CLOVER_ERR_INVALID_ARG) from None
+    if isinstance(logprobs, bool):
+        logprobs = 0 if logprobs else None
+    n_top = None if logprobs is None else _int("logprobs", logprobs, 0, N.CLOVER_MAX_TOP_LOGPROBS)
+    return {"grammar": text, "logprobs": n_top}
 
 
 # ----------------------------------------------------------------------------- the model
@@ -962,7 +982,8 @@ class Clover:
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
-                 draft_self: bool = False, _chat_text: str | None = None) -> Any:
+                 draft_self: bool = False, grammar: str | None = None, logprobs: int | None = None,
+                 response_format: Mapping[str, Any] | None = None, _chat_text: str | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -985,6 +1006,16 @@ class Clover:
         verified by its causal commit, so the output is that of block_size=1 (token for token at
         temperature 0, in distribution above it); stats.n_accepted / n_drafted / n_verifications
         say how it went.
+        grammar: GBNF text (llama.cpp's grammar format): every output token is one the grammar
+        allows (llama.cpp's grammar sampler). response_format: {"type": "json_object"} or
+        {"type": "json_schema", "json_schema": {"schema": {...}}} (OpenAI's), turned into a grammar
+        by llama-cpp-python's converter (:mod:`clover_cpp.grammar`). Under block diffusion a
+        grammar runs at block_size=1, or with draft_self (verification applies it; the output is
+        that of the constrained block_size=1): ``stats.grammar_mode`` "ar" / "draft-self".
+        logprobs: None = off; N in [0, 20] = ``result.logprobs`` (each token's log-probability
+        under the distribution it was chosen from: the log-softmax of the logits that predicted
+        it, at the step that unmasked it) and ``result.top_logprobs`` (the N most probable
+        (token, log-probability) pairs there).
         A cancelled generation returns what the finished blocks produced (finish_reason
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 
@@ -1001,7 +1032,7 @@ class Clover:
         if not all(isinstance(x, str) for x in stop):
             raise CloverError("stop must be a string or a list of strings")
         kw.update(stop_strings=list(stop), reuse_prefix=bool(reuse_prefix), draft_self=bool(draft_self),
-                  chat_text=_chat_text)
+                  chat_text=_chat_text, **_constraint_params(grammar, logprobs, response_format))
         self._not_in_callback()
         self._cancel_streams()  # a stream left unfinished must not keep decoding (or hold the lock)
         if not stream:
@@ -1151,6 +1182,13 @@ class Clover:
             gp.reuse_prefix = 1 if kw.get("reuse_prefix", True) else 0
             gp.draft_self = 1 if kw.get("draft_self", False) else 0
             cap = max(kw["max_tokens"], 1)
+            n_top = kw.get("logprobs")
+            if kw.get("grammar"):
+                gp.grammar = kw["grammar"].encode("utf-8")
+            if n_top is not None:  # grammar / logprobs: clover.h, clover_generate_params
+                lp_buf, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * max(cap * n_top, 1))(),
+                                           (ctypes.c_float * max(cap * n_top, 1))())
+                gp.logprobs, gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = lp_buf, n_top, top_tok, top_lp
             out = (ctypes.c_int32 * cap)()
             n_out = ctypes.c_int32(0)
             st = N.clover_stats()
@@ -1192,7 +1230,13 @@ class Clover:
                 on_block(tail, [])
         text = "".join(pieces) if (tokens == got or matcher.stops) else self.detokenize(tokens)
         self._last_chat = (kw.get("chat_text"), toks, tokens, text)
-        return GenerationResult(text=text, tokens=tokens, stats=stats)
+        result = GenerationResult(text=text, tokens=tokens, stats=stats)
+        stats.grammar_mode = {1: "ar", 2: "draft-self"}.get(int(st.grammar_mode), "")
+        if n_top is not None:  # (tokens is a prefix of the native output)
+            result.logprobs = [float(x) for x in lp_buf[:len(tokens)]]
+            result.top_logprobs = [[(int(top_tok[i * n_top + j]), float(top_lp[i * n_top + j])) for j in range(n_top)]
+                                   for i in range(len(tokens))]
+        return result
 
     def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
         """Format messages with the model's chat template (see the module doc) and generate the
