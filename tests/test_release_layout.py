@@ -359,3 +359,63 @@ def test_quantized_release_file_keeps_the_block_softmax_and_runs(release, tmp_pa
         one = m.generate(prompt, max_tokens=10, block_size=1, stop_at_eos=False)
         ds = m.generate(prompt, max_tokens=10, block_size=8, stop_at_eos=False, draft_self=True)
         assert len(one.tokens) == 10 and list(ds.tokens) == list(one.tokens)
+
+
+# llama-cpp-python's Llama on our libllama, in a process of its own (test_causal_path.py says why)
+LLAMA_LOGITS = r"""
+import json, sys
+import numpy as np
+import clover_cpp
+from clover_cpp._lib import import_llama_cpp
+llama_cpp = import_llama_cpp()
+from llama_cpp import Llama
+path, toks, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+llm = Llama(model_path=path, n_ctx=256, n_threads=1, n_batch=64, type_k=0, type_v=0, verbose=False, logits_all=True)
+llm.eval(toks)
+np.save(out, np.array(llm.scores[:len(toks)]))
+"""
+
+
+def _as_qwen35moe(src: Path, dst: Path) -> Path:
+    """The release GGUF as the release's own llama.cpp converter makes it: upstream's Qwen3.5-MoE
+    architecture (qwen35moe), the block-diffusion tensors (right conv, block softmax) dropped."""
+    import gguf
+
+    from fuzz import _fields
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "qwen35moe")
+    ours = {"clover.semantics", "clover.block_operator", "clover.ssm.conv_lookahead", "clover.diffusion.block_size"}
+    for key, val, vt, sub in _fields(r):
+        if key == "general.architecture" or key in ours:
+            continue
+        w.add_key_value(key.replace("clover.", "qwen35moe.", 1) if key.startswith("clover.") else key, val, vt,
+                        sub_type=sub)
+    rot = r.fields["clover.rope.dimension_count"].contents()
+    w.add_rope_dimension_sections([rot // 4, rot // 4, rot // 2 - 2 * (rot // 4), 0])  # text: one position
+    for t in r.tensors:
+        if ".ssm_bd_" not in t.name and "ssm_conv1d_look" not in t.name:
+            w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.needs_libclover
+def test_the_causal_path_is_upstream_qwen35moe(model, ref, release, tmp_path):
+    """B = 1 on a release file is the trunk llama.cpp runs for the release: upstream's qwen35moe
+    graph on the same weights (what the release's converter writes) gives the same logits as
+    libclover's commit and the reference."""
+    import sys
+
+    qwen = _as_qwen35moe(release["gguf"], tmp_path / "qwen35moe.gguf")
+    toks = _prompts(release["cfg"], 1)[0] + [5, 17, 33, 90, 12, 7, 100, 200]
+    subprocess.run([sys.executable, "-c", LLAMA_LOGITS, str(qwen), json.dumps(toks), str(tmp_path / "up.npy")],
+                   check=True, timeout=120, capture_output=True)
+    upstream = np.load(tmp_path / "up.npy")
+    model.reset()
+    ours = model.commit(toks, logits=True)
+    want = ref.commit(ref.new_memory(), toks)
+    assert _rel(upstream, want) <= F32_TOL and _rel(ours, upstream) <= F32_TOL
