@@ -319,16 +319,23 @@ def test_block_diffusion_refused_in_python_and_auto_stays_at_1(model, release):
 
 
 @pytest.mark.needs_libclover
-def test_clover_run_block_size_8_refused(release):
-    base = [str(CLOVER), "run", "-m", str(release["gguf"]), "-p", "def add(a, b):", "-n", "8", "-t", "1", "--no-visual"]
+def test_clover_run_block_size_8_never_runs_block_diffusion(release):
+    """clover run --block-size 8 on a release file either refuses with the one line (the command asks
+    for block diffusion) or, where the command leaves the mode to libclover (draft_self = auto),
+    runs draft-self, whose text is the --block-size 1 text: never block diffusion."""
+    base = [str(CLOVER), "run", "-m", str(release["gguf"]), "-p", "def add(a, b):", "-n", "8", "-t", "1",
+            "--ignore-eos", "--no-visual"]
     r = subprocess.run(base + ["--block-size", "8"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].endswith(REFUSAL), r.stderr
-    ok = subprocess.run(base + ["--block-size", "8", "--draft-self"], capture_output=True, text=True, timeout=120)
+    ds = subprocess.run(base + ["--block-size", "8", "--draft-self"], capture_output=True, text=True, timeout=120)
     one = subprocess.run(base + ["--block-size", "1"], capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and one.returncode == 0, ok.stderr + one.stderr
-    assert ok.stdout == one.stdout
+    assert ds.returncode == 0 and one.returncode == 0, ds.stderr + one.stderr
+    assert ds.stdout == one.stdout and "draft-self" in ds.stderr
+    assert "Traceback" not in r.stderr
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0] == f"error: {REFUSAL}", r.stderr
+    else:
+        assert r.stdout == one.stdout and "draft-self" in r.stderr, r.stderr
 
 
 # ----------------------------------------------------------------------------- clover inspect
