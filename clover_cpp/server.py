@@ -15,7 +15,6 @@ spell is refused untokenized), so ``/health`` answers while a huge request is be
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import secrets
@@ -48,8 +47,6 @@ except ImportError as e:  # pragma: no cover - exercised by users without the ex
     raise ImportError(f"clover serve needs the server extra: pip install 'clover-cpp[server]' ({e})") from None
 
 __all__ = ["Limits", "create_app", "serve"]
-
-_GENERATE_TAKES = set(inspect.signature(Clover.generate).parameters)
 
 #: seconds after SIGTERM / SIGINT at which the process ends even if a generation will not stop
 HARD_EXIT_AFTER = 10.0
@@ -276,15 +273,11 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         rf = req.response_format.for_runtime() if req.response_format is not None else None
         if rf is not None and req.grammar:
             raise APIError(400, "grammar and response_format: give one", param="grammar")
-        forced = tools.grammar if tools is not None and "grammar" in _GENERATE_TAKES else None
+        forced = tools.grammar if tools is not None else None
         if forced and (rf is not None or req.grammar):
             raise APIError(400, "tool_choice forces a call: grammar and response_format cannot apply too",
                            param="tool_choice")
-        out = {"logprobs": req.n_logprobs(), "grammar": req.grammar or forced, "response_format": rf}
-        for k, v in out.items():
-            if v is not None and k not in _GENERATE_TAKES:  # (a runtime without them: refused by name)
-                raise unsupported(k, "this build's runtime has no constrained decoding / log-probabilities")
-        return {k: v for k, v in out.items() if v is not None}
+        return {"logprobs": req.n_logprobs(), "grammar": req.grammar or forced, "response_format": rf}
 
     def gen_kwargs(req: _Knobs, n_prompt: int, param: str, tools: ToolPlan | None) -> dict[str, Any]:
         room = model.n_ctx - n_prompt

@@ -161,3 +161,43 @@ def test_real_model_with_tools(real, tiny_artifacts) -> None:
                 s.client().chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
         finally:
             s.stop()
+
+
+CITY = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                                          "properties": {"city": {"type": "string", "maxLength": 10},
+                                                         "days": {"type": "integer"}}}}}
+
+
+def test_a_forced_call_of_the_real_model_follows_the_tools_schema(real) -> None:
+    """tool_choice naming a function (or "required" with one tool): the reply starts with the
+    call and its arguments follow the tool's JSON schema (a grammar), so even the tiny model,
+    which never learnt tools, returns a call whose arguments validate - sampled, streamed too."""
+    s = InProcessServer(real.new_context())
+    try:
+        c = s.client()
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        for seed in range(8):
+            r = c.chat.completions.create(model="x", messages=ASK, tools=[CITY, TIME], max_tokens=200,
+                                          temperature=1.0, seed=seed,
+                                          tool_choice=choice if seed % 2 else "auto")
+            if seed % 2 == 0:
+                continue  # auto: the model may answer in text
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+            (call,) = r.choices[0].message.tool_calls
+            args = json.loads(call.function.arguments)
+            assert call.function.name == "get_weather" and set(args) == {"city", "days"}
+            assert isinstance(args["city"], str) and len(args["city"]) <= 10 and type(args["days"]) is int
+            assert r.model_extra["clover"]["grammar_mode"] == "ar"
+        r = c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice="required", max_tokens=200,
+                                      temperature=0)
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice,
+                                                max_tokens=200, temperature=0, stream=True))
+        (d,) = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        assert json.loads(d.function.arguments) == json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice, max_tokens=20,
+                                      response_format={"type": "json_object"})
+    finally:
+        s.stop()
