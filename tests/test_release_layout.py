@@ -179,8 +179,10 @@ def test_release_config_without_a_mask_token_refused(release, tmp_path):
 
 
 def test_two_block_operators_refused(release, tmp_path):
+    c = parse_config(release["cfg"])
+
     def add_ours(t):
-        t["model.layers.0.linear_attn.in_proj_m.weight"] = np.zeros((4, 64), np.float32)
+        t["model.layers.0.linear_attn.in_proj_m.weight"] = np.zeros((c.Hv, c.H), np.float32)
 
     ck = _rewrite(release["ckpt"], tmp_path / "ck", add_ours)
     with pytest.raises(ConversionError, match=r"^the checkpoint has two block operators, Clover's"):
@@ -381,6 +383,45 @@ llm = Llama(model_path=path, n_ctx=256, n_threads=1, n_batch=64, type_k=0, type_
 llm.eval(toks)
 np.save(out, np.array(llm.scores[:len(toks)]))
 """
+
+
+# one llama_decode of [committed tokens | a canvas] on the release file through llama.cpp's own
+# llama_set_canvas (patch 0003): the logits of the commit rows and of the canvas rows
+LLAMA_CANVAS = r"""
+import ctypes, json, sys
+import numpy as np
+import clover_cpp
+from clover_cpp._lib import import_llama_cpp
+llama_cpp = import_llama_cpp()
+from llama_cpp import Llama
+path, commit, canvas, B, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+llm = Llama(model_path=path, n_ctx=256, n_threads=1, n_batch=128, type_k=0, type_v=0, verbose=False, logits_all=True)
+lib = llama_cpp.llama_cpp._lib
+lib.llama_set_canvas.argtypes, lib.llama_set_canvas.restype = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], None
+lib.llama_set_canvas(llm._ctx.ctx, len(canvas), B)
+llm.eval(commit + canvas)
+np.save(out, np.array(llm.scores[: len(commit) + len(canvas)]))
+"""
+
+
+@pytest.mark.needs_libclover
+def test_a_commit_and_a_canvas_in_one_forward(ref, release, tmp_path):
+    """The graph's fused form (a block's causal commit and the next canvas in one ubatch, as
+    draft-self's verification runs them): the commit rows are the reference's commit, the canvas
+    rows its block pass after that commit (the delta rule continued from the committed state)."""
+    import sys
+
+    mask, B = release["cfg"]["mask_token_id"], 8
+    rng = np.random.default_rng(5)
+    commit = [int(t) for t in rng.integers(0, mask, 13)]
+    canvas = [int(t) for t in rng.integers(0, mask, B)]
+    canvas[2:5] = [mask] * 3
+    subprocess.run([sys.executable, "-c", LLAMA_CANVAS, str(release["gguf"]), json.dumps(commit), json.dumps(canvas),
+                    str(B), str(tmp_path / "rows.npy")], check=True, timeout=120, capture_output=True)
+    got = np.load(tmp_path / "rows.npy")
+    mem = ref.new_memory()
+    assert _rel(got[: len(commit)], ref.commit(mem, commit)) <= F32_TOL
+    assert _rel(got[len(commit):], ref.block_pass(mem, canvas, B)) <= F32_TOL
 
 
 def _as_qwen35moe(src: Path, dst: Path) -> Path:
