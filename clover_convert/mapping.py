@@ -33,6 +33,13 @@ Each :class:`Rule` maps one HF tensor name pattern to one GGUF name and says
 * ``f32``     -- the tensor stays float32 whatever ``--outtype`` (routers, norms, conv
   taps, the small per-head SSM vectors); every 1-D tensor stays f32 too.
 
+* ``layout``  -- ``None`` (every checkpoint) or the block operator whose checkpoints have the row
+  (``cfg.block_operator``: ours, ``clover-mix-calib``, or the release's, ``release-bd-softmax``);
+  ``marker`` rows say which one a checkpoint has (:func:`detect_block_operator`);
+* ``alt_shape`` -- a second HF shape accepted (the release's ``conv_right_weight`` as [C, R] or
+  [C, 1, R]); ``any_shape`` -- the shape is not public: kept as the checkpoint has it (the
+  release's ``bd_softmax_*``; ``shape`` is then only what the fixtures write).
+
 Squeezes: ``conv1d.weight`` [C,1,K] -> [C,K], ``conv1d_lookahead.weight`` [C,1,R] -> [C,R],
 ``shared_expert_gate.weight`` [1,H] -> [H].
 
