@@ -87,13 +87,20 @@ def test_readme_tour_and_docs_run(tmp_path: Path) -> None:
     env["CLOVER_CACHE_DIR"] = str(tmp_path / "cache")
     proc = subprocess.Popen(["bash", "-c", "\n".join(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    timed_out = False
     try:
-        out, err = proc.communicate(timeout=900)
+        out, err = proc.communicate(timeout=600)  # ~30 s on 2 idle cores
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
-        try:  # servers a failed block left running
+        try:  # servers a failed block left running (and a hung block)
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if timed_out:
+        out, err = proc.communicate()
+        started = re.findall(r"### block \d+ \(.*?\)", err)
+        pytest.fail(f"timed out in {started[-1] if started else 'the first block'}:\n{err[-3000:]}\n{out[-1500:]}")
     assert proc.returncode == 0, f"a block failed:\n{err[-4000:]}\n{out[-2000:]}"
     assert f"### block {n} " in err
     made = {"clover-bf16.gguf": "BF16", "clover-q8_0.gguf": "Q8_0", "clover-q4_k_m.gguf": "Q4_K",
