@@ -426,64 +426,64 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
         o = ggml_reshape_4d(ctx0, ggml_cont(ctx0, o), d_state, n_v_heads, n_tok, n_seqs);
         cb(o, "o_trunk", il);
     } else {
-    ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
-    lambda = ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs);
+        ggml_tensor * lambda = ggml_sigmoid(ctx0, build_lora_mm(layer.ssm_mix, cur));
+        lambda = ggml_reshape_4d(ctx0, lambda, 1, n_v_heads, n_tok, n_seqs);
 
-    // memory: two delta-rule steps per token, a read (S^T q / sqrt(dk) of the state before the
-    // token) and a write (committed tokens only)
-    auto twice = [&](ggml_tensor * x, int64_t width) { // [width, n_tok, n_seqs] -> [width, 2 n_tok, n_seqs], rows 2t, 2t+1 = row t
-        x = ggml_reshape_4d(ctx0, x, width, 1, n_tok, n_seqs);
-        return ggml_reshape_3d(ctx0, ggml_repeat_4d(ctx0, x, width, 2, n_tok, n_seqs), width, 2 * n_tok, n_seqs);
-    };
-    ggml_tensor * q2 = ggml_reshape_4d(ctx0, twice(q, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
-    ggml_tensor * k2 = ggml_reshape_4d(ctx0, twice(k, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
-    ggml_tensor * v2 = ggml_reshape_4d(ctx0, twice(v, d_state * n_v_heads), d_state, n_v_heads, 2 * n_tok, n_seqs);
-    ggml_tensor * w  = blocks->gdn_write;
-    ggml_tensor * g2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(decay, n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
-    ggml_tensor * b2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(beta,  n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
+        // memory: two delta-rule steps per token, a read (S^T q / sqrt(dk) of the state before the
+        // token) and a write (committed tokens only)
+        auto twice = [&](ggml_tensor * x, int64_t width) { // [width, n_tok, n_seqs] -> [width, 2 n_tok, n_seqs], rows 2t, 2t+1 = row t
+            x = ggml_reshape_4d(ctx0, x, width, 1, n_tok, n_seqs);
+            return ggml_reshape_3d(ctx0, ggml_repeat_4d(ctx0, x, width, 2, n_tok, n_seqs), width, 2 * n_tok, n_seqs);
+        };
+        ggml_tensor * q2 = ggml_reshape_4d(ctx0, twice(q, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
+        ggml_tensor * k2 = ggml_reshape_4d(ctx0, twice(k, d_state * n_k_heads), d_state, n_k_heads, 2 * n_tok, n_seqs);
+        ggml_tensor * v2 = ggml_reshape_4d(ctx0, twice(v, d_state * n_v_heads), d_state, n_v_heads, 2 * n_tok, n_seqs);
+        ggml_tensor * w  = blocks->gdn_write;
+        ggml_tensor * g2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(decay, n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
+        ggml_tensor * b2 = ggml_mul(ctx0, ggml_reshape_4d(ctx0, twice(beta,  n_v_heads), 1, n_v_heads, 2 * n_tok, n_seqs), w);
 
-    auto [gdn_out, new_state] = build_delta_net_fused(q2, k2, v2, g2, b2, state, il);
-    store_state(new_state);
+        auto [gdn_out, new_state] = build_delta_net_fused(q2, k2, v2, g2, b2, state, il);
+        store_state(new_state);
 
-    // the read steps' outputs (even rows)
-    ggml_tensor * o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, gdn_out), d_state * n_v_heads, 2, n_tok, n_seqs);
-    o_mem = ggml_view_4d(ctx0, o_mem, d_state * n_v_heads, 1, n_tok, n_seqs, o_mem->nb[1], o_mem->nb[2], o_mem->nb[3], 0);
-    o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, o_mem), d_state, n_v_heads, n_tok, n_seqs);
-    cb(o_mem, "o_mem", il);
+        // the read steps' outputs (even rows)
+        ggml_tensor * o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, gdn_out), d_state * n_v_heads, 2, n_tok, n_seqs);
+        o_mem = ggml_view_4d(ctx0, o_mem, d_state * n_v_heads, 1, n_tok, n_seqs, o_mem->nb[1], o_mem->nb[2], o_mem->nb[3], 0);
+        o_mem = ggml_reshape_4d(ctx0, ggml_cont(ctx0, o_mem), d_state, n_v_heads, n_tok, n_seqs);
+        cb(o_mem, "o_mem", il);
 
-    // block attention: a committed token's is its own v; the canvas attends bidirectionally over
-    // itself with the calibrated temperature tau = exp(theta + phi * ln(B / B0)):
-    // per head [d, n_canvas, Hv, n_seqs]
-    ggml_tensor * o_blk = v;
-    if (n_canvas > 1) {
-        if (n_k_heads != n_v_heads) {
-            q = ggml_repeat_4d(ctx0, q, d_state, n_v_heads, n_tok, n_seqs);
-            k = ggml_repeat_4d(ctx0, k, d_state, n_v_heads, n_tok, n_seqs);
+        // block attention: a committed token's is its own v; the canvas attends bidirectionally over
+        // itself with the calibrated temperature tau = exp(theta + phi * ln(B / B0)):
+        // per head [d, n_canvas, Hv, n_seqs]
+        ggml_tensor * o_blk = v;
+        if (n_canvas > 1) {
+            if (n_k_heads != n_v_heads) {
+                q = ggml_repeat_4d(ctx0, q, d_state, n_v_heads, n_tok, n_seqs);
+                k = ggml_repeat_4d(ctx0, k, d_state, n_v_heads, n_tok, n_seqs);
+            }
+            ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(q), 0, 2, 1, 3));
+            ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(k), 0, 2, 1, 3));
+            ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(v), 1, 2, 0, 3));     // [n_canvas, dv, Hv, .]
+
+            const float log_ratio = logf(float(B) / float(hparams.diffusion_block_size));
+            ggml_tensor * theta = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, 0);
+            ggml_tensor * phi   = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, layer.ssm_block_calib->nb[1]);
+            ggml_tensor * tau   = ggml_exp(ctx0, ggml_add(ctx0, theta, ggml_scale(ctx0, phi, log_ratio)));
+            tau = ggml_reshape_4d(ctx0, tau, 1, 1, n_v_heads, 1);
+
+            ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [keys, queries, Hv, .]
+            kq = ggml_soft_max(ctx0, kq);
+            ggml_tensor * o_canvas = ggml_mul_mat(ctx0, vt, kq);                 // [dv, n_canvas, Hv, .]
+            o_canvas = ggml_cont(ctx0, ggml_permute(ctx0, o_canvas, 0, 2, 1, 3)); // [dv, Hv, n_canvas, .]
+            if (n_commit > 0) {
+                ggml_tensor * v_commit = ggml_view_4d(ctx0, v, d_state, n_v_heads, n_commit, n_seqs, v->nb[1], v->nb[2], v->nb[3], 0);
+                o_canvas = ggml_concat(ctx0, v_commit, o_canvas, 2);
+            }
+            o_blk = o_canvas;
         }
-        ggml_tensor * qh = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(q), 0, 2, 1, 3));
-        ggml_tensor * kh = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(k), 0, 2, 1, 3));
-        ggml_tensor * vt = ggml_cont(ctx0, ggml_permute(ctx0, canvas_rows(v), 1, 2, 0, 3));     // [n_canvas, dv, Hv, .]
+        cb(o_blk, "o_blk", il);
 
-        const float log_ratio = logf(float(B) / float(hparams.diffusion_block_size));
-        ggml_tensor * theta = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, 0);
-        ggml_tensor * phi   = ggml_view_1d(ctx0, layer.ssm_block_calib, n_v_heads, layer.ssm_block_calib->nb[1]);
-        ggml_tensor * tau   = ggml_exp(ctx0, ggml_add(ctx0, theta, ggml_scale(ctx0, phi, log_ratio)));
-        tau = ggml_reshape_4d(ctx0, tau, 1, 1, n_v_heads, 1);
-
-        ggml_tensor * kq = ggml_mul_mat(ctx0, kh, ggml_mul(ctx0, qh, tau));  // [keys, queries, Hv, .]
-        kq = ggml_soft_max(ctx0, kq);
-        ggml_tensor * o_canvas = ggml_mul_mat(ctx0, vt, kq);                 // [dv, n_canvas, Hv, .]
-        o_canvas = ggml_cont(ctx0, ggml_permute(ctx0, o_canvas, 0, 2, 1, 3)); // [dv, Hv, n_canvas, .]
-        if (n_commit > 0) {
-            ggml_tensor * v_commit = ggml_view_4d(ctx0, v, d_state, n_v_heads, n_commit, n_seqs, v->nb[1], v->nb[2], v->nb[3], 0);
-            o_canvas = ggml_concat(ctx0, v_commit, o_canvas, 2);
-        }
-        o_blk = o_canvas;
-    }
-    cb(o_blk, "o_blk", il);
-
-    // o = lambda * o_mem + (1 - lambda) * o_blk
-    o = ggml_add(ctx0, o_blk, ggml_mul(ctx0, ggml_sub(ctx0, o_mem, o_blk), lambda));
+        // o = lambda * o_mem + (1 - lambda) * o_blk
+        o = ggml_add(ctx0, o_blk, ggml_mul(ctx0, ggml_sub(ctx0, o_mem, o_blk), lambda));
     }
 
     // y = norm_w * rmsnorm(o) * silu(z), then the output projection
