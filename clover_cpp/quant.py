@@ -248,22 +248,21 @@ _PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
 UNQUANTIZED_FTYPES = {0, 1, 32}  # F32, F16, BF16
 
 
-def _child_main() -> None:
-    """The quantizer process: llama_model_quantize with llama.cpp's log on stderr (progress)."""
-    a = json.loads(sys.argv[1])
-    from .model import set_verbosity
-
-    set_verbosity(2)
-    llama_cpp = import_llama_cpp()
+def quantize_params(llama_cpp: Any, ftype: int, *, n_threads: int = 0, allow_requantize: bool = False,
+                    leave_output_tensor: bool = False, pure: bool = False,
+                    imatrix: str | os.PathLike[str] | None = None) -> tuple[Any, list[Any]]:
+    """llama_model_quantize's parameters as `clover quantize` sets them (also the one-step
+    `clover convert --outtype Q4_K_M`, clover_convert.quantize_stream): (params, what the
+    pointers in params refer to, to be kept alive until the call returns)."""
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = a["ftype"]
-    params.nthread = a["n_threads"]
-    params.allow_requantize = a["allow_requantize"]
-    params.quantize_output_tensor = not a["leave_output_tensor"]
-    params.pure = a["pure"]
+    params.ftype = ftype
+    params.nthread = n_threads
+    params.allow_requantize = allow_requantize
+    params.quantize_output_tensor = not leave_output_tensor
+    params.pure = pure
     keep: list[Any] = []  # what the pointers in params refer to, alive until the call returns
-    if a["imatrix"]:
-        im = load_imatrix(a["imatrix"])
+    if imatrix:
+        im = load_imatrix(imatrix)
         rows = (llama_cpp.llama_model_imatrix_data * (len(im.entries) + 1))()  # ends with a NULL name
         for i, (name, data) in enumerate(im.entries.items()):
             keep.append(data)
@@ -272,7 +271,7 @@ def _child_main() -> None:
             rows[i].size = data.size
         # provenance in the output, under llama-quantize's keys
         kv = (llama_cpp.llama_model_kv_override * 5)()
-        meta = [("quantize.imatrix.file", Path(a["imatrix"]).name), ("quantize.imatrix.entries_count", len(im.entries)),
+        meta = [("quantize.imatrix.file", Path(imatrix).name), ("quantize.imatrix.entries_count", len(im.entries)),
                 ("quantize.imatrix.chunks_count", im.chunk_count)]
         if im.datasets:
             meta.append(("quantize.imatrix.dataset", im.datasets[0][:127]))
@@ -285,8 +284,20 @@ def _child_main() -> None:
         keep += [rows, kv]
         params.imatrix = rows
         params.kv_overrides = kv
-        print(f"clover: importance matrix {a['imatrix']}: {len(im.entries)} entries, {im.chunk_count} chunks",
+        print(f"clover: importance matrix {imatrix}: {len(im.entries)} entries, {im.chunk_count} chunks",
               file=sys.stderr)
+    return params, keep
+
+
+def _child_main() -> None:
+    """The quantizer process: llama_model_quantize with llama.cpp's log on stderr (progress)."""
+    a = json.loads(sys.argv[1])
+    from .model import set_verbosity
+
+    set_verbosity(2)
+    llama_cpp = import_llama_cpp()
+    params, keep = quantize_params(llama_cpp, a["ftype"], n_threads=a["n_threads"], allow_requantize=a["allow_requantize"],
+                                   leave_output_tensor=a["leave_output_tensor"], pure=a["pure"], imatrix=a["imatrix"])
     why = _loader_refuses(a["src"])
     if why is not None:  # never turn a file `clover run` refuses into one it might not
         print(f"{_REFUSED}input: {why}", file=sys.stderr, flush=True)
