@@ -766,8 +766,12 @@ class _Filler:
             block = block[:, t.col_perm]
         out = self._buffer((r1 - r0) * row_bytes)
         _convert_into(out.view(_STORE_DTYPE[t.qtype]).reshape(r1 - r0, -1), block, sdt, t.qtype, t.rule.fn)
-        _pwrite_all(fd, out, offset)
+        self._write(fd, out, offset)
         return (block.nbytes, *_scan_source(block, sdt, to_f16=t.qtype == QT.F16 and t.rule.fn is None))
+
+    def _write(self, fd, data: np.ndarray, offset: int) -> None:
+        """A converted chunk to its place (a subclass may put it elsewhere: quantize_stream's in memory)."""
+        _pwrite_all(fd, data, offset)
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
