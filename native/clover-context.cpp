@@ -31,9 +31,35 @@ bool ubatch_fits(const clover_context * c, int32_t B) {
     return c->lctx && c->U >= 2 * B;
 }
 
+// llama.cpp's graph scheduler mallocs a context buffer that grows with n_ubatch (this
+// architecture: 40 graph nodes a token, GGML_SCHED_MAX_SPLIT_INPUTS (30) x 2 tensors a node,
+// about 20 KiB a token x 40) and aborts the process (GGML_ASSERT(ctx->mem_buffer != NULL) in
+// ggml_init) when that malloc fails. A block size too large for the memory must be an error the
+// caller sees: the same allocation is tried first (the other allocations of a new context, the
+// KV cache and compute buffers, fail as errors in llama.cpp already).
+static int check_sched_memory(const clover_context * c, int32_t U, int32_t B, std::string & msg) {
+    const size_t nodes = (size_t) std::min<int64_t>(U, c->n_ctx) * 40;
+    const size_t need  = nodes * 30 * 2 * sizeof(struct ggml_tensor) + ggml_graph_overhead_custom(nodes, false);
+    void *       probe = malloc(need);
+    if (!probe) {
+        char gib[32];
+        snprintf(gib, sizeof(gib), "%.1f", need / 1073741824.0);
+        msg = "failed to create the llama.cpp context (n_ctx=" + std::to_string(c->n_ctx) + ", block_size=" +
+              std::to_string(B) + "): out of memory (llama.cpp's graph scheduler needs " + gib +
+              " GiB for a batch of " + std::to_string(std::min<int64_t>(U, c->n_ctx)) +
+              " tokens); use a smaller block size";
+        return CLOVER_ERR_LOAD;
+    }
+    free(probe);
+    return CLOVER_OK;
+}
+
 int make_lctx(clover_context * c, int32_t B, std::string & msg) {
-    free_lctx(c);
     const int32_t U        = ubatch_for(B);
+    if (const int rc = check_sched_memory(c, U, B, msg); rc != CLOVER_OK) {
+        return rc; // before the old context is freed: a block size too large leaves it usable
+    }
+    free_lctx(c);
     llama_context_params p = llama_context_default_params();
     p.n_ctx                = (uint32_t) c->n_ctx;
     p.n_ubatch             = (uint32_t) U;

@@ -319,3 +319,203 @@ def test_convert_refuses_a_tokenizer_with_two_strings_on_one_id(tiny_artifacts, 
     out = tmp_path / "out.gguf"
     _clean_error(_clover("convert", ck, out), "two (strings|ids)")
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- RPC (patch 0005)
+
+class _Silent:
+    """A loopback listener that accepts, reads and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+class _Http:
+    """python's http.server on a loopback port (it answers an RPC hello with an HTTP error, or waits
+    for the end of a request line that never comes)."""
+
+    def __init__(self, folder: Path) -> None:
+        import functools
+
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+        handler.log_message = lambda *a, **k: None  # type: ignore[method-assign]
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.port = self.srv.server_address[1]
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def _cli_rpc(model: Path, endpoint: str, env: dict, n: int = 4, timeout: float = BOUND) -> subprocess.CompletedProcess:
+    return _run([CLI, "-m", model, "-p", "hello", "-n", n, "-t", "1", "-c", "256", "-ngl", "4", "--rpc", endpoint],
+                timeout, env)
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("kind", ["silent", "http"])
+def test_rpc_to_a_listener_that_is_not_an_rpc_server(tiny_artifacts, tmp_path, kind: str) -> None:
+    """The load hung past 60 s (the README promises 10 s) in clover run, Clover(), clover serve and
+    clover-cli: now an error within GGML_RPC_TIMEOUT (2 s here) through clover-cli and clover run."""
+    lst = _Silent() if kind == "silent" else _Http(tmp_path)
+    ep = f"127.0.0.1:{lst.port}"
+    try:
+        t0 = time.monotonic()
+        _clean_error(_cli_rpc(tiny_artifacts["f32"], ep, {"GGML_RPC_TIMEOUT": "2"}), f"RPC server {ep}")
+        t1 = time.monotonic()
+        _clean_error(_clover("run", "-m", tiny_artifacts["f32"], "-p", "hello", "-n", "4", "-t", "1", "-ngl", "4",
+                             "--rpc", ep, env={"GGML_RPC_TIMEOUT": "2"}), f"RPC server {ep}")
+        t2 = time.monotonic()
+    finally:
+        lst.close()
+    assert t1 - t0 < 2 + 5 and t2 - t1 < 2 + 10, (t1 - t0, t2 - t1)
+
+
+@pytest.mark.needs_libclover
+def test_rpc_silent_listener_default_limit_and_sigint(tiny_artifacts) -> None:
+    """The default limit is the README's 10 s; with no limit (GGML_RPC_TIMEOUT=0) Ctrl-C ends
+    clover-cli's load at once (it ignored SIGINT there)."""
+    lst = _Silent()
+    ep = f"127.0.0.1:{lst.port}"
+    try:
+        t0 = time.monotonic()
+        _clean_error(_cli_rpc(tiny_artifacts["f32"], ep, {"GGML_RPC_TIMEOUT": ""}), "within 10 s")
+        assert time.monotonic() - t0 < 10 + 5
+        p = subprocess.Popen([str(CLI), "-m", str(tiny_artifacts["f32"]), "-p", "hi", "-n", "4", "-t", "1", "-ngl", "4",
+                              "--rpc", ep], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "GGML_RPC_TIMEOUT": "0"})
+        deadline = time.monotonic() + 20
+        while len(lst.conns) == 0 and time.monotonic() < deadline:  # it is waiting for the handshake
+            time.sleep(0.05)
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        try:
+            _, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            TALLY["hang"] += 1
+            raise AssertionError("clover-cli ignored SIGINT during an RPC handshake") from None
+        ok = p.returncode == 130 and err.strip() == "error: interrupted"
+        TALLY["clean" if ok else "wrong"] += 1
+        assert ok, (p.returncode, err)
+    finally:
+        lst.close()
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.skipif(not RPC_SERVER.exists(), reason="ggml-rpc-server is not built (GGML_RPC=OFF)")
+def test_rpc_server_stopped_mid_generation(tiny_artifacts) -> None:
+    """An rpc-server stopped with SIGSTOP mid-generation hung both CLIs (only SIGKILL ended
+    them): keepalive probes are answered by the kernel. Now the reply wait runs out."""
+    from clover_testkit.rpc import RpcServer
+
+    srv = RpcServer(RPC_SERVER)
+    try:
+        p = subprocess.Popen([str(CLI), "-m", str(tiny_artifacts["f32"]), "-p", "hello", "-n", "4000", "-t", "1",
+                              "-c", "4096", "--block-size", "1", "--ignore-eos", "-ngl", "4", "--rpc", srv.endpoint],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "GGML_RPC_TIMEOUT": "2"})
+        assert p.stdout is not None
+        first = p.stdout.read(1)  # generating
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            TALLY["hang"] += 1
+            raise AssertionError("clover-cli hung on a stopped rpc-server") from None
+        dt = time.monotonic() - t0
+        res = subprocess.CompletedProcess(p.args, p.returncode, (first + out).decode(errors="replace"),
+                                          err.decode(errors="replace"))
+        _clean_error(res, f"RPC server {srv.endpoint}: no reply( to the handshake)? within 2 s")
+        assert first and dt < 2 + 8, dt
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        srv.stop()
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("ep", ["127.0.0.1:50052:7", "::1:50052", "host:port:7"])
+def test_rpc_endpoint_with_two_ports_is_refused(tiny_artifacts, ep: str) -> None:
+    from clover_cpp import Clover, CloverError
+
+    t0 = time.monotonic()
+    with pytest.raises(CloverError, match="is not HOST:PORT"):
+        Clover(tiny_artifacts["f32"], n_gpu_layers=-1, rpc_servers=ep)
+    TALLY["clean"] += 1
+    assert time.monotonic() - t0 < 5
+
+
+# ----------------------------------------------------------------------------- allocation failure
+
+_ALLOC_SCRIPT = r"""
+import resource, sys
+lim = int(sys.argv[2]) << 20
+if lim:
+    resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+from clover_cpp import Clover, CloverError
+n_ctx, B = int(sys.argv[3]), int(sys.argv[4])
+try:
+    m = Clover(sys.argv[1], n_ctx=n_ctx, n_threads=1, block_size=32)
+    print("small", len(m.generate("def add(a, b):", max_tokens=8, stop_at_eos=False).tokens))
+    try:
+        m.generate("def add(a, b):", max_tokens=8, block_size=B, stop_at_eos=False)
+        print("big ok")
+    except CloverError as e:
+        print("big error:", e)
+    print("small again", len(m.generate("def add(a, b):", max_tokens=8, stop_at_eos=False).tokens))
+except CloverError as e:
+    print("error:", e)
+"""
+
+
+@pytest.mark.needs_libclover
+@pytest.mark.parametrize("limit_mb,n_ctx,B", [(1500, 16384, 8192), (0, 1 << 21, 1 << 20), (1500, 4096, 2048)])
+def test_allocation_failure_is_an_error(tiny_artifacts, limit_mb: int, n_ctx: int, B: int) -> None:
+    """block_size = n_ctx = 8192 on the server under a memory limit aborted the process (GGML_ASSERT(ctx->
+    mem_buffer != NULL): llama.cpp's scheduler buffer grows ~0.8 MB a token); a huge block size
+    did even without one. Now an error, and the context keeps working at its old block size."""
+    p = _run([sys.executable, "-c", _ALLOC_SCRIPT, tiny_artifacts["f32"], limit_mb, n_ctx, B], timeout=120)
+    lines = p.stdout.splitlines()
+    ok = p.returncode == 0 and lines[:1] == ["small 8"] and lines[-1:] == ["small again 8"] and \
+        len(lines) == 3 and lines[1].startswith("big error: failed to create the llama.cpp context") and \
+        "out of memory" in lines[1]
+    TALLY["clean" if ok else "wrong"] += 1
+    assert ok, (p.returncode, p.stdout, p.stderr[-1500:])
+
+
+@pytest.mark.needs_libclover
+def test_cli_allocation_failure_is_one_line(tiny_artifacts) -> None:
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1500 << 20, 1500 << 20))
+
+    try:
+        p = subprocess.run([str(CLI), "-m", str(tiny_artifacts["f32"]), "-p", "hi", "-n", "4", "-t", "1", "-c", "8192",
+                            "--block-size", "8192"], capture_output=True, text=True, timeout=BOUND, preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        TALLY["hang"] += 1
+        raise
+    if p.returncode < 0:
+        TALLY["crash"] += 1
+    _clean_error(p, "out of memory")
