@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import contextlib
 import ctypes
 import functools
+import inspect
 import math
 import os
 import queue
+import secrets
 import threading
+import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +46,7 @@ import numpy as np
 from . import _native as N
 
 __all__ = [
-    "Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
+    "Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats", "GenerationStream",
     "StepCallback", "BlockCallback", "set_verbosity", "render_chat",
 ]
 
@@ -61,10 +66,31 @@ class CloverError(RuntimeError):
     (``clover_cpp._native.CLOVER_ERR_*``; ``CLOVER_ERR_INVALID_ARG`` by default, e.g. for an
     argument refused on the Python side before any native call)."""
 
-    def __init__(self, message: str, status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
+    def __new__(cls, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> "CloverError":
+        # an invalid argument is also a ValueError (CloverValueError), so that code written
+        # for other libraries' argument checks catches it
+        if cls is CloverError and int(status) == N.CLOVER_ERR_INVALID_ARG:
+            cls = CloverValueError
+        return super().__new__(cls, message)
+
+    def __init__(self, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
         self.message = " ".join(str(message).split()) or "unknown error"
         self.status = int(status)
         super().__init__(self.message)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.message, self.status))
+
+
+class CloverValueError(CloverError, ValueError):
+    """An argument refused (by the Python layer or by libclover: ``CLOVER_ERR_INVALID_ARG``)."""
+
+
+class CloverTypeError(CloverError, TypeError):
+    """An argument of the wrong type."""
+
+    def __init__(self, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
+        super().__init__(message, status)
 
 
 def _lib() -> ctypes.CDLL:
@@ -120,6 +146,7 @@ class GenerationStats:
     n_accepted: int = 0         # draft-self: drafted tokens accepted
     n_decode_forwards: int = 0  # llama_decode calls after the prompt's (passes + commits on no pass)
     grammar_mode: str = ""      # a grammar: "ar" (decoded at block_size=1) or "draft-self"; "" = none
+    seed: int | None = None     # the sampler's seed this call used (a fresh random one unless given)
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -174,19 +201,26 @@ class GenerationResult:
     def finish_reason(self) -> str:
         return self.stats.finish_reason
 
+    @property
+    def seed(self) -> int | None:
+        """The sampler's seed the call used: pass it as ``seed`` to reproduce the output."""
+        return self.stats.seed
+
 
 class GenerationStream:
     """Iterator over the output text as it becomes final (after every denoising step: the
     new contiguous unmasked prefix of the block), produced while generation runs in a
     worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
-    ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation."""
+    ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation.
+    It holds its Clover object's turn until its decoding ends (see the Clover class doc)."""
 
     def __init__(self, run: Callable[[Callable[[str, list[int]], bool], threading.Event], GenerationResult],
-                 decoder: "_DecodeThread | None" = None) -> None:
+                 decoder: "_DecodeThread | None" = None, gate: "_Gate | None" = None) -> None:
         self.result: GenerationResult | None = None
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._cancel = threading.Event()
         self._done = False
+        self._reader = threading.get_ident()  # the thread reading it (the last to call next)
 
         def on_piece(piece: str, toks: list[int]) -> bool:
             self._q.put(("piece", piece))
@@ -197,12 +231,16 @@ class GenerationStream:
         def worker() -> None:
             try:
                 res = run(on_piece, self._cancel)
-                self._q.put(("done", res))
+                item: tuple[str, Any] = ("done", res)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                self._q.put(("error", e))
-            finally:
-                self._finished.set()
+                item = ("error", e)
+            if gate is not None:  # the object is free before the reader sees the end
+                gate.release(self)
+            self._q.put(item)
+            self._finished.set()
 
+        if gate is not None:
+            gate.hand_to(self)
         _LIVE_STREAMS.add(self)
         if decoder is not None:
             self._thread = decoder.thread
@@ -215,6 +253,7 @@ class GenerationStream:
         return self
 
     def __next__(self) -> str:
+        self._reader = threading.get_ident()
         while not self._done:
             try:
                 kind, val = self._q.get(timeout=0.1)
@@ -309,6 +348,10 @@ def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None = No
     are the template's variables, so its own defaults (a default system message, say) apply."""
     import jinja2  # noqa: PLC0415
 
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (Sequence, Iterator)):
+        raise CloverTypeError(f"messages must be a list of {{'role', 'content'}} mappings, got {type(messages).__name__}")
+    if template is not None and not isinstance(template, str):
+        raise CloverTypeError(f"template must be a string or None, got {type(template).__name__}")
     msgs = []
     for m in messages:
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
@@ -364,7 +407,7 @@ def _constraint_params(grammar: Any, logprobs: Any, response_format: Any) -> dic
     try:
         text = grammar_for(grammar, response_format)
     except GrammarError as e:
-        raise CloverError(str(e), N.CLOVER_ERR_INVALID_ARG) from None
+        raise CloverValueError(str(e)) from None
     if isinstance(logprobs, bool):
         logprobs = 0 if logprobs else None
     n_top = None if logprobs is None else _int("logprobs", logprobs, 0, N.CLOVER_MAX_TOP_LOGPROBS)
@@ -379,7 +422,7 @@ MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
 
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise CloverError(f"{name} must be an integer, got {v!r}")
+        raise CloverTypeError(f"{name} must be an integer, got {v!r}")
     v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -389,11 +432,57 @@ def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int
 
 def _float(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-        raise CloverError(f"{name} must be a number, got {v!r}")
-    v = float(v)
+        raise CloverTypeError(f"{name} must be a number, got {v!r}")
+    try:
+        v = float(v)
+    except OverflowError:
+        raise CloverValueError(f"{name} is too large: {v}") from None
     if math.isnan(v):
-        raise CloverError(f"{name} must not be NaN")
+        raise CloverValueError(f"{name} must not be NaN")
     return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    """A flag: a bool, or an integer 0 / 1 (never a string: bool('off') is True)."""
+    if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and int(v) in (0, 1)):
+        return bool(v)
+    raise CloverTypeError(f"{name} must be True or False, got {v!r}")
+
+
+def _tristate(name: str, v: Any) -> int:
+    """None / "auto" = -1, False / "off" = 0, True / "on" = 1 (flash_attn)."""
+    if v is None:
+        return -1
+    if isinstance(v, str):
+        word = {"auto": -1, "off": 0, "false": 0, "no": 0, "0": 0, "on": 1, "true": 1, "yes": 1, "1": 1}.get(v.strip().lower())
+        if word is None:
+            raise CloverValueError(f"{name} must be None/'auto', False/'off' or True/'on', got {v!r}")
+        return word
+    return 1 if _bool(name, v) else 0
+
+
+def _str(name: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise CloverTypeError(f"{name} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _callable(name: str, v: Any) -> Any:
+    if v is not None and not callable(v):
+        raise CloverTypeError(f"{name} must be callable or None, got {type(v).__name__}")
+    return v
+
+
+def _strings(name: str, v: Any) -> list[str]:
+    """A string or a sequence of strings, as a list."""
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, (bytes, Mapping)) or not isinstance(v, (Sequence, set, frozenset)) or \
+            not all(isinstance(x, str) for x in v):
+        raise CloverTypeError(f"{name} must be a string or a list of strings, got {v!r}"[:200])
+    return list(v)
 
 
 _LIVE_STREAMS: "weakref.WeakSet[GenerationStream]" = weakref.WeakSet()
@@ -483,26 +572,101 @@ def _shared_decoder() -> _DecodeThread:
         return _SHARED_DECODER
 
 
+class _Gate:
+    """Serialises the calls on one Clover object's context (see the Clover class doc).
+
+    ``holder`` is the thread (ident) in a call, or the :class:`GenerationStream` decoding; a
+    thread may enter again while it holds it (nested calls); others wait, interruptibly. After
+    ``closed`` every entry raises "the model is closed". ``cancel`` is the event that cancels
+    the generation in flight (set by close)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.holder: Any = None
+        self.depth = 0
+        self.closed = False
+        self.cancel: threading.Event | None = None
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self.cond:
+            while True:
+                if self.closed:
+                    raise CloverError("the model is closed")
+                if self.holder is None:
+                    self.holder, self.depth = me, 1
+                    return
+                if self.holder == me:
+                    self.depth += 1
+                    return
+                self.cond.wait(0.25)  # (a timeout: Ctrl-C is seen)
+
+    def leave(self) -> None:
+        with self.cond:
+            self.depth -= 1
+            if self.depth <= 0:
+                self.holder, self.depth, self.cancel = None, 0, None
+                self.cond.notify_all()
+
+    def hand_to(self, stream: "GenerationStream") -> None:
+        """The calling thread's hold passes to a stream (released when its decoding ends)."""
+        with self.cond:
+            self.holder, self.depth, self.cancel = stream, 1, stream._cancel
+
+    def release(self, stream: "GenerationStream") -> None:
+        with self.cond:
+            if self.holder is stream:
+                self.holder, self.depth, self.cancel = None, 0, None
+                self.cond.notify_all()
+
+    def busy(self) -> bool:
+        return self.holder is not None and self.holder != threading.get_ident()
+
+
 class _ModelRef:
     """A loaded clover_model shared by the Clover objects made with :meth:`Clover.new_context`;
-    freed when the last of them closes."""
+    freed when the last of them closes, once no call is using it (``use``). Its constant
+    figures are read once at load."""
 
     def __init__(self, handle: int) -> None:
         self.handle: int | None = handle
         self.users = 1
-        self.lock = threading.Lock()
+        self.active = 0
+        self.cond = threading.Condition()
+        L = _lib()
+        self.n_vocab = int(L.clover_n_vocab(handle))
+        self.mask = int(L.clover_mask_token(handle))
+        self.eos = int(L.clover_eos_token(handle))
+        self.bos = int(L.clover_bos_token(handle))
+        self.train_block = int(L.clover_train_block_size(handle))
+        self.n_ctx_train = int(L.clover_n_ctx_train(handle))
 
     def acquire(self) -> int:
-        with self.lock:
+        with self.cond:
             if self.handle is None:
                 raise CloverError("the model is closed")
             self.users += 1
             return self.handle
 
+    def enter(self) -> int:
+        with self.cond:
+            if self.handle is None:
+                raise CloverError("the model is closed")
+            self.active += 1
+            return self.handle
+
+    def leave(self) -> None:
+        with self.cond:
+            self.active -= 1
+            if self.active == 0:
+                self.cond.notify_all()
+
     def release(self) -> None:
-        with self.lock:
+        with self.cond:
             self.users -= 1
             if self.users == 0 and self.handle is not None:
+                while self.active > 0:  # a tokenize (say) in another thread: it ends first
+                    self.cond.wait(0.25)
                 if N._lib is not None:
                     N._lib.clover_model_free(self.handle)
                 self.handle = None
@@ -514,8 +678,8 @@ class Clover:
     ``n_threads=None`` lets libclover choose from the hardware. ``block_size``: the default B
     of :meth:`generate`; None (default) = "auto" (chosen per block; its cost curve is measured
     once per model file, backend, build and thread count and kept in a disk cache, see
-    ``clover.h``); an integer fixes it. ``flash_attn``: None = llama.cpp's automatic choice, False
-    off, True on. ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
+    ``clover.h``); an integer fixes it. ``flash_attn``: None or "auto" = llama.cpp's automatic
+    choice, False or "off" off, True or "on" on. ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
     exact parity runs against the numpy reference). ``rpc_servers``: llama.cpp RPC servers
     ("HOST:PORT", a list or a comma-separated string, each running ``ggml-rpc-server``) that
     hold the offloaded layers (``n_gpu_layers``; the rest stays on this machine's CPU), split by
@@ -523,33 +687,61 @@ class Clover:
     ``override_tensor`` ("PATTERN=BUFFER,...", llama.cpp's -ot) places matching tensors, e.g.
     ``"^output\\.weight=CPU"`` keeps the output head here so that no logits cross the network. A lost
     server makes calls raise :class:`CloverError`; :meth:`reload` loads the model again. Use
-    as a context manager or call :meth:`close` (idempotent). A Clover object must not be used from two threads at once
-    (calls are serialised by a lock); distinct objects are independent."""
+    as a context manager or call :meth:`close` (idempotent).
+
+    Errors: every method raises :class:`CloverError` (a bad argument: :class:`CloverValueError`,
+    also a ValueError; a wrong type: :class:`CloverTypeError`, also a TypeError).
+
+    Threads: one object may be used from several threads. Calls that use its context
+    (generate, chat, block_logits, commit, reset, calibrate, block_size, ...) run one at a
+    time, in turn: a call waits while another thread's is in progress. A stream
+    (``generate(stream=True)``) holds the context until its decoding ends or it is closed: a
+    call from another thread waits for it (it is never cancelled by someone else); a new
+    ``generate``/``chat`` (or ``close``) from the thread that reads the stream closes it first
+    (that thread has abandoned it); its other calls wait. Tokenizer and metadata calls do not
+    wait for decoding. :meth:`close` cancels a generation in flight (at its next denoising step),
+    waits for the call in progress (and for tokenizer calls using the model), then frees
+    everything; calls made after it, or waiting when it came, raise "the model is closed".
+    Distinct objects (:meth:`new_context`) decode in parallel."""
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | None = None,
+                 n_gpu_layers: int = 0, block_size: int | None = None, *, flash_attn: bool | str | None = None,
                  kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False,
                  rpc_servers: str | Sequence[str] | None = None,
                  tensor_split: Sequence[float] | None = None, override_tensor: str | None = None) -> None:
         self._model: int | None = None
         self._shared: _ModelRef | None = None
         self._ctx: int | None = None
-        self._lock = threading.RLock()
+        self._gate = _Gate()
         self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise CloverTypeError(f"model_path must be a path, got {type(model_path).__name__}")
         self.model_path = Path(model_path)
         self._ctx_args = dict(n_ctx=n_ctx, n_threads=n_threads, block_size=block_size, flash_attn=flash_attn,
                               kv_f32=kv_f32)
         self._context_params()  # bad context arguments fail before anything is loaded
         n_gpu_layers = _int("n_gpu_layers", n_gpu_layers, -1, INT32_MAX)
         if isinstance(rpc_servers, (list, tuple)):
-            rpc_servers = ",".join(str(x) for x in rpc_servers)
+            if not all(isinstance(x, str) for x in rpc_servers):
+                raise CloverTypeError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
+            rpc_servers = ",".join(rpc_servers)
         if rpc_servers is not None and not isinstance(rpc_servers, str):
-            raise CloverError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
+            raise CloverTypeError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
+        if tensor_split is not None and (isinstance(tensor_split, (str, bytes)) or
+                                         not isinstance(tensor_split, (Sequence, np.ndarray))):
+            raise CloverTypeError(f"tensor_split must be a list of numbers, got {tensor_split!r}")
         split = [_float("tensor_split", x) for x in tensor_split] if tensor_split is not None else []
+        if any(not (0.0 <= x < math.inf) for x in split) or len(split) > 128:
+            raise CloverValueError(f"tensor_split must be at most 128 finite shares >= 0, got {split}")
         if override_tensor is not None and not isinstance(override_tensor, str):
-            raise CloverError(f"override_tensor must be 'PATTERN=BUFFER[,...]', got {override_tensor!r}")
-        self._load_args = dict(n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, rpc_servers=rpc_servers or None,
-                               tensor_split=split, override_tensor=override_tensor or None)
+            raise CloverTypeError(f"override_tensor must be 'PATTERN=BUFFER[,...]', got {override_tensor!r}")
+        for name, v in (("rpc_servers", rpc_servers), ("override_tensor", override_tensor),
+                        ("model_path", str(self.model_path))):
+            if v is not None and "\0" in v:
+                raise CloverValueError(f"{name} must not contain a NUL character")
+        self._load_args = dict(n_gpu_layers=n_gpu_layers, use_mmap=None if use_mmap is None else _bool("use_mmap", use_mmap),
+                               rpc_servers=rpc_servers or None, tensor_split=split,
+                               override_tensor=override_tensor or None)
         if not self.model_path.exists():
             raise CloverError(f"{self.model_path}: no such file", N.CLOVER_ERR_LOAD)
         if self.model_path.is_dir():
@@ -564,6 +756,8 @@ class Clover:
         a = self._ctx_args
         n_ctx = _int("n_ctx", a["n_ctx"], 1, INT32_MAX)
         n_threads = None if a["n_threads"] is None else _int("n_threads", a["n_threads"], 1, MAX_THREADS)
+        _tristate("flash_attn", a["flash_attn"])
+        _bool("kv_f32", a["kv_f32"])
         bs = a["block_size"]
         return n_ctx, n_threads, None if bs is None or (isinstance(bs, str) and bs == "auto") else \
             _int("block_size", bs, 1, n_ctx)
@@ -585,21 +779,26 @@ class Clover:
         m = L.clover_model_load(os.fsencode(self.model_path), ctypes.byref(mp), err, n)
         if not m:
             _check(N.CLOVER_ERR_LOAD, err)
-        self._model = m
         self._shared = _ModelRef(m)
+        self._model = m
 
     def reload(self) -> None:
         """Free the model and context and load them again with the same arguments: after a
-        lost RPC server, once it (or a replacement at the same address) is back."""
+        lost RPC server, once it (or a replacement at the same address) is back. Calls waiting
+        when it starts raise "the model is closed"."""
         self.close()
-        with self._lock:
+        self._gate = _Gate()
+        self._gate.enter()
+        try:
             self._load_model()
             self._make_context()
+        finally:
+            self._gate.leave()
 
     def _make_context(self, own_thread: bool = False) -> None:
         """This object's decoding context, from self._ctx_args, over its loaded model."""
         n_ctx, n_threads, block_size = self._context_params()
-        flash_attn, kv_f32 = self._ctx_args["flash_attn"], bool(self._ctx_args["kv_f32"])
+        flash_attn, kv_f32 = _tristate("flash_attn", self._ctx_args["flash_attn"]), _bool("kv_f32", self._ctx_args["kv_f32"])
         self._default_block_size: int | str = block_size if block_size is not None else "auto"
         L, m = _lib(), self._model
         err, n = N.err_buffer()
@@ -607,7 +806,7 @@ class Clover:
         cp.n_ctx = n_ctx
         cp.n_threads = n_threads if n_threads is not None else 0
         cp.block_size = block_size or 0
-        cp.flash_attn = -1 if flash_attn is None else (1 if flash_attn else 0)
+        cp.flash_attn = flash_attn
         if kv_f32:
             if not any(f[0] == "kv_f32" for f in N.clover_context_params._fields_):
                 raise CloverError("kv_f32 needs a libclover with clover_context_params.kv_f32")
@@ -618,6 +817,7 @@ class Clover:
             assert self._shared is not None
             self._shared.release()
             _check(N.CLOVER_ERR_LOAD, err)
+        self._n_ctx = int(L.clover_n_ctx(c))
         self._ctx = c
         self._own_decoder = own_thread
         self._decoder = _DecodeThread() if own_thread else _shared_decoder()
@@ -633,32 +833,49 @@ class Clover:
         cores: OpenMP slows down sharply when its threads outnumber them)."""
         unknown = set(overrides) - set(self._ctx_args)
         if unknown:
-            raise CloverError(f"new_context: unknown argument(s) {sorted(unknown)}")
+            raise CloverValueError(f"new_context: unknown argument(s) {sorted(unknown)}")
         args = {**self._ctx_args, **overrides}
-        with self._lock:
-            self._m()
+        with self._model_op():
             assert self._shared is not None
             other = object.__new__(Clover)
-            other._model = self._shared.acquire()
-            other._shared = self._shared
             other._ctx = None
-            other._lock = threading.RLock()
+            other._model = None
+            other._shared = self._shared
+            other._gate = _Gate()
             other._streams = weakref.WeakSet()
             other.model_path = self.model_path
             other._load_args = self._load_args
             other._ctx_args = args
+            other._context_params()
+            other._model = self._shared.acquire()
         other._make_context(own_thread=True)
         return other
 
     # -- lifetime
     def close(self) -> None:
-        """Free the context and the model. Safe to call more than once."""
+        """Cancel a generation in flight, wait for the call in progress, free the context and
+        the model (once no other object made by :meth:`new_context` uses it). Safe to call more
+        than once, from any thread (not from inside this object's own callbacks)."""
         self._not_in_callback()
-        self._cancel_streams()
-        with self._lock:
+        gate = getattr(self, "_gate", None)
+        if gate is None:
+            return
+        me = threading.get_ident()
+        with gate.cond:
+            gate.closed = True  # new calls, and those waiting, raise "the model is closed"
+            if gate.cancel is not None:
+                gate.cancel.set()
+        for st in list(getattr(self, "_streams", ())):
+            st._cancel.set()
+        with gate.cond:
+            while gate.holder is not None and gate.holder != me:
+                gate.cond.wait(0.25)
+            if gate.holder is None:
+                gate.holder, gate.depth = me, 1  # nobody enters again: closed
+        try:
             L = N._lib
             if self._ctx:
-                if self._own_decoder:
+                if getattr(self, "_own_decoder", False):
                     self._decoder.stop()
                 if L is not None:
                     L.clover_context_free(self._ctx)
@@ -667,6 +884,13 @@ class Clover:
                 self._model = None
                 if self._shared is not None:
                     self._shared.release()
+        finally:
+            with gate.cond:
+                if gate.holder == me:
+                    gate.depth -= 1
+                    if gate.depth <= 0:
+                        gate.holder, gate.depth = None, 0
+                gate.cond.notify_all()
 
     @property
     def closed(self) -> bool:
@@ -685,7 +909,12 @@ class Clover:
             pass
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"block_size={self.block_size}, n_ctx={self.n_ctx}"
+        if self.closed:
+            state = "closed"
+        elif self._gate.busy():
+            state = f"busy, n_ctx={self._n_ctx}"
+        else:
+            state = f"block_size={self.block_size}, n_ctx={self._n_ctx}"
         return f"Clover({str(self.model_path)!r}, {state})"
 
     def _m(self) -> int:
@@ -699,6 +928,36 @@ class Clover:
         assert self._ctx is not None
         return self._ctx
 
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[int]:
+        """A call that uses the context: waits its turn (see the class doc); yields the context."""
+        self._not_in_callback()
+        self._gate.enter()
+        try:
+            yield self._c()
+        finally:
+            self._gate.leave()
+
+    @contextlib.contextmanager
+    def _model_op(self) -> Iterator[int]:
+        """A call that uses the model only (tokenizer, metadata): no turn to wait for, but the
+        model is not freed under it."""
+        shared = self._shared
+        if shared is None or self._model is None:
+            raise CloverError("the model is closed")
+        h = shared.enter()
+        try:
+            if self._model is None:
+                raise CloverError("the model is closed")
+            yield h
+        finally:
+            shared.leave()
+
+    def _info(self) -> _ModelRef:
+        if self._shared is None or self._model is None:
+            raise CloverError("the model is closed")
+        return self._shared
+
     def _not_in_callback(self) -> None:
         # a callback runs inside the native decode loop: touching the context from there
         # (close, reset, block_size, another generate) would pull it out from under the loop
@@ -706,63 +965,71 @@ class Clover:
             raise CloverError("this Clover object cannot be used from inside one of its own callbacks "
                               "(on_step/on_block); return True from the callback to stop instead")
 
-    def _cancel_streams(self) -> None:
-        """Cancel and join the streams of this object that were left unfinished."""
-        me = threading.current_thread()
+    def _close_my_streams(self) -> None:
+        """Close the streams of this object that the calling thread reads (it has abandoned
+        them); the others are left to their readers."""
+        me = threading.get_ident()
         for st in list(self._streams):
-            if st._thread is not me:
+            if st._reader == me and not st._finished.is_set():
                 st.close()
 
     # -- properties
     @property
     def n_vocab(self) -> int:
-        return int(_lib().clover_n_vocab(self._m()))
+        return self._info().n_vocab
 
     @property
     def mask_token(self) -> int:
-        return int(_lib().clover_mask_token(self._m()))
+        return self._info().mask
 
     @property
     def eos_token(self) -> int:
-        return int(_lib().clover_eos_token(self._m()))
+        return self._info().eos
+
+    @property
+    def bos_token(self) -> int:
+        return self._info().bos
 
     @property
     def train_block_size(self) -> int:
-        return int(_lib().clover_train_block_size(self._m()))
+        return self._info().train_block
 
     @property
     def n_ctx_train(self) -> int:
-        return int(_lib().clover_n_ctx_train(self._m()))
+        return self._info().n_ctx_train
 
     @property
     def n_ctx(self) -> int:
-        return int(_lib().clover_n_ctx(self._c()))
+        self._m()
+        return self._n_ctx
 
     @property
     def n_committed(self) -> int:
-        return int(_lib().clover_n_committed(self._c()))
+        with self._op() as c:
+            return int(_lib().clover_n_committed(c))
 
     @property
     def block_size(self) -> int:
         """The context's block size B. Setting it recreates the llama.cpp context (memory cleared)."""
-        return int(_lib().clover_block_size(self._c()))
+        with self._op() as c:
+            return int(_lib().clover_block_size(c))
 
     @block_size.setter
     def block_size(self, value: int) -> None:
         value = _int("block_size", value, 1, self.n_ctx)
-        with self._lock:
+        with self._op() as c:
             err, n = N.err_buffer()
-            _check(_lib().clover_set_block_size(self._c(), value, err, n), err)
+            _check(self._decoder.call(lambda: _lib().clover_set_block_size(c, value, err, n)), err)
 
     def calibrate(self, fused: bool = False) -> dict[int, float] | dict[int, tuple[float, float]]:
         """Measure the cost curve used by block_size="auto" (bypassing the disk cache):
         {B: ms per block pass} for B = 1, 2, 4, ...; with fused=True {B: (pass ms, ms of a
         commit fused with a pass)}. Clears the memory."""
-        with self._lock:
+        fused = _bool("fused", fused)
+        with self._op() as c:
             L, err, n = _lib(), *N.err_buffer()
             sizes, cnt = (ctypes.c_int32 * 32)(), ctypes.c_int32(0)
             ms, msf = (ctypes.c_double * 32)(), (ctypes.c_double * 32)()
-            c = self._c()
             _check(self._decoder.call(lambda: L.clover_calibrate(c, sizes, ms, msf, 32, ctypes.byref(cnt), err, n)),
                    err)
             k = min(cnt.value, 32)
@@ -772,35 +1039,50 @@ class Clover:
 
     def set_cost_curve(self, curve: Mapping[int, float], fused: Mapping[int, float] | None = None) -> None:
         """Set the cost curve for block_size="auto" ({1: ms, 2: ms, 4: ms, ...}; fused: the
-        cost of a commit fused with a pass, by default that of a pass of 2B) instead of
-        measuring it, e.g. from an earlier :meth:`calibrate`. Resets the running tokens per pass."""
-        items = sorted((int(b), float(v)) for b, v in curve.items())
-        with self._lock:
+        cost of a commit fused with a pass, by default that of a pass of 2B, else with the
+        same keys) instead of measuring it, e.g. from an earlier :meth:`calibrate`. Costs must
+        be in (0, 1e9] ms (libclover's check). Resets the running tokens per pass."""
+        if not isinstance(curve, Mapping) or not curve:
+            raise CloverTypeError(f"curve must be a non-empty mapping {{block size: ms}}, got {curve!r}"[:200])
+        if fused is not None and not isinstance(fused, Mapping):
+            raise CloverTypeError(f"fused must be a mapping {{block size: ms}} or None, got {fused!r}"[:200])
+        items = sorted((_int("cost curve block size", b, 1, INT32_MAX), _float("cost curve ms", v))
+                       for b, v in curve.items())
+        msf_items: list[float] | None = None
+        if fused is not None:
+            fk = {_int("fused block size", b, 1, INT32_MAX): _float("fused ms", v) for b, v in fused.items()}
+            if set(fk) != {b for b, _ in items}:
+                raise CloverValueError(f"fused must have the block sizes of curve ({sorted(b for b, _ in items)}), "
+                                       f"got {sorted(fk)}")
+            msf_items = [fk[b] for b, _ in items]
+        with self._op() as c:
             err, n = N.err_buffer()
             sizes = N.as_int32_array([b for b, _ in items])
-            ms = (ctypes.c_double * max(1, len(items)))(*[v for _, v in items])
-            msf = None
-            if fused is not None:
-                msf = (ctypes.c_double * max(1, len(items)))(*[float(fused[b]) for b, _ in items])
-            _check(_lib().clover_set_cost_curve(self._c(), sizes, ms, msf, len(items), err, n), err)
+            ms = (ctypes.c_double * len(items))(*[v for _, v in items])
+            msf = None if msf_items is None else (ctypes.c_double * len(items))(*msf_items)
+            _check(_lib().clover_set_cost_curve(c, sizes, ms, msf, len(items), err, n), err)
 
     def set_n_threads(self, n_threads: int) -> None:
-        with self._lock:
-            _check(_lib().clover_set_n_threads(self._c(), _int("n_threads", n_threads, 1, MAX_THREADS)), None)
+        n_threads = _int("n_threads", n_threads, 1, MAX_THREADS)
+        with self._op() as c:
+            _check(_lib().clover_set_n_threads(c, n_threads), None)
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None if absent."""
-        L, m = _lib(), self._m()
-        k = key.encode()
-        size = 256
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = L.clover_model_meta(m, k, buf, size)
-            if n < 0:
-                return None
-            if n < size:
-                return buf.raw[:n].decode("utf-8", "replace")
-            size = n + 1
+        k = _str("key", key).encode("utf-8", "surrogateescape")
+        if b"\0" in k:
+            raise CloverValueError("key must not contain a NUL character")
+        L = _lib()
+        with self._model_op() as m:
+            size = 256
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = L.clover_model_meta(m, k, buf, size)
+                if n < 0:
+                    return None
+                if n < size:
+                    return buf.raw[:n].decode("utf-8", "replace")
+                size = n + 1
 
     @property
     def chat_template(self) -> str | None:
@@ -814,41 +1096,48 @@ class Clover:
             try:
                 data = text.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise CloverError(f"text is not valid Unicode: {e.reason} at index {e.start}") from None
+                raise CloverValueError(f"text is not valid Unicode: {e.reason} at index {e.start}") from None
         elif isinstance(text, (bytes, bytearray, memoryview)):
             data = bytes(text)
         else:
-            raise CloverError(f"expected text (str or bytes), got {type(text).__name__}")
-        L, m = _lib(), self._m()
+            raise CloverTypeError(f"expected text (str or bytes), got {type(text).__name__}")
+        if len(data) > INT32_MAX - 16:
+            raise CloverValueError(f"text too long to tokenize ({len(data)} bytes)")
+        add_special, parse_special = _bool("add_special", add_special), _bool("parse_special", parse_special)
+        L = _lib()
         cap = len(data) + 16
-        for _ in range(2):
-            buf = (ctypes.c_int32 * cap)()
-            n_out = ctypes.c_int32(0)
-            st = L.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special),
-                                   ctypes.byref(n_out))
-            if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
-                cap = n_out.value + 1
-                continue
-            _check(st, None, "tokenize")
-            return list(buf[: n_out.value])
+        with self._model_op() as m:
+            for _ in range(2):
+                buf = (ctypes.c_int32 * cap)()
+                n_out = ctypes.c_int32(0)
+                st = L.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special),
+                                       ctypes.byref(n_out))
+                if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+                    cap = n_out.value + 1
+                    continue
+                _check(st, None, "tokenize")
+                return list(buf[: n_out.value])
         raise CloverError("tokenize: buffer size negotiation failed", N.CLOVER_ERR_INTERNAL)
 
     def detokenize_bytes(self, tokens: Sequence[int], special: bool = False) -> bytes:
         toks = self._tokens(tokens)
+        special = _bool("special", special)
         if not toks:
+            self._info()
             return b""
-        L, m = _lib(), self._m()
+        L = _lib()
         arr = N.as_int32_array(toks)
         cap = 8 * len(toks) + 16
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(cap)
-            n_out = ctypes.c_int32(0)
-            st = L.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
-            if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
-                cap = n_out.value + 1
-                continue
-            _check(st, None, "detokenize")
-            return buf.raw[: n_out.value]
+        with self._model_op() as m:
+            for _ in range(2):
+                buf = ctypes.create_string_buffer(cap)
+                n_out = ctypes.c_int32(0)
+                st = L.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
+                if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+                    cap = n_out.value + 1
+                    continue
+                _check(st, None, "detokenize")
+                return buf.raw[: n_out.value]
         raise CloverError("detokenize: buffer size negotiation failed", N.CLOVER_ERR_INTERNAL)
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
@@ -856,62 +1145,89 @@ class Clover:
         return self.detokenize_bytes(tokens, special).decode("utf-8", "replace")
 
     def token_to_piece(self, token: int, special: bool = True) -> bytes:
-        L, m = _lib(), self._m()
-        buf = ctypes.create_string_buffer(64)
-        n_out = ctypes.c_int32(0)
-        st = L.clover_token_to_piece(m, int(token), buf, 64, int(special), ctypes.byref(n_out))
-        if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
-            buf = ctypes.create_string_buffer(n_out.value + 1)
-            st = L.clover_token_to_piece(m, int(token), buf, n_out.value + 1, int(special), ctypes.byref(n_out))
+        """The bytes of one token (special: render special tokens' text)."""
+        token = self._token(token)
+        special = _bool("special", special)
+        L = _lib()
+        with self._model_op() as m:
+            buf = ctypes.create_string_buffer(64)
+            n_out = ctypes.c_int32(0)
+            st = L.clover_token_to_piece(m, token, buf, 64, int(special), ctypes.byref(n_out))
+            if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+                buf = ctypes.create_string_buffer(n_out.value + 1)
+                st = L.clover_token_to_piece(m, token, buf, n_out.value + 1, int(special), ctypes.byref(n_out))
         if st < 0:
             _check(st, None, "token_to_piece")
         # clover.h documents "returns the number of bytes written"; the implementation returns
         # CLOVER_OK and reports the count through n_out - accept both
         return buf.raw[: (st if st > 0 else n_out.value)]
 
+    def _token(self, t: Any) -> int:
+        """One token id, checked against the vocabulary (never wrapped to 32 bits)."""
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise CloverTypeError(f"a token id must be an integer, got {t!r}"[:200])
+        t, nv = int(t), self.n_vocab
+        if not 0 <= t < nv:
+            raise CloverValueError(f"token id {t} out of range [0, {nv})")
+        return t
+
     def _tokens(self, tokens: Any) -> list[int]:
+        """Token ids, each an integer in [0, n_vocab) (values past 32 bits are refused, not wrapped)."""
         if isinstance(tokens, (str, bytes)):
-            raise CloverError("expected a sequence of token ids, got text")
+            raise CloverTypeError("expected a sequence of token ids, got text")
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1:
+                raise CloverValueError(f"expected a 1-D sequence of token ids, got an array of shape {tokens.shape}")
+            if tokens.dtype.kind not in "iu":
+                raise CloverTypeError(f"expected integer token ids, got an array of {tokens.dtype}")
+            tokens = tokens.tolist()
         try:
-            toks = [int(t) for t in tokens]
-        except (TypeError, ValueError) as e:
-            raise CloverError(f"expected a sequence of token ids: {e}") from None
-        return toks
+            it = iter(tokens)
+        except TypeError:
+            raise CloverTypeError(f"expected a sequence of token ids, got {type(tokens).__name__}") from None
+        nv = self.n_vocab
+        out: list[int] = []
+        for t in it:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise CloverTypeError(f"expected a sequence of token ids, got an element {t!r}"[:200])
+            t = int(t)
+            if not 0 <= t < nv:
+                raise CloverValueError(f"token id {t} out of range [0, {nv})")
+            out.append(t)
+        if len(out) > INT32_MAX:
+            raise CloverValueError(f"too many tokens ({len(out)})")
+        return out
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenize(prompt, add_special=True, parse_special=True)
-        toks = self._tokens(prompt)
-        nv = self.n_vocab
-        for t in toks:
-            if not 0 <= t < nv:
-                raise CloverError(f"token id {t} out of range [0, {nv})")
-        return toks
+        return self._tokens(prompt)
 
     # -- low level passes
     def reset(self) -> None:
         """Clear the memory (no committed tokens)."""
-        with self._lock:
-            _check(_lib().clover_reset(self._c()), None, "reset")
+        with self._op() as c:
+            _check(_lib().clover_reset(c), None, "reset")
 
     def commit(self, tokens: Sequence[int], logits: bool = False) -> np.ndarray | None:
         """Commit tokens (n >= 1) causally at the end of the memory. With ``logits``, returns the
         logits [n, n_vocab] (float32) of the committed positions: row t predicts token t + 1, as
         llama.cpp's causal decoding of the same text gives them."""
         toks = self._tokens(tokens)
-        with self._lock:
+        logits = _bool("logits", logits)
+        with self._op() as c:
             err, n = N.err_buffer()
-            c, arr = self._c(), N.as_int32_array(toks)
+            arr = N.as_int32_array(toks)
             out = np.empty((max(len(toks), 1), self.n_vocab), dtype=np.float32) if logits else None
-            ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if logits else None
+            ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if out is not None else None
             _check(self._decoder.call(lambda: _lib().clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
-            return out[: len(toks)] if logits else None
+            return out[: len(toks)] if out is not None else None
 
     def last_logits(self) -> np.ndarray:
         """The logits [n_vocab] of the last committed position: the prediction of the next one."""
-        with self._lock:
+        with self._op() as c:
             out = np.empty(self.n_vocab, dtype=np.float32)
-            if _lib().clover_last_logits(self._c(), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
+            if _lib().clover_last_logits(c, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
                 raise CloverError("nothing is committed")
             return out
 
@@ -920,10 +1236,9 @@ class Clover:
         which is left unchanged; row t predicts token t + 1. With ``commit_before``, the memory is
         first reset and those tokens are committed."""
         toks = self._tokens(tokens)
-        with self._lock:
-            c = self._c()
-            if commit_before is not None:
-                before = self._tokens(commit_before)
+        before = self._tokens(commit_before) if commit_before is not None else None
+        with self._op() as c:
+            if before is not None:
                 self.reset()
                 if before:
                     self.commit(before)
@@ -944,22 +1259,23 @@ class Clover:
         n_ctx = _int("n_ctx", n_ctx, 2, self.n_ctx)
         n_chunk = len(toks) // n_ctx
         if n_chunk < 2:
-            raise CloverError(f"perplexity needs at least {2 * n_ctx} tokens (2 chunks of n_ctx={n_ctx}), "
-                              f"the text has {len(toks)}")
-        bos = int(_lib().clover_bos_token(self._m()))
+            raise CloverValueError(f"perplexity needs at least {2 * n_ctx} tokens (2 chunks of n_ctx={n_ctx}), "
+                                   f"the text has {len(toks)}")
+        bos = self.bos_token
         first, nll, count = n_ctx // 2, 0.0, 0
-        for i in range(n_chunk):
-            chunk = toks[i * n_ctx:(i + 1) * n_ctx]
-            if bos >= 0 and isinstance(text, str):
-                chunk[0] = bos
+        with self._op():
+            for i in range(n_chunk):
+                chunk = toks[i * n_ctx:(i + 1) * n_ctx]
+                if bos >= 0 and isinstance(text, str):
+                    chunk[0] = bos
+                self.reset()
+                logits = self.commit(chunk, logits=True).astype(np.float64)
+                rows = logits[first:n_ctx - 1]
+                m = rows.max(axis=1, keepdims=True)
+                logp = rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
+                nll -= float(logp[np.arange(len(rows)), chunk[first + 1:]].sum())
+                count += len(rows)
             self.reset()
-            logits = self.commit(chunk, logits=True).astype(np.float64)
-            rows = logits[first:n_ctx - 1]
-            m = rows.max(axis=1, keepdims=True)
-            logp = rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
-            nll -= float(logp[np.arange(len(rows)), chunk[first + 1:]].sum())
-            count += len(rows)
-        self.reset()
         return Perplexity(ppl=math.exp(nll / count), n_tokens=count, n_chunks=n_chunk, n_ctx=n_ctx)
 
     # -- generation
@@ -979,7 +1295,7 @@ class Clover:
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, block_size: int | str | None = "default",
                  threshold: float = 0.9, max_steps: int = 0, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True, stream: bool = False,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
                  draft_self: bool = False, grammar: str | None = None, logprobs: int | None = None,
@@ -992,7 +1308,11 @@ class Clover:
         auto call, see :meth:`calibrate`) and the running tokens per pass (rules in clover.h).
         None = the context's current block size.
         threshold: unmask every masked position whose confidence >= threshold (in [0, 1]).
-        max_steps: per-block step cap (0 = none). temperature 0 = greedy.
+        max_steps: per-block step cap (0 = none). temperature 0 = greedy (libclover also decodes
+        greedily below CLOVER_MIN_TEMPERATURE = 1e-6 and for top_p below 1 / n_vocab, 0 included;
+        top_k >= n_vocab is off).
+        seed: the sampler's seed; None (default) or -1 = a fresh random seed per call; the seed
+        used is in ``result.seed`` (and ``stats.seed``): passing it again reproduces the output.
         on_step(canvas_tokens, n_masked, block_start): called after every denoising step with
         the block's B tokens (masked ones = the mask token); returning True cancels.
         on_block(text, tokens): called with each committed block's text; True cancels.
@@ -1022,52 +1342,69 @@ class Clover:
         Returns a :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`
         yielding the text as it becomes final: after every denoising step, the new part of the
         block's contiguous unmasked prefix."""
+        self._not_in_callback()
         if isinstance(block_size, str) and block_size == "default":
             block_size = self._default_block_size
         kw = self._gen_params(max_tokens, block_size, threshold, max_steps, temperature, top_k, top_p, seed)
         toks = self._prompt_tokens(prompt)
+        if stop_tokens is None:
+            stop_tokens = ()
         stops = self._tokens(stop_tokens)
-        if isinstance(stop, str):
-            stop = [stop]
-        if not all(isinstance(x, str) for x in stop):
-            raise CloverError("stop must be a string or a list of strings")
-        kw.update(stop_strings=list(stop), reuse_prefix=bool(reuse_prefix), draft_self=bool(draft_self),
-                  chat_text=_chat_text, **_constraint_params(grammar, logprobs, response_format))
-        self._not_in_callback()
-        self._cancel_streams()  # a stream left unfinished must not keep decoding (or hold the lock)
+        kw.update(stop_strings=_strings("stop", stop), reuse_prefix=_bool("reuse_prefix", reuse_prefix),
+                  draft_self=_bool("draft_self", draft_self), chat_text=_chat_text,
+                  **_constraint_params(grammar, logprobs, response_format))
+        stop_at_eos, stream = _bool("stop_at_eos", stop_at_eos), _bool("stream", stream)
+        _callable("on_step", on_step)
+        _callable("on_block", on_block)
+        if len(toks) + kw["max_tokens"] > self.n_ctx:  # before waiting, and before an output buffer of max_tokens
+            raise CloverError(f"prompt ({len(toks)} tokens) + max_tokens ({kw['max_tokens']}) exceeds "
+                              f"n_ctx={self.n_ctx}", N.CLOVER_ERR_CONTEXT_FULL)
+        self._close_my_streams()  # a stream this thread left unfinished must not keep decoding
         if not stream:
-            # on the object's decode thread (see _DecodeThread); Ctrl-C here cancels it at the
-            # next denoising step and is raised
-            cancel = threading.Event()
-            return self._decoder.call(
-                lambda: self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, None, cancel), cancel)
+            # on the object's decode thread (see _DecodeThread), in this object's turn; Ctrl-C
+            # (or close() from another thread) cancels it at the next denoising step
+            with self._op():
+                cancel = threading.Event()
+                self._gate.cancel = cancel
+                return self._decoder.call(
+                    lambda: self._run(toks, kw, stop_at_eos, stops, on_step, on_block, None, cancel), cancel)
 
         def run(push: Callable[[str, list[int]], bool], cancel: threading.Event) -> GenerationResult:
-            return self._run(toks, kw, bool(stop_at_eos), stops, on_step, on_block, push, cancel)
+            return self._run(toks, kw, stop_at_eos, stops, on_step, on_block, push, cancel)
 
-        s = GenerationStream(run, self._decoder)
+        self._gate.enter()  # the stream holds the turn until its decoding ends
+        try:
+            self._c()
+            s = GenerationStream(run, self._decoder, self._gate)
+        except BaseException:
+            self._gate.leave()
+            raise
         self._streams.add(s)
         return s
 
     def _gen_params(self, max_tokens: Any, block_size: Any, threshold: Any, max_steps: Any, temperature: Any,
                     top_k: Any, top_p: Any, seed: Any) -> dict[str, Any]:
+        if seed is None or (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed == -1):
+            seed = secrets.randbits(63)  # a fresh seed per call, reported in the result
         kw: dict[str, Any] = dict(max_tokens=_int("max_tokens", max_tokens, 0, INT32_MAX),
                                   max_steps=_int("max_steps", max_steps, 0, INT32_MAX),
                                   top_k=_int("top_k", top_k, 0, INT32_MAX),
-                                  seed=_int("seed", seed, 0, 2**64 - 1))
+                                  seed=_int("seed (None or -1 = random)", seed, 0, 2**64 - 1))
         if isinstance(block_size, str) and block_size == "auto":
             kw["block_size"] = N.CLOVER_BLOCK_SIZE_AUTO
         elif block_size is not None:
             kw["block_size"] = _int("block_size", block_size, 1, INT32_MAX)
+        # the ranges libclover accepts (it is the authority and normalises the degenerate values:
+        # tiny temperature / top_p = greedy, top_k >= n_vocab = off), checked here before waiting
         th = _float("threshold", threshold)
         if not 0.0 <= th <= 1.0:
-            raise CloverError(f"threshold must be in [0, 1], got {th}")
+            raise CloverValueError(f"threshold must be in [0, 1], got {th}")
         t = _float("temperature", temperature)
-        if t < 0:
-            raise CloverError(f"temperature must be >= 0, got {t}")
+        if not 0.0 <= t < math.inf:
+            raise CloverValueError(f"temperature must be finite and >= 0, got {t}")
         p = _float("top_p", top_p)
-        if not 0.0 < p <= 1.0:
-            raise CloverError(f"top_p must be in (0, 1], got {p}")
+        if not 0.0 <= p <= 1.0:
+            raise CloverValueError(f"top_p must be in [0, 1], got {p}")
         kw.update(threshold=th, temperature=t, top_p=p)
         return kw
 
@@ -1092,6 +1429,9 @@ class Clover:
         else:
             prefix_stops = stopset
         mask, n_prompt, budget = self.mask_token, len(toks), kw["max_tokens"]
+        if cancel is not None and cancel.is_set():  # (a stream closed before its turn came)
+            return GenerationResult(text="", tokens=[], stats=GenerationStats(n_prompt=n_prompt,
+                                                                             finish_reason="cancelled", seed=kw["seed"]))
 
         def advance(bt: list[int], final: bool) -> bool:
             """bt: the current block's output known so far (a prefix of what it will be).
@@ -1160,53 +1500,51 @@ class Clover:
                 state["exc"] = e
                 return 1
 
-        if n_prompt + budget > self.n_ctx:  # before allocating an output buffer of max_tokens
-            raise CloverError(f"prompt ({n_prompt} tokens) + max_tokens ({budget}) exceeds n_ctx={self.n_ctx}",
-                              N.CLOVER_ERR_CONTEXT_FULL)
         c_step = N.clover_step_callback(step_cb)
         c_block = N.clover_block_callback(block_cb)
-        with self._lock:
-            c = self._c()
-            gp = L.clover_generate_default_params()
-            gp.block_size = kw.get("block_size", 0)
-            gp.threshold = kw["threshold"]
-            gp.max_steps = kw["max_steps"]
-            gp.temperature = kw["temperature"]
-            gp.top_k = kw["top_k"]
-            gp.top_p = kw["top_p"]
-            gp.seed = kw["seed"]
-            gp.max_tokens = kw["max_tokens"]
-            gp.stop_at_eos = 1 if stop_at_eos else 0
-            gp.step_callback = c_step
-            gp.block_callback = c_block
-            gp.reuse_prefix = 1 if kw.get("reuse_prefix", True) else 0
-            gp.draft_self = 1 if kw.get("draft_self", False) else 0
-            cap = max(kw["max_tokens"], 1)
-            n_top = kw.get("logprobs")
-            if kw.get("grammar"):
-                gp.grammar = kw["grammar"].encode("utf-8")
-            if n_top is not None:  # grammar / logprobs: clover.h, clover_generate_params
-                lp_buf, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * max(cap * n_top, 1))(),
-                                           (ctypes.c_float * max(cap * n_top, 1))())
-                gp.logprobs, gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = lp_buf, n_top, top_tok, top_lp
-            out = (ctypes.c_int32 * cap)()
-            n_out = ctypes.c_int32(0)
-            st = N.clover_stats()
-            err, n = N.err_buffer()
-            arr = N.as_int32_array(toks)
-            self._owner = threading.get_ident()
-            try:
-                rc = L.clover_generate(c, arr, len(toks), ctypes.byref(gp), out, cap, ctypes.byref(n_out),
-                                       ctypes.byref(st), err, n)
-            finally:
-                self._owner = None
-            B = int(st.block_size) or int(L.clover_block_size(c))
+        # (the caller holds this object's turn: see _op / GenerationStream)
+        c = self._c()
+        gp = L.clover_generate_default_params()
+        gp.block_size = kw.get("block_size", 0)
+        gp.threshold = kw["threshold"]
+        gp.max_steps = kw["max_steps"]
+        gp.temperature = kw["temperature"]
+        gp.top_k = kw["top_k"]
+        gp.top_p = kw["top_p"]
+        gp.seed = kw["seed"]
+        gp.max_tokens = kw["max_tokens"]
+        gp.stop_at_eos = 1 if stop_at_eos else 0
+        gp.step_callback = c_step
+        gp.block_callback = c_block
+        gp.reuse_prefix = 1 if kw.get("reuse_prefix", True) else 0
+        gp.draft_self = 1 if kw.get("draft_self", False) else 0
+        cap = max(kw["max_tokens"], 1)
+        n_top = kw.get("logprobs")
+        if kw.get("grammar"):
+            gp.grammar = kw["grammar"].encode("utf-8")
+        if n_top is not None:  # grammar / logprobs: clover.h, clover_generate_params
+            lp_buf, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * max(cap * n_top, 1))(),
+                                       (ctypes.c_float * max(cap * n_top, 1))())
+            gp.logprobs, gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = lp_buf, n_top, top_tok, top_lp
+        out = (ctypes.c_int32 * cap)()
+        n_out = ctypes.c_int32(0)
+        st = N.clover_stats()
+        err, n = N.err_buffer()
+        arr = N.as_int32_array(toks)
+        self._owner = threading.get_ident()
+        try:
+            rc = L.clover_generate(c, arr, len(toks), ctypes.byref(gp), out, cap, ctypes.byref(n_out),
+                                   ctypes.byref(st), err, n)
+        finally:
+            self._owner = None
+        B = int(st.block_size) or int(L.clover_block_size(c))
         if state["exc"] is not None:
             raise state["exc"]
         if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):
             _check(rc, err)
         tokens = list(out[: n_out.value])
         stats = GenerationStats._from_native(st, B)
+        stats.seed = kw["seed"]
         if state["stopped"]:
             tokens = got
             stats.finish_reason = "stop"
@@ -1244,7 +1582,7 @@ class Clover:
         of :meth:`generate` (stream=True works). The conversation's earlier turns are not
         re-read when the context still holds them (prefix reuse)."""
         prompt = self.format_chat(messages)
-        stops = list(gen_kwargs.pop("stop_tokens", ())) + self._stop_tokens()
+        stops = self._tokens(gen_kwargs.pop("stop_tokens", None) or ()) + self._stop_tokens()
         return self.generate(self.chat_tokens(prompt), stop_tokens=stops, _chat_text=prompt, **gen_kwargs)
 
     def chat_tokens(self, prompt: str) -> list[int]:
@@ -1272,3 +1610,200 @@ class Clover:
         return render_chat(messages, self.chat_template, add_generation_prompt,
                            bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
                            eos_token=self._special_text("tokenizer.ggml.eos_token_id"), **template_kwargs)
+
+    # -- llama-cpp-python compatible calls (OpenAI-shaped dicts)
+    def _llama_kwargs(self, where: str, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any,
+                      stop: Any, logprobs: Any, grammar: Any, response_format: Any, stream: Any,
+                      neutral: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+        """generate() keyword arguments for create_completion / create_chat_completion: every
+        argument is honoured or refused (a knob Clover's sampler does not have is accepted only
+        at its neutral value)."""
+        for name, (value, ok) in neutral.items():
+            if value is not None and not (value == ok if not isinstance(ok, tuple) else value in ok):
+                raise CloverValueError(f"{where}: {name}={value!r} is not supported by Clover; leave it at "
+                                       f"{ok if not isinstance(ok, tuple) else ok[0]!r}"[:300])
+        kw: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                  stop=_strings("stop", stop), stream=_bool("stream", stream))
+        if max_tokens is not None:
+            kw["max_tokens"] = _int("max_tokens", max_tokens)
+        extra = {"logprobs": logprobs, "grammar": grammar, "response_format": response_format}
+        accepts = inspect.signature(self.generate).parameters
+        for name, value in extra.items():
+            if value is None or value is False:
+                continue
+            if name not in accepts:
+                raise CloverValueError(f"{where}: {name} is not supported by this build of clover_cpp")
+            if name == "grammar" and not isinstance(value, str):  # llama_cpp.LlamaGrammar
+                value = getattr(value, "_grammar", None) or getattr(value, "grammar", None)
+                if not isinstance(value, str):
+                    raise CloverTypeError(f"{where}: grammar must be GBNF text or a llama_cpp.LlamaGrammar")
+            kw[name] = value
+        if kw.get("logprobs") is not None and kw["stream"]:
+            raise CloverValueError(f"{where}: logprobs with stream=True is not supported; use stream=False")
+        return kw
+
+    def _budget(self, kw: dict[str, Any], n_prompt: int) -> None:
+        """max_tokens None or <= 0 (llama-cpp-python): until EOS or the context's end."""
+        if kw.get("max_tokens") is None or kw["max_tokens"] <= 0:
+            room = self.n_ctx - n_prompt
+            B = self._default_block_size
+            if isinstance(B, int):
+                room = room // B * B
+            if room <= 0:
+                raise CloverError(f"the prompt ({n_prompt} tokens) leaves no room in n_ctx={self.n_ctx}",
+                                  N.CLOVER_ERR_CONTEXT_FULL)
+            kw["max_tokens"] = room
+
+    @staticmethod
+    def _finish(r: GenerationResult, max_tokens: int) -> str:
+        return "length" if r.finish_reason == "max_tokens" or (
+            r.finish_reason not in ("eos", "stop") and len(r.tokens) >= max_tokens) else "stop"
+
+    def _completion_logprobs(self, r: GenerationResult, offset: int) -> dict[str, Any] | None:
+        if getattr(r, "logprobs", None) is None:
+            return None
+        pieces = [self.token_to_piece(t).decode("utf-8", "replace") for t in r.tokens]
+        offsets, pos = [], offset
+        for p in pieces:
+            offsets.append(pos)
+            pos += len(p)
+        tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
+        return {"tokens": pieces, "token_logprobs": list(r.logprobs), "text_offset": offsets,
+                "top_logprobs": [{self.token_to_piece(t).decode("utf-8", "replace"): lp for t, lp in row}
+                                 for row in tops]}
+
+    def _chat_logprobs(self, r: GenerationResult) -> dict[str, Any] | None:
+        if getattr(r, "logprobs", None) is None:
+            return None
+        tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            b = self.token_to_piece(t)
+            return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in row]}
+                            for t, lp, row in zip(r.tokens, r.logprobs, tops)]}
+
+    def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float | None = None,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | Sequence[str] | None = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                          stopping_criteria: Any = None, logits_processor: Any = None, grammar: Any = None,
+                          logit_bias: Mapping[int, float] | None = None, **gen_kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.create_completion``: the same arguments and defaults
+        (temperature 0.8, top_p 0.95, top_k 40, max_tokens 16; None or <= 0 = until EOS or the
+        context's end) and an OpenAI-shaped ``text_completion`` dict, or with ``stream=True`` an
+        iterator of ``text_completion`` chunks (the last one carries ``finish_reason``).
+        Arguments Clover's sampler lacks (min_p, typical_p, penalties, mirostat, tfs_z,
+        logit_bias, suffix, stopping_criteria, logits_processor) are refused unless left at
+        their neutral values; ``logprobs`` / ``grammar`` need a build whose generate() has them.
+        Extra keyword arguments go to :meth:`generate` (block_size, threshold, ...)."""
+        where = "create_completion"
+        kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, grammar, None,
+                                stream, {"suffix": (suffix, None), "min_p": (min_p, (0.0, None)),
+                                         "typical_p": (typical_p, 1.0), "frequency_penalty": (frequency_penalty, 0.0),
+                                         "presence_penalty": (presence_penalty, 0.0),
+                                         "repeat_penalty": (repeat_penalty, 1.0), "tfs_z": (tfs_z, 1.0),
+                                         "mirostat_mode": (mirostat_mode, 0),
+                                         "stopping_criteria": (stopping_criteria, None),
+                                         "logits_processor": (logits_processor, None),
+                                         "logit_bias": (logit_bias or None, None)})
+        if isinstance(prompt, str):
+            prompt_text, toks = prompt, self.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            toks = self._tokens(prompt)
+            prompt_text = self.detokenize(toks)
+        self._budget(kw, len(toks))
+        echo = _bool("echo", echo)
+        head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+                "model": model if isinstance(model, str) else str(self.model_path)}
+        if kw["stream"]:
+            s = self.generate(toks, **kw, **gen_kwargs)
+
+            def chunks() -> Iterator[dict[str, Any]]:
+                with s:
+                    if echo and prompt_text:
+                        yield {**head, "choices": [{"text": prompt_text, "index": 0, "logprobs": None,
+                                                    "finish_reason": None}]}
+                    for piece in s:
+                        yield {**head, "choices": [{"text": piece, "index": 0, "logprobs": None,
+                                                    "finish_reason": None}]}
+                assert s.result is not None
+                yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None,
+                                            "finish_reason": self._finish(s.result, kw["max_tokens"])}]}
+            return chunks()
+        r = self.generate(toks, **kw, **gen_kwargs)
+        text = (prompt_text if echo else "") + r.text
+        return {**head, "choices": [{"text": text, "index": 0,
+                                     "logprobs": self._completion_logprobs(r, len(prompt_text) if echo else 0),
+                                     "finish_reason": self._finish(r, kw["max_tokens"])}],
+                "usage": {"prompt_tokens": len(toks), "completion_tokens": len(r.tokens),
+                          "total_tokens": len(toks) + len(r.tokens)}}
+
+    def __call__(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """``create_completion`` (as ``Llama.__call__``)."""
+        return self.create_completion(prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], functions: Any = None,
+                               function_call: Any = None, tools: Any = None, tool_choice: Any = None,
+                               temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
+                               min_p: float | None = None, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | Sequence[str] | None = None, seed: int | None = None,
+                               response_format: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                               mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                               logits_processor: Any = None, grammar: Any = None,
+                               logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
+                               top_logprobs: int | None = None, **gen_kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.create_chat_completion``: the messages rendered with the
+        model's chat template (:meth:`chat`), the same arguments and defaults (temperature 0.2,
+        top_p 0.95, top_k 40, max_tokens None = until the end of the turn or of the context), and
+        an OpenAI-shaped ``chat.completion`` dict, or with ``stream=True`` an iterator of
+        ``chat.completion.chunk`` dicts (first delta: the role; last: ``finish_reason``).
+        Tool / function calling is refused (``clover serve`` has it); arguments Clover's sampler
+        lacks are refused unless neutral (see :meth:`create_completion`)."""
+        where = "create_chat_completion"
+        if logprobs is not None:
+            logprobs = _bool("logprobs", logprobs)
+        if top_logprobs is not None and not logprobs:
+            raise CloverValueError(f"{where}: top_logprobs needs logprobs=True")
+        n_lp = (_int("top_logprobs", top_logprobs, 0, 20) if top_logprobs is not None else 0) if logprobs else None
+        kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, n_lp, grammar,
+                                response_format, stream,
+                                {"functions": (functions, None), "function_call": (function_call, None),
+                                 "tools": (tools or None, None), "tool_choice": (tool_choice, (None, "none", "auto")),
+                                 "min_p": (min_p, (0.0, None)), "typical_p": (typical_p, 1.0),
+                                 "frequency_penalty": (frequency_penalty, 0.0),
+                                 "presence_penalty": (presence_penalty, 0.0), "repeat_penalty": (repeat_penalty, 1.0),
+                                 "tfs_z": (tfs_z, 1.0), "mirostat_mode": (mirostat_mode, 0),
+                                 "logits_processor": (logits_processor, None), "logit_bias": (logit_bias or None, None)})
+        prompt = self.format_chat(messages)
+        toks = self.chat_tokens(prompt)
+        self._budget(kw, len(toks))
+        head = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()),
+                "model": model if isinstance(model, str) else str(self.model_path)}
+        if kw["stream"]:
+            s = self.chat(messages, **kw, **gen_kwargs)
+
+            def chunks() -> Iterator[dict[str, Any]]:
+                obj = {**head, "object": "chat.completion.chunk"}
+                with s:
+                    yield {**obj, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                               "finish_reason": None}]}
+                    for piece in s:
+                        yield {**obj, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
+                                                   "finish_reason": None}]}
+                assert s.result is not None
+                yield {**obj, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                           "finish_reason": self._finish(s.result, kw["max_tokens"])}]}
+            return chunks()
+        r = self.chat(messages, **kw, **gen_kwargs)
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                             "logprobs": self._chat_logprobs(r), "finish_reason": self._finish(r, kw["max_tokens"])}],
+                "usage": {"prompt_tokens": r.stats.n_prompt, "completion_tokens": len(r.tokens),
+                          "total_tokens": r.stats.n_prompt + len(r.tokens)}}

@@ -367,7 +367,8 @@ def test_errors(model, tiny, tmp_path: Path) -> None:
     from clover_cpp import Clover, CloverError
 
     bad = [dict(threshold=2.0), dict(threshold=-0.1), dict(block_size=0), dict(temperature=-1),
-           dict(top_p=0.0), dict(top_k=-1), dict(max_steps=-1), dict(max_tokens=-1), dict(max_tokens=1.5)]
+           dict(top_p=-0.1), dict(top_p=1.5), dict(top_k=-1), dict(max_steps=-1), dict(max_tokens=-1),
+           dict(max_tokens=1.5), dict(temperature=float("inf")), dict(seed=-2), dict(seed=2**64)]
     for kw in bad:
         with pytest.raises(CloverError):
             model.generate("hello", **kw)
