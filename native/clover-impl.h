@@ -145,6 +145,8 @@ struct pick_work {
     std::vector<int32_t> idx;
 };
 
+// temperature / top_k / top_p as decoding uses them (a tiny temperature = greedy, top_k >= n_vocab = off)
+void normalise_sampling(double & T, int32_t & top_k, double & top_p, int32_t n_vocab);
 // the candidate token of one masked position and its confidence (spec/decoding.md)
 void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
                     std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf);

@@ -39,6 +39,7 @@ std::string check_hparams(const gguf_context * g) {
         {"clover.ssm.state_size", 1, 65536},            {"clover.ssm.group_count", 1, 65536},
         {"clover.ssm.time_step_rank", 1, 65536},        {"clover.ssm.inner_size", 1, 1 << 24},
         {"clover.context_length", 1, 1 << 24},
+        {"clover.diffusion.block_size", 1, 1 << 20}, // (2**31 + 5 was read as -2147483643)
     };
     for (const auto & sz : sizes) {
         int64_t v = 0;

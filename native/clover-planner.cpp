@@ -5,6 +5,14 @@
 
 namespace clover_impl {
 
+// a cost above this (ms per denoising step: 11.6 days) is no measurement: a cache entry that
+// holds one is measured again, clover_set_cost_curve refuses it
+constexpr double MAX_STEP_MS = 1e9;
+
+static bool plausible_ms(double ms) {
+    return ms > 0.0 && ms <= MAX_STEP_MS; // (false for NaN)
+}
+
 // candidates for block_size = auto: 1, 2, 4, ... up to max(32, training B), with a commit of B
 // fused with a pass of B within n_ctx (the calibration measures that)
 std::vector<int32_t> auto_candidates(const clover_context * c) {
@@ -176,8 +184,8 @@ bool calib_load(clover_context * c, const std::string & path, const std::string 
     for (size_t i = 0; i < sizes.size(); ++i) {
         std::string tag;
         long long   B = 0;
-        if (!(in >> tag >> B >> ms[i] >> msf[i]) || tag != "cost" || B != sizes[i] || !(ms[i] > 0) ||
-            !(msf[i] > 0) || std::isinf(ms[i]) || std::isinf(msf[i])) {
+        if (!(in >> tag >> B >> ms[i] >> msf[i]) || tag != "cost" || B != sizes[i] || !plausible_ms(ms[i]) ||
+            !plausible_ms(msf[i])) {
             return false;
         }
     }
@@ -232,7 +240,7 @@ int calibrate_cached(clover_context * c, std::string & msg) {
             return CLOVER_OK;
         }
         if (bad) {
-            fprintf(stderr, "clover: warning: the calibration cache entry %s is stale or corrupt; measuring again\n",
+            fprintf(stderr, "clover: warning: the calibration cache entry %s is stale, corrupt or holds impossible costs; measuring again\n",
                     path.c_str());
         }
     }
@@ -272,7 +280,7 @@ int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left)
             continue;
         }
         const double ms = auto_ms_per_token(c, i);
-        if (ms < best_ms) {
+        if (best == 0 || ms < best_ms) { // (the first that fits, whatever its cost)
             best_ms = ms;
             best    = B;
         }
@@ -350,10 +358,10 @@ int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const dou
         }
         for (int32_t i = 0; i < n; ++i) {
             const double f = ms_fused ? ms_fused[i] : 1.0;
-            if (sizes[i] != (i == 0 ? 1 : 2 * sizes[i - 1]) || sizes[i] > ctx->n_ctx || !(ms[i] > 0.0) ||
-                std::isinf(ms[i]) || !(f > 0.0) || std::isinf(f)) {
+            if (sizes[i] != (i == 0 ? 1 : 2 * sizes[i - 1]) || sizes[i] > ctx->n_ctx || !plausible_ms(ms[i]) ||
+                !plausible_ms(f)) {
                 return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
-                               "cost curve: sizes must be 1, 2, 4, ... (<= n_ctx) and costs finite and > 0");
+                               "cost curve: sizes must be 1, 2, 4, ... (<= n_ctx) and costs in (0, 1e9] ms");
             }
         }
         ctx->auto_sizes.assign(sizes, sizes + n);

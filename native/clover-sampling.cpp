@@ -12,6 +12,20 @@ static double uniform01(std::mt19937_64 & rng) {
     return (double) (rng() >> 11) * (1.0 / 9007199254740992.0);
 }
 
+// The one place the sampling parameters are normalised (clover.h, clover_generate_params): a
+// temperature below CLOVER_MIN_TEMPERATURE is greedy (0: logits / T could overflow); top_k >=
+// n_vocab is off (0). (A top_p of 0 needs nothing: its kept set is the argmax alone, as top_k = 1.)
+// Values out of range are left for the caller to refuse.
+void normalise_sampling(double & T, int32_t & top_k, double & top_p, int32_t n_vocab) {
+    (void) top_p;
+    if (top_k >= n_vocab) {
+        top_k = 0;
+    }
+    if (T > 0.0 && T < CLOVER_MIN_TEMPERATURE) {
+        T = 0.0;
+    }
+}
+
 void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
                            std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
     const double NEG_INF = -std::numeric_limits<double>::infinity();
@@ -40,7 +54,7 @@ void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int
             }
             const double l = logits[i];
             if (l == l) {
-                sum += std::exp(l - bl);
+                sum += l == bl ? 1.0 : std::exp(l - bl); // (bl = +inf: the infinite logits share it)
             }
         }
         tok  = best;
@@ -74,6 +88,12 @@ void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int
         tok  = mask == 0 && V > 1 ? 1 : 0;
         conf = 0.0;
         return;
+    }
+    if (zmax == -NEG_INF) { // infinite logits (or logits / T overflowed): they share the mass
+        for (int32_t i = 0; i < V; ++i) {
+            z[i] = z[i] == zmax ? 0.0 : NEG_INF;
+        }
+        zmax = 0.0;
     }
     double sum = 0.0;
     for (int32_t i = 0; i < V; ++i) {
@@ -447,8 +467,9 @@ extern "C" {
 int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_token, double temperature,
                           int32_t top_k, double top_p, uint64_t seed, int32_t * token_out, double * confidence_out) {
     return guarded(nullptr, 0, [&]() -> int {
-        if (!logits || n_vocab < 1 || !token_out || !confidence_out || !(temperature >= 0.0) || top_k < 0 ||
-            !(top_p > 0.0 && top_p <= 1.0)) {
+        clover_detail::normalise_sampling(temperature, top_k, top_p, n_vocab);
+        if (!logits || n_vocab < 1 || !token_out || !confidence_out || !(temperature >= 0.0) || std::isinf(temperature) || top_k < 0 ||
+            !(top_p >= 0.0 && top_p <= 1.0)) {
             return CLOVER_ERR_INVALID_ARG;
         }
         std::mt19937_64          rng(seed);

@@ -27,8 +27,8 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
         return bad(CLOVER_ERR_INVALID_ARG,
                    "temperature must be finite and >= 0, got " + std::to_string(gp.temperature));
     }
-    if (!(gp.top_p > 0.0 && gp.top_p <= 1.0)) {
-        return bad(CLOVER_ERR_INVALID_ARG, "top_p must be in (0, 1], got " + std::to_string(gp.top_p));
+    if (!(gp.top_p >= 0.0 && gp.top_p <= 1.0)) {
+        return bad(CLOVER_ERR_INVALID_ARG, "top_p must be in [0, 1], got " + std::to_string(gp.top_p));
     }
     if (gp.top_k < 0) {
         return bad(CLOVER_ERR_INVALID_ARG, "top_k must be >= 0");
@@ -426,7 +426,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         if (!ctx || !ctx->model) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
         }
-        const clover_generate_params gp = params ? *params : clover_generate_default_params();
+        clover_generate_params gp = params ? *params : clover_generate_default_params();
+        clover_detail::normalise_sampling(gp.temperature, gp.top_k, gp.top_p, ctx->model->n_vocab);
         // a grammar needs the text left to right: without draft-self the call runs at B = 1
         // (the context's B is kept), spec/decoding.md "Grammar"
         const bool  ar_grammar = clover_detail::gen_extras::forces_ar(gp);

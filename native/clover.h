@@ -198,8 +198,8 @@ CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
  * candidates. */
 CLOVER_API int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out, double * ms_fused_out,
                                 int32_t cap, int32_t * n_out, char * err, size_t err_len);
-/* Set the cost curve instead of measuring it: n entries, sizes 1, 2, 4, ..., costs finite and
- * > 0; ms_fused may be NULL (then a fused step of B costs a pass of 2B). Resets the running
+/* Set the cost curve instead of measuring it: n entries, sizes 1, 2, 4, ..., costs in (0, 1e9] ms;
+ * ms_fused may be NULL (then a fused step of B costs a pass of 2B). Resets the running
  * figures. */
 CLOVER_API int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms,
                                      const double * ms_fused, int32_t n, char * err, size_t err_len);
@@ -222,14 +222,18 @@ typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens
  * the running tokens per pass (see clover_generate). */
 #define CLOVER_BLOCK_SIZE_AUTO (-1)
 
+/* temperatures below this are greedy (temperature 0): the tempered distribution is the argmax
+ * but for logits a few float ulps apart, and logits / T could overflow */
+#define CLOVER_MIN_TEMPERATURE 1e-6
+
 typedef struct clover_generate_params {
     int32_t  block_size;   /* B; 0 = keep the context's; another value recreates the context;
                               CLOVER_BLOCK_SIZE_AUTO = chosen per block */
     double   threshold;    /* unmask every position with confidence >= threshold, in [0, 1]; default 0.9 */
     int32_t  max_steps;    /* per-block step cap S (0 = none): step s unmasks >= ceil(masked / (S - s)) */
-    double   temperature;  /* 0 = greedy (default); > 0 = sampling */
-    int32_t  top_k;        /* 0 = off */
-    double   top_p;        /* (0, 1]; 1 = off */
+    double   temperature;  /* 0 = greedy (default); > 0 = sampling; below CLOVER_MIN_TEMPERATURE = greedy */
+    int32_t  top_k;        /* 0 = off; >= n_vocab = off */
+    double   top_p;        /* [0, 1]; 1 = off; 0 keeps the argmax alone (as top_k = 1) */
     uint64_t seed;         /* std::mt19937_64 seed, once per generate call; default 0 */
     int32_t  max_tokens;   /* token budget; <= 0 generates nothing; default 128 */
     int32_t  stop_at_eos;  /* default 1 */
@@ -345,7 +349,8 @@ CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int
  * probability; > 0: logits / T, top-k (0 = off), top-p (1 = off: keep the smallest prefix of
  * the sorted distribution with cumulative probability >= top_p), renormalise, sample with one
  * uniform draw from std::mt19937_64(seed); confidence = the sampled token's probability in
- * that renormalised distribution. Computes in double. */
+ * that renormalised distribution. Computes in double. The parameters are normalised as
+ * clover_generate's (CLOVER_MIN_TEMPERATURE, top_k >= n_vocab). */
 CLOVER_API int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_token,
                                      double temperature, int32_t top_k, double top_p, uint64_t seed,
                                      int32_t * token_out, double * confidence_out);

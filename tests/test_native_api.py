@@ -839,6 +839,24 @@ def test_pick_candidate_sampling():
     # top-k 1 and a tiny top-p are greedy with confidence 1
     assert pick(1.0, 1, 1.0, 5) == (0, 1.0)
     assert pick(1.0, 0, 0.01, 5) == (0, 1.0)
+    assert pick(1.0, 0, 0.0, 5) == (0, 1.0)  # top_p 0: the argmax alone, as top_k 1
+    # a temperature too small to matter is greedy (confidence: the argmax's softmax probability);
+    # 1e-310 made logits / T overflow: NaN everywhere, the mask token picked, a block that never ended
+    assert pick(1e-310, 0, 1.0, 5) == pick(0.0, 0, 1.0, 5) == pick(5e-7, 0, 1.0, 5)
+    assert pick(0.0, 0, 1.0, 5)[0] == 0 and pick(0.0, 0, 1.0, 5)[1] == pytest.approx(0.4, rel=1e-5)
+    # top_k >= n_vocab is off
+    assert pick(0.9, V, 1.0, 11) == pick(0.9, 0, 1.0, 11) == pick(0.9, 10**6, 1.0, 11)
+    # infinite logits share the mass (they made NaNs); the mask token is never the candidate
+    inf = logits.copy()
+    inf[2] = inf[4] = np.inf
+    tok, conf = ctypes.c_int32(), ctypes.c_double()
+    for T in (0.0, 1.0):
+        seen = set()
+        for s in range(40):
+            assert L.clover_pick_candidate(_fptr(inf), V, mask, T, 0, 1.0, s, ctypes.byref(tok), ctypes.byref(conf)) == 0
+            seen.add(tok.value)
+            assert conf.value == pytest.approx(0.5)
+        assert seen == ({2} if T == 0.0 else {2, 4}), (T, seen)
     # top-p 0.65: keep {0: .4, 1: .3} (cum .4 < .65 <= .7), renormalised
     seen = {pick(1.0, 0, 0.65, s) for s in range(200)}
     assert {t for t, _ in seen} == {0, 1}
@@ -854,8 +872,10 @@ def test_pick_candidate_sampling():
     tok, conf = ctypes.c_int32(), ctypes.c_double()
     assert L.clover_pick_candidate(_fptr(logits), V, mask, -1.0, 0, 1.0, 0, ctypes.byref(tok), ctypes.byref(conf)) \
         == N.CLOVER_ERR_INVALID_ARG
-    assert L.clover_pick_candidate(_fptr(logits), V, mask, 1.0, 0, 0.0, 0, ctypes.byref(tok), ctypes.byref(conf)) \
+    assert L.clover_pick_candidate(_fptr(logits), V, mask, 1.0, 0, -0.1, 0, ctypes.byref(tok), ctypes.byref(conf)) \
         == N.CLOVER_ERR_INVALID_ARG
+    assert L.clover_pick_candidate(_fptr(logits), V, mask, float("inf"), 0, 1.0, 0, ctypes.byref(tok),
+                                   ctypes.byref(conf)) == N.CLOVER_ERR_INVALID_ARG
 
 
 def _select(conf, threshold, max_steps=0, step=0):
@@ -1000,7 +1020,7 @@ def test_errors_generate_arguments(model, vocab_hi):
             (dict(threshold=1.5), N.CLOVER_ERR_INVALID_ARG, "threshold"),
             (dict(threshold=float("nan")), N.CLOVER_ERR_INVALID_ARG, "threshold"),
             (dict(temperature=-1.0), N.CLOVER_ERR_INVALID_ARG, "temperature"),
-            (dict(top_p=0.0), N.CLOVER_ERR_INVALID_ARG, "top_p"),
+            (dict(top_p=-0.1), N.CLOVER_ERR_INVALID_ARG, "top_p"),
             (dict(top_p=1.5), N.CLOVER_ERR_INVALID_ARG, "top_p"),
             (dict(top_k=-2), N.CLOVER_ERR_INVALID_ARG, "top_k"),
             (dict(max_steps=-1), N.CLOVER_ERR_INVALID_ARG, "max_steps"),
