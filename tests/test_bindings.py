@@ -446,3 +446,110 @@ def test_quantize_api(tiny, tmp_path: Path) -> None:
         quantize(tiny[1], out, "Q8_0")
     with pytest.raises(QuantizeError, match="unknown"):
         quantize(tiny[1], tmp_path / "x.gguf", "Q9_9")
+
+
+# ---------------------------------------------------------------- llama-cpp-python shims (issue 27)
+
+def _llama_signature(name: str):
+    import inspect
+
+    from clover_cpp._lib import import_llama_cpp
+
+    return inspect.signature(getattr(import_llama_cpp().Llama, name))
+
+
+@pytest.mark.parametrize("name", ["create_completion", "create_chat_completion"])
+def test_shims_take_llama_cpp_pythons_arguments(name: str) -> None:
+    # code written for llama_cpp.Llama calls these by keyword: every one of its parameters exists
+    # here, with its default where Clover has the knob (the sampling defaults are Llama's)
+    import inspect
+
+    from clover_cpp import Clover
+
+    ours = inspect.signature(getattr(Clover, name)).parameters
+    theirs = _llama_signature(name).parameters
+    assert set(theirs) <= set(ours), set(theirs) - set(ours)
+    for p in ("temperature", "top_p", "top_k", "max_tokens", "seed", "stream"):
+        assert ours[p].default == theirs[p].default, p
+
+
+def test_create_completion(model) -> None:
+    r = model.create_completion("hello world", max_tokens=6, temperature=0)
+    want = model.generate("hello world", max_tokens=6)
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-") and isinstance(r["created"], int)
+    (c,) = r["choices"]
+    assert c["text"] == want.text and c["index"] == 0 and c["finish_reason"] == "length" and c["logprobs"] is None
+    assert r["usage"] == {"prompt_tokens": want.stats.n_prompt, "completion_tokens": 6,
+                          "total_tokens": want.stats.n_prompt + 6}
+    assert model("hello world", max_tokens=6, temperature=0)["choices"][0]["text"] == want.text  # Llama.__call__
+    assert model.create_completion("hello world", max_tokens=6, temperature=0, echo=True)["choices"][0]["text"] == \
+        "hello world" + want.text
+    chunks = list(model.create_completion("hello world", max_tokens=6, temperature=0, stream=True))
+    assert all(ch["object"] == "text_completion" and ch["id"] == chunks[0]["id"] for ch in chunks)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == want.text
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks][-1] == "length"
+    assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
+    # max_tokens None: until EOS or the end of the context (whole blocks of the default B)
+    r = model.create_completion("hello world", max_tokens=None, temperature=0)
+    assert r["usage"]["total_tokens"] <= model.n_ctx and r["choices"][0]["finish_reason"] in ("stop", "length")
+    # sampling with a seed reproduces; without one it is random, as Llama's
+    a = model.create_completion("hello", max_tokens=12, seed=11)
+    assert a["choices"][0]["text"] == model.create_completion("hello", max_tokens=12, seed=11)["choices"][0]["text"]
+
+
+def test_create_chat_completion(model) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    r = model.create_chat_completion(msgs, max_tokens=6, temperature=0)
+    want = model.chat(msgs, max_tokens=6)
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    (c,) = r["choices"]
+    assert c["message"] == {"role": "assistant", "content": want.text} and c["finish_reason"] in ("stop", "length")
+    assert r["usage"]["completion_tokens"] == len(want.tokens)
+    chunks = list(model.create_chat_completion(msgs, max_tokens=6, temperature=0, stream=True))
+    assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks) == want.text
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_shims_logprobs_and_refusals(model) -> None:
+    from clover_cpp import CloverError
+
+    r = model.create_completion("hello world", max_tokens=5, temperature=0, logprobs=2)
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(x <= 0 for x in lp["token_logprobs"]) and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    r = model.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
+                                     top_logprobs=3)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 and bytes(e["bytes"]) for e in content)
+    # what Clover's sampler does not have is refused, naming the argument, unless left neutral
+    for kw in (dict(min_p=0.2), dict(repeat_penalty=1.3), dict(frequency_penalty=0.5), dict(mirostat_mode=2),
+               dict(logit_bias={1: 5.0}), dict(suffix="x"), dict(typical_p=0.5)):
+        with pytest.raises(CloverError, match=next(iter(kw))):
+            model.create_completion("hi", max_tokens=2, **kw)
+    model.create_completion("hi", max_tokens=2, min_p=0.0, repeat_penalty=1.0, logit_bias={})
+    with pytest.raises(CloverError, match="tools"):
+        model.create_chat_completion([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    with pytest.raises(CloverError, match="stream"):
+        model.create_completion("hi", max_tokens=2, logprobs=1, stream=True)
+
+
+def test_shims_grammar_and_response_format(model) -> None:
+    import json
+
+    from clover_cpp._lib import import_llama_cpp
+
+    gbnf = 'root ::= "yes" | "no"'
+    for g in (gbnf, import_llama_cpp().LlamaGrammar.from_string(gbnf, verbose=False)):
+        r = model.create_completion("Answer:", max_tokens=8, temperature=0.8, seed=3, grammar=g)
+        assert r["choices"][0]["text"] in ("yes", "no"), r["choices"][0]
+    r = model.create_chat_completion([{"role": "user", "content": "a JSON object please"}], max_tokens=64,
+                                     temperature=0, response_format={"type": "json_object"})
+    text = r["choices"][0]["message"]["content"]
+    if r["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:  # cut by max_tokens: a prefix of a JSON object
+        assert text.lstrip().startswith("{"), text
