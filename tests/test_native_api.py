@@ -1171,7 +1171,8 @@ def _rewrite_gguf(src, dst, *, drop_tensor=None, kv=None, shrink_tensor=None):
 
 @pytest.mark.parametrize("case, edit, message", [
     ("missing", dict(drop_tensor="blk.0.ssm_mix.weight"), "tensor 'blk.0.ssm_mix.weight' not found"),
-    ("block0", dict(kv={"clover.diffusion.block_size": 0}), "diffusion.block_size must be > 0"),
+    ("block0", dict(kv={"clover.diffusion.block_size": 0}), "diffusion.block_size must be a u32 in [1, "),
+    ("block2^31", dict(kv={"clover.diffusion.block_size": 2**31 + 5}), "diffusion.block_size must be a u32 in [1, "),
     ("experts", dict(kv={"clover.expert_used_count": 99}), "expert_used_count must be a u32 in [1, clover.expert_count]"),
     ("shape", dict(shrink_tensor="blk.1.ssm_out.weight"), "tensor 'blk.1.ssm_out.weight' has wrong shape"),
 ])
