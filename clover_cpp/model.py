@@ -1590,6 +1590,7 @@ class Clover:
         prompt, then the reply as generated), they are that exchange's tokens followed by the
         new text's: the model reads its own reply's tokens again (as llama.cpp's conversation
         mode does) rather than a re-tokenization that may differ, so the memory is reused."""
+        prompt = _str("prompt", prompt)
         last = getattr(self, "_last_chat", None)
         if last is not None and last[0] is not None:
             before = last[0] + last[3]

@@ -280,6 +280,8 @@ LEAKS = {
     "generate stream='no'": (_gen(stream="no"), TypeError),
     "generate threshold 10**400": (_gen(threshold=10**400), ValueError),
     "chat(None)": (lambda m: m.chat(None, max_tokens=2), TypeError),
+    "chat_tokens(None)": (lambda m: m.chat_tokens(None), TypeError),
+    "chat_tokens(b'x')": (lambda m: m.chat_tokens(b"x"), TypeError),
     "chat stop_tokens=5": (lambda m: m.chat([{"role": "user", "content": "x"}], stop_tokens=5), TypeError),
     "chat content 5": (lambda m: m.chat([{"role": "user", "content": 5}]), ValueError),
     "calibrate fused='x'": (lambda m: m.calibrate(fused="x"), TypeError),
