@@ -270,5 +270,9 @@ def err_buffer(size: int = 1024):
 
 
 def as_int32_array(tokens) -> "ctypes.Array[c_int32]":
+    """An int32 array of the values (ValueError for one that does not fit: ctypes would wrap it)."""
     seq = [int(t) for t in tokens]
+    for t in seq:
+        if not -2**31 <= t < 2**31:
+            raise ValueError(f"{t} does not fit a 32-bit integer")
     return (c_int32 * max(len(seq), 1))(*seq)
