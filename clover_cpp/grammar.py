@@ -40,6 +40,13 @@ def _llama_grammar() -> ModuleType:
             raise GrammarError(f"llama-cpp-python has no grammar converter at {path}")
         mod = importlib.util.module_from_spec(mspec)
         mspec.loader.exec_module(mod)
+        # its string character rule lets raw control characters (a newline) into a JSON string,
+        # which no strict JSON parser reads: llama.cpp's own converter (common/
+        # json-schema-to-grammar.cpp) excludes them, and so does this copy of the module
+        rules = getattr(mod, "PRIMITIVE_RULES", {})
+        if "char" in rules and "x1F" not in rules["char"].content:
+            rules["char"] = mod.BuiltinRule(r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] '
+                                            r'[0-9a-fA-F] [0-9a-fA-F])', [])
         _module = mod
     return _module
 

@@ -172,14 +172,14 @@ class gen_extras {
     // the candidate of a position; next = it is the next output position (the grammar applies)
     void pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
               pick_work & w, int32_t & tok, double & conf);
-    // a denoising step unmasked canvas position p (tok, predicted by row); draft-self drafts: nothing
+    // a denoising step unmasked canvas position p (tok, predicted by row)
     void unmasked(int32_t p, const float * row, int32_t tok);
     // the finished block's output is canvas[0, n)
     void block_from_canvas(int32_t n);
     // draft-self: the verification's output is rebuilt token by token (the grammar accepts each)
     void verify_begin();
     void verified(const float * row, int32_t tok);
-    // the block's output joins the generation's
+    // the block's output joins the generation's (the grammar accepts it, unless a verification did)
     void take_block();
     // the first n_gen records into gp's buffers; stats->grammar_mode
     void report(const clover_generate_params & gp, int32_t n_gen, clover_stats * stats) const;
@@ -196,6 +196,8 @@ class gen_extras {
     std::vector<llama_token_data> cur;       // the grammar's candidates
     std::vector<float>            constrained;
     std::vector<int32_t>          idx;       // top-n selection
+    std::vector<int32_t> canvas_tok, block_tok; // the canvas's unmasked tokens, the block's output
+    bool                 block_verified = false; // the block's tokens came from a verification (accepted there)
     std::vector<float>   canvas_lp, block_lp, gen_lp;           // per position / output token
     std::vector<int32_t> canvas_top_tok, block_top_tok, gen_top_tok; // n_top per position / token
     std::vector<float>   canvas_top_lp, block_top_lp, gen_top_lp;

@@ -232,6 +232,47 @@ int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t 
 
 // ------------------------------------------------------------------ grammar and log-probabilities
 
+// Bounds on what llama.cpp's grammar code does recursively (a parenthesised group per nesting
+// level, a rule reference per rule in a chain): past them a hostile grammar would overflow the
+// stack. A lexical scan (strings, character classes and comments skipped).
+static bool grammar_within_limits(const char * g, std::string & msg) {
+    constexpr int MAX_DEPTH = 500, MAX_RULES = 5000;
+    int depth = 0, max_depth = 0, rules = 0;
+    for (const char * p = g; *p; ++p) {
+        if (*p == '"' || *p == '[') {
+            const char close = *p == '"' ? '"' : ']';
+            for (++p; *p && *p != close; ++p) {
+                if (*p == '\\' && p[1]) {
+                    ++p;
+                }
+            }
+            if (!*p) {
+                break;
+            }
+        } else if (*p == '#') {
+            while (p[1] && p[1] != '\n') {
+                ++p;
+            }
+        } else if (*p == '(') {
+            max_depth = std::max(max_depth, ++depth);
+        } else if (*p == ')') {
+            --depth;
+        } else if (p[0] == ':' && p[1] == ':' && p[2] == '=') {
+            ++rules;
+        }
+    }
+    if (max_depth > MAX_DEPTH) {
+        msg = "invalid grammar: groups nested " + std::to_string(max_depth) + " deep (at most " +
+              std::to_string(MAX_DEPTH) + ")";
+        return false;
+    }
+    if (rules > MAX_RULES) {
+        msg = "invalid grammar: " + std::to_string(rules) + " rules (at most " + std::to_string(MAX_RULES) + ")";
+        return false;
+    }
+    return true;
+}
+
 gen_extras::~gen_extras() {
     if (smpl) {
         llama_sampler_free(smpl);
@@ -239,12 +280,12 @@ gen_extras::~gen_extras() {
 }
 
 bool gen_extras::forces_ar(const clover_generate_params & gp) {
-    return gp.grammar && gp.grammar[0] && !gp.draft_self;
+    return gp.grammar && gp.grammar[0] && gp.draft_self != 1; // (draft_self auto included)
 }
 
 int gen_extras::init(const clover_model * m, const clover_generate_params & gp, std::string & msg) {
     model      = m;
-    draft_self = gp.draft_self != 0;
+    draft_self = gp.draft_self == 1;
     if (gp.n_top_logprobs < 0 || gp.n_top_logprobs > CLOVER_MAX_TOP_LOGPROBS) {
         msg = "n_top_logprobs must be in [0, " + std::to_string(CLOVER_MAX_TOP_LOGPROBS) + "], got " +
               std::to_string(gp.n_top_logprobs);
@@ -262,10 +303,19 @@ int gen_extras::init(const clover_model * m, const clover_generate_params & gp, 
     want_lp = gp.logprobs != nullptr || n_top > 0;
     if (gp.grammar && gp.grammar[0]) {
         const char * root = gp.grammar_root && gp.grammar_root[0] ? gp.grammar_root : "root";
+        if (!grammar_within_limits(gp.grammar, msg)) {
+            return CLOVER_ERR_INVALID_ARG;
+        }
         clover_impl::g_last_log_error.clear();
         smpl = llama_sampler_init_grammar(m->vocab, gp.grammar, root);
         if (!smpl) {
             std::string why = clover_impl::last_log_error();
+            for (const char * noise : { "; failed to parse grammar", "parse: " }) {
+                const size_t at = why.find(noise);
+                if (at != std::string::npos && why.size() > strlen(noise)) {
+                    why.erase(at, strlen(noise));
+                }
+            }
             const size_t nl = why.find('\n');
             if (nl != std::string::npos) {
                 why.erase(nl);
@@ -283,6 +333,9 @@ int gen_extras::init(const clover_model * m, const clover_generate_params & gp, 
 }
 
 bool gen_extras::allows(int32_t tok) {
+    if (model->eos >= 0 && tok != model->eos && llama_vocab_is_eog(model->vocab, tok)) {
+        return false; // the output ends at EOS only (an end-of-turn token would not stop it)
+    }
     llama_token_data       one{ tok, 0.0f, 0.0f };
     llama_token_data_array arr{ &one, 1, -1, false };
     llama_sampler_apply(smpl, &arr);
@@ -315,7 +368,8 @@ void gen_extras::pick(const float * row, bool next, const clover_generate_params
     llama_sampler_apply(smpl, &arr);
     bool any = false;
     for (int32_t i = 0; i < V; ++i) {
-        constrained[i] = cur[i].logit;
+        const bool other_end = model->eos >= 0 && i != model->eos && llama_vocab_is_eog(model->vocab, i);
+        constrained[i]       = other_end ? -std::numeric_limits<float>::infinity() : cur[i].logit;
         any            = any || (i != model->mask && cur[i].logit > -std::numeric_limits<float>::infinity());
     }
     if (!any) { // no token of the vocabulary continues the grammar: the output ends here, as at EOS
@@ -381,9 +435,11 @@ void gen_extras::record(const float * row, int32_t tok, float & lp, int32_t * to
 }
 
 void gen_extras::unmasked(int32_t p, const float * row, int32_t tok) {
-    if (draft_self) {
-        return; // a draft: the verification decides (and records) the output
+    // (the block's tokens are final only at take_block: a draft-self canvas is a draft)
+    if ((int32_t) canvas_tok.size() <= p) {
+        canvas_tok.resize(p + 1, -1);
     }
+    canvas_tok[p] = tok;
     if (want_lp) {
         if ((int32_t) canvas_lp.size() <= p) {
             canvas_lp.resize(p + 1);
@@ -393,12 +449,12 @@ void gen_extras::unmasked(int32_t p, const float * row, int32_t tok) {
         record(row, tok, canvas_lp[p], canvas_top_tok.data() + (size_t) p * n_top,
                canvas_top_lp.data() + (size_t) p * n_top);
     }
-    if (smpl) { // block size 1: the one position is the next output token
-        accept(tok);
-    }
 }
 
 void gen_extras::block_from_canvas(int32_t n) {
+    n = std::min<int32_t>(n, (int32_t) canvas_tok.size());
+    block_tok.assign(canvas_tok.begin(), canvas_tok.begin() + n);
+    block_verified = false;
     if (!want_lp) {
         return;
     }
@@ -409,12 +465,15 @@ void gen_extras::block_from_canvas(int32_t n) {
 }
 
 void gen_extras::verify_begin() {
+    block_tok.clear();
+    block_verified = true;
     block_lp.clear();
     block_top_tok.clear();
     block_top_lp.clear();
 }
 
 void gen_extras::verified(const float * row, int32_t tok) {
+    block_tok.push_back(tok);
     if (want_lp) {
         block_lp.push_back(0.0f);
         block_top_tok.resize(block_top_tok.size() + n_top);
@@ -422,10 +481,18 @@ void gen_extras::verified(const float * row, int32_t tok) {
         record(row, tok, block_lp.back(), block_top_tok.data() + block_top_tok.size() - n_top,
                block_top_lp.data() + block_top_lp.size() - n_top);
     }
-    accept(tok);
+    accept(tok); // the verification's next position is constrained given this one
 }
 
 void gen_extras::take_block() {
+    if (!block_verified) { // a block decoded without a verification (block size 1): the grammar takes it now
+        for (int32_t t : block_tok) {
+            accept(t);
+        }
+    }
+    block_tok.clear();
+    block_verified = false;
+    std::fill(canvas_tok.begin(), canvas_tok.end(), -1);
     if (!want_lp) {
         return;
     }

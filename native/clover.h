@@ -254,7 +254,7 @@ typedef struct clover_generate_params {
      * vocabulary), NULL or "" = none; grammar_root: its start rule, NULL or "" = "root". Every
      * output token is one the grammar allows after the output before it (EOS only where the
      * grammar is complete; when no token can continue it, the output ends there as at EOS). The
-     * grammar needs the text left to right: with draft_self = 0 a constrained call decodes at
+     * grammar needs the text left to right: with draft_self != 1 a constrained call decodes at
      * block size 1 (autoregressive; block_size is not used and the context's B is not changed;
      * stats.grammar_mode = 1); with draft_self = 1 the drafts are free and the verification
      * chooses from the grammar-constrained distribution, so the output is that of the
