@@ -50,6 +50,9 @@ void usage(const char * argv0) {
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
             "  --draft-self           lossless self-speculative decoding: blocks drafted by block passes,\n"
             "                         verified by their causal commit (the output of --block-size 1)\n"
+            "  --grammar GBNF         constrain the output to a GBNF grammar (llama.cpp's format); decoded\n"
+            "                         at block size 1, or verified by --draft-self (spec/decoding.md)\n"
+            "  --grammar-file FILE    the grammar from a file\n"
             "  --temp X               temperature (default 0 = greedy, as clover run; llama-cli: 0.8)\n"
             "  --top-k N              top-k (default 0 = off; llama-cli: 40)\n"
             "  --top-p X              top-p in (0,1] (default 1 = off; llama-cli: 0.95)\n"
@@ -247,7 +250,7 @@ int on_block(int32_t /*block_start*/, const int32_t * tokens, int32_t n, void * 
 int main(int argc, char ** argv) {
     signal(SIGINT, on_sigint);
     signal(SIGPIPE, SIG_IGN); // a closed pipe or a lost RPC server is an error return, not a kill
-    std::string model_path, prompt, prompt_file;
+    std::string model_path, prompt, prompt_file, grammar, grammar_file;
     bool        have_prompt = false, parse_special = true;
     int         verbose     = 0;
     clover_model_params    mp = clover_model_default_params();
@@ -322,6 +325,10 @@ int main(int argc, char ** argv) {
             cp.block_size     = auto_block ? 0 : (int32_t) parse_int(a, v.c_str(), 1, 1 << 20);
         } else if (a == "--draft-self") {
             gp.draft_self = 1;
+        } else if (a == "--grammar") {
+            grammar = val();
+        } else if (a == "--grammar-file") {
+            grammar_file = val();
         } else if (a == "--threshold") {
             gp.threshold = parse_double(a, val());
             if (gp.threshold < 0.0 || gp.threshold > 1.0) {
@@ -398,6 +405,28 @@ int main(int argc, char ** argv) {
     if (!have_prompt) {
         die("no prompt given (-p TEXT or -f FILE)");
     }
+    if (!grammar_file.empty()) {
+        if (!grammar.empty()) {
+            die("give either --grammar or --grammar-file, not both");
+        }
+        std::error_code ec;
+        if (!std::filesystem::is_regular_file(grammar_file, ec)) {
+            die("grammar file '" + grammar_file + "' is not a readable file");
+        }
+        std::ifstream f(grammar_file, std::ios::binary);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        if (!f) {
+            die("cannot read grammar file '" + grammar_file + "'");
+        }
+        grammar = ss.str();
+        if (grammar.find_first_not_of(" \t\r\n") == std::string::npos) {
+            die("grammar file '" + grammar_file + "' is empty");
+        }
+    }
+    if (grammar.find('\0') != std::string::npos) {
+        die("the grammar contains a NUL byte");
+    }
     clover_set_verbosity(verbose);
 
     char err[1024];
@@ -468,6 +497,7 @@ int main(int argc, char ** argv) {
     gp.step_callback  = on_step;
     gp.block_callback = on_block;
     gp.user_data      = &st;
+    gp.grammar        = grammar.empty() ? nullptr : grammar.c_str();
 
     std::vector<int32_t> out((size_t) std::max<int32_t>(gp.max_tokens, 1));
     int32_t              n_out = 0;
@@ -503,6 +533,10 @@ int main(int argc, char ** argv) {
             n_tok, stats.n_generated, stats.n_forward, stats.n_steps, stats.tokens_per_forward,
             stats.tokens_per_second, stats.t_prefill_ms, stats.block_size, auto_block ? " (auto)" : "",
             stats.n_block_switches);
+    if (stats.grammar_mode != 0) {
+        fprintf(stderr, "clover: grammar: %s\n",
+                stats.grammar_mode == 1 ? "decoded at block size 1 (autoregressive)" : "verified by draft-self");
+    }
     if (gp.draft_self) {
         fprintf(stderr, "clover: draft-self: %d verifications, %d of %d drafted tokens accepted (%.2f tokens per verification)\n",
                 stats.n_verifications, stats.n_accepted, stats.n_drafted,
