@@ -530,16 +530,32 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("--no-display-prompt", "no_display_prompt", is_flag=True, hidden=True,
               help="llama-cli's name for --no-echo.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
+@click.option("--grammar-file", "grammar_file", default=None, metavar="FILE",
+              help="Constrain the output to the GBNF grammar in FILE (llama.cpp's format); decoded at block "
+                   "size 1, or verified by --draft-self.")
+@click.option("--json", "json_object", is_flag=True, help="Constrain the output to a JSON object.")
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
         flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
-        verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool) -> None:
+        verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
+        grammar_file: str | None = None, json_object: bool = False) -> None:
     """Generate text from a prompt with block-diffusion decoding (the prompt is echoed first,
     as llama-cli does; --no-echo leaves it out)."""
     text = _read_prompt(prompt, file)
     kw = _gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                      reverse_prompt, draft_self)
+    if grammar_file and json_object:
+        raise UserError("give either --grammar-file or --json, not both")
+    if grammar_file:
+        if not Path(grammar_file).is_file():  # (a FIFO would block the read)
+            raise UserError(f"grammar file {grammar_file}: not a readable file")
+        try:
+            kw["grammar"] = Path(grammar_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read grammar file {grammar_file}: {getattr(e, 'strerror', None) or e}") from None
+    elif json_object:
+        kw["response_format"] = {"type": "json_object"}
     visual = _use_visual(visual)
     with _open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
                      tensor_split, override_tensor) as m:

@@ -199,3 +199,22 @@ def test_cli_grammar(default_gguf, tmp_path) -> None:
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and r.stdout == "" and r.stderr.startswith("error: "), (args, r)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_clover_run_grammar_file_and_json(default_gguf, tmp_path) -> None:
+    import sys
+
+    g = tmp_path / "digits.gbnf"
+    g.write_text(DIGITS + "\n")
+    base = [sys.executable, "-m", "clover_cpp.cli", "run", "-m", str(default_gguf), "-p", "Hello", "-n", "64",
+            "-t", "1", "--no-echo"]
+    r = subprocess.run(base + ["--grammar-file", str(g)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stderr
+    r = subprocess.run(base + ["-p", "Once upon a time", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and isinstance(json.loads(r.stdout), dict), (r.stdout, r.stderr)
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text("root ::= (\n")
+    for args in (["--grammar-file", str(bad)], ["--grammar-file", str(tmp_path)], ["--grammar-file", str(g), "--json"]):
+        r = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert "Traceback" not in r.stderr
