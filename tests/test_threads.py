@@ -258,3 +258,36 @@ def test_threads_stress_every_public_method_with_close(gguf) -> None:
         print("ok")
     """, gguf, timeout=300)
     assert out.strip().endswith("ok"), out
+
+
+def test_ctrl_c_while_waiting_for_another_threads_call(gguf) -> None:
+    # before: the deadlocked threads could not be interrupted; a call waiting its turn now sees
+    # Ctrl-C (within its 0.25 s wait), and the other thread's generation is not disturbed
+    out = _child("""
+        import os, signal
+        m = Clover(GGUF, n_ctx=512, n_threads=1)
+        stepped, box = threading.Event(), {}
+
+        def step(*a):  # 64 steps of 30 ms: the generation outlasts the wait below
+            stepped.set()
+            time.sleep(0.03)
+
+        def gen():
+            box["r"] = m.generate("hello", max_tokens=64, block_size=8, threshold=1.0, stop_at_eos=False,
+                                  on_step=step)
+
+        t = start(gen)
+        assert stepped.wait(30)
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            m.block_logits([1])
+            raise SystemExit("block_logits did not wait")
+        except KeyboardInterrupt:
+            waited = time.monotonic() - t0
+        assert 0.4 < waited < 3, waited
+        assert joined([t], 60) and box["r"].finish_reason == "max_tokens"
+        assert m.block_logits([1]).shape == (1, m.n_vocab)
+        print("ok", round(waited, 2))
+    """, gguf)
+    assert out.startswith("ok")
