@@ -869,6 +869,8 @@ class Clover:
             st._cancel.set()
         with gate.cond:
             while gate.holder is not None and gate.holder != me:
+                if gate.cancel is not None:  # (a call that entered just before close)
+                    gate.cancel.set()
                 gate.cond.wait(0.25)
             if gate.holder is None:
                 gate.holder, gate.depth = me, 1  # nobody enters again: closed
