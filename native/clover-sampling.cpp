@@ -234,9 +234,15 @@ int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t 
 
 // Bounds on what llama.cpp's grammar code does recursively (a parenthesised group per nesting
 // level, a rule reference per rule in a chain): past them a hostile grammar would overflow the
-// stack. A lexical scan (strings, character classes and comments skipped).
+// stack; and on its size. A lexical scan (strings, character classes and comments skipped).
 static bool grammar_within_limits(const char * g, std::string & msg) {
-    constexpr int MAX_DEPTH = 500, MAX_RULES = 5000;
+    constexpr int    MAX_DEPTH = 500, MAX_RULES = 5000;
+    constexpr size_t MAX_BYTES = 1 << 20; // (a JSON schema's grammar is a few KB)
+    const size_t     n         = strlen(g);
+    if (n > MAX_BYTES) {
+        msg = "invalid grammar: " + std::to_string(n) + " bytes (at most " + std::to_string(MAX_BYTES) + ")";
+        return false;
+    }
     int depth = 0, max_depth = 0, rules = 0;
     for (const char * p = g; *p; ++p) {
         if (*p == '"' || *p == '[') {

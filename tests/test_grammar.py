@@ -10,8 +10,8 @@ llama.cpp's grammar sampler; Clover.generate(grammar=, response_format=) and clo
 * the constraint holds for the emitted text under block diffusion: a grammar without draft-self
   decodes at block size 1 (stats.grammar_mode "ar", the context's B unchanged); draft-self +
   grammar equals block size 1 + grammar token for token (greedy), log-probabilities included;
-* an invalid grammar (syntax, undefined rule, missing root, nesting past the bound, a rule
-  chain past the bound) is one line (CLOVER_ERR_INVALID_ARG), nothing on stderr, no crash.
+* an invalid grammar (syntax, undefined rule, missing root, nesting, rule count or size past
+  the bounds) is one line (CLOVER_ERR_INVALID_ARG), nothing on stderr, no crash.
 """
 from __future__ import annotations
 
@@ -145,7 +145,8 @@ def test_grammar_with_streaming(model) -> None:
     ('root ::= "a" | b', "Undefined rule identifier 'b'"),
     ('start ::= "a"', "does not contain a 'root' symbol"),
     ("root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000, "groups nested 100000 deep"),
-    ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(100_000)) + 'r100000 ::= "a"\n', "rules"),
+    ("root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(6000)) + 'r6000 ::= "a"\n', "6002 rules"),
+    ('root ::= "' + "a" * (1 << 21) + '"', "bytes (at most 1048576)"),
 ])
 def test_invalid_grammar_is_one_line(model, capfd, grammar, why) -> None:
     from clover_cpp import CloverError
