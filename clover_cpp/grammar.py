@@ -69,13 +69,17 @@ def __getattr__(name: str) -> Any:
 
 
 def grammar_for(grammar: str | None, response_format: Mapping[str, Any] | None) -> str | None:
-    """The GBNF text for a request: ``grammar`` as given, or that of ``response_format``
+    """The GBNF text for a request: ``grammar`` as given (text, or llama-cpp-python's
+    ``LlamaGrammar``), or that of ``response_format``
     (``{"type": "text"}`` = none, ``{"type": "json_object"}`` = any JSON object, with an
     optional ``"schema"``; ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` as
     OpenAI's API sends it, or ``{"type": "json_schema", "schema": {...}}``). None = no grammar.
     Raises GrammarError for both at once or a malformed response_format."""
     if grammar is not None and not isinstance(grammar, str):
-        raise GrammarError(f"grammar must be GBNF text (a string), got {type(grammar).__name__}")
+        text = getattr(grammar, "_grammar", None)  # llama-cpp-python's LlamaGrammar (code written for Llama)
+        if not isinstance(text, str):
+            raise GrammarError(f"grammar must be GBNF text (a string), got {type(grammar).__name__}")
+        grammar = text
     if response_format is None:
         return grammar or None
     if grammar:

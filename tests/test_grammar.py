@@ -176,6 +176,15 @@ def test_bad_constraint_arguments(model, kw, why) -> None:
     assert why in str(e.value) and "\n" not in str(e.value)
 
 
+def test_llama_cpp_python_grammar_object(model) -> None:
+    """Code written for llama-cpp-python's Llama passes a LlamaGrammar: its GBNF is used."""
+    from clover_cpp.grammar import _llama_grammar
+
+    g = _llama_grammar().LlamaGrammar.from_string(DIGITS)
+    assert model.generate("Hello", max_tokens=16, grammar=g).text == model.generate("Hello", max_tokens=16,
+                                                                                    grammar=DIGITS).text
+
+
 def test_response_format_text_is_unconstrained(model) -> None:
     a = model.generate("Hello", max_tokens=12, response_format={"type": "text"})
     assert a.tokens == model.generate("Hello", max_tokens=12).tokens and a.stats.grammar_mode == ""
