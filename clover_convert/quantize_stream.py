@@ -41,7 +41,7 @@ from .converter import (
     plan_conversion,
 )
 from .mapping import ConversionError
-from .outputs import check_output, clean_stale_temps, fmt_bytes, temp_path
+from .outputs import check_output, clean_stale_temps, temp_path
 from .safetensors_io import CheckpointReader
 
 __all__ = ["convert_quantized", "QUANT_OUTTYPES", "is_quant_outtype"]
@@ -227,14 +227,13 @@ def convert_quantized(
             raise ConversionError(f"llama.cpp could not quantize {plan.src} to {name} "
                                   f"(clover quantize on a bf16 conversion says why with --verbose)")
         from clover_cpp.gguf_info import GGUFInfoError, check_clover_gguf
-        from clover_cpp.quant import _loader_refuses
 
         try:
             check_clover_gguf(tmp)
         except GGUFInfoError as e:
             raise ConversionError(f"llama.cpp wrote {name}, but the result cannot be read back "
                                   f"({str(e).split(': ', 1)[-1]}); choose another type") from None
-        why = _loader_refuses(str(tmp))
+        why = _loader_check(tmp)
         if why is not None:
             raise ConversionError(f"llama.cpp wrote {name}, but clover cannot load the result ({why}); "
                                   f"choose another type")
@@ -257,5 +256,20 @@ def convert_quantized(
     return plan
 
 
-def output_size(path: Path) -> str:
-    return fmt_bytes(path.stat().st_size)
+def _loader_check(path: Path) -> str | None:
+    """libclover's loader on the result (as clover quantize checks its output), in a child
+    process: loading maps and repacks the whole model, which would count in this process's
+    peak memory. Its one-line reason when it refuses the file, else None."""
+    import subprocess
+
+    code = ("import sys; from clover_cpp.quant import _loader_refuses; "
+            "r = _loader_refuses(sys.argv[1]); sys.stdout.write('refused: ' + r if r else 'ok')")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL)
+    out = res.stdout.strip()
+    if res.returncode == 0 and out == "ok":
+        return None
+    if out.startswith("refused: "):
+        return out[len("refused: "):]
+    tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"the loader check failed (exit status {res.returncode}: {tail})"
