@@ -13,9 +13,10 @@ the peak disk use of the output folder (its allocated blocks, sampled every 20 m
 file counts what it really holds). The page cache is synced before each timed run.
 
 Part 2 (--part kld): the default model (models/clover-default) converted to f16 and, in one
-step, to Q8_0, Q6_K, Q5_K_M, Q4_K_M (and IQ4_XS with --imatrix FILE); ``clover kld`` of each
-against the f16 file on held-out Python (the model card's held-out stdlib files), causal path
-and block passes.
+step, to Q8_0, Q6_K, Q5_K_M, Q4_K_M and IQ4_XS three times: without an importance matrix, with
+one from causal commits only, and with one from commits + block passes (``clover imatrix`` on
+training-set stdlib files, CALIB below); ``clover kld`` of each against the f16 file on held-out
+Python (the model card's held-out stdlib files), causal path and block passes.
 
     .venv/bin/python benchmarks/quant_stream.py [--part convert|kld|all] [--layers 22] [--threads 0]
 """
@@ -140,6 +141,7 @@ def part_convert(args: argparse.Namespace) -> None:
 
 
 HELD_OUT = ["re/_compiler.py", "importlib/util.py", "wsgiref/headers.py", "sqlite3/dbapi2.py"]
+CALIB = ["argparse.py", "textwrap.py", "json/decoder.py"]  # in the default model's training set
 
 
 def part_kld(args: argparse.Namespace) -> None:
@@ -154,13 +156,25 @@ def part_kld(args: argparse.Namespace) -> None:
     text = "".join((stdlib / f).read_text(encoding="utf-8") for f in HELD_OUT if (stdlib / f).exists())
     f16 = base / "default-f16.gguf"
     convert(src, f16, outtype="f16", progress=False, force=True)
-    types = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M"] + (["IQ4_XS"] if args.imatrix else [])
+    from clover_cpp.imatrix import collect_imatrix, write_imatrix
+
+    calib = "".join((stdlib / f).read_text(encoding="utf-8") for f in CALIB if (stdlib / f).exists())
+    ims = {}
+    for tag, ratios in (("causal", ()), ("causal+blocks", (1.0, 0.75, 0.5, 0.25))):
+        t0 = time.perf_counter()
+        coll, n = collect_imatrix(f16, calib, n_ctx=args.ctx, mask_ratios=ratios, max_chunks=args.chunks,
+                                  n_threads=args.threads or None)
+        ims[tag] = write_imatrix(coll, base / f"default-{tag}.imatrix.gguf", CALIB, n, args.ctx)
+        print(f"imatrix ({tag}): {n} chunks of {args.ctx} tokens of {', '.join(CALIB)} in "
+              f"{time.perf_counter() - t0:.1f} s")
+    types = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "IQ4_XS", "IQ4_XS+causal", "IQ4_XS+causal+blocks"]
     print(f"default model (models/clover-default) vs its f16 conversion, on held-out stdlib Python "
           f"({', '.join(HELD_OUT)}; {len(text)} chars), chunks of {args.ctx} tokens, {args.chunks} chunks")
     with Clover(f16, n_ctx=args.ctx, n_threads=args.threads or None) as mb:
         for q in types:
+            qt, _, tag = q.partition("+")
             out = base / f"default-{q}.gguf"
-            convert_quantized(src, out, q, imatrix=args.imatrix if q.startswith("IQ") else None,
+            convert_quantized(src, out, qt, imatrix=ims[tag] if tag else None,
                               n_threads=args.threads, force=True, progress=False)
             t0 = time.perf_counter()
             with Clover(out, n_ctx=args.ctx, n_threads=args.threads or None) as mq:
@@ -180,7 +194,6 @@ def main() -> int:
     ap.add_argument("--keep", default=None, help="folder for the checkpoint and outputs (kept)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--imatrix", default=None, help="importance matrix for IQ4_XS in the KLD table")
     args = ap.parse_args()
     if args.part in ("convert", "all"):
         part_convert(args)
