@@ -83,7 +83,8 @@ class CloverGroup(click.Group):
     """A group whose errors (click's usage errors included) are one line and exit 1."""
 
     #: subcommands defined elsewhere, imported when named
-    LAZY = {"convert": ("clover_convert.cli", "main")}
+    LAZY = {"convert": ("clover_convert.cli", "main"), "kld": ("clover_cpp.kld", "main"),
+            "imatrix": ("clover_cpp.imatrix", "main")}
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.LAZY:
@@ -143,6 +144,8 @@ def cli() -> None:
     clover inspect MODEL              what is in a GGUF
     clover bench -m MODEL             tokens/s and tokens per forward vs block size
     clover perplexity -m MODEL FILE   perplexity of the causal model, as llama-perplexity
+    clover kld BASE QUANT FILE        KL divergence of a quantized file from its base
+    clover imatrix -m MODEL -f FILE   importance matrix from commits and block passes
     """
 
 
