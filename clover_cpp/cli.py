@@ -25,6 +25,35 @@ import click
 
 from . import _lib
 
+# Ctrl-C while a command's modules load (numpy, gguf, safetensors: up to a second on a busy
+# machine) interrupted an import half-way: a traceback, or a RecursionError from a half-imported
+# numpy. As the `clover` command (not when imported), SIGINT is only noted until the command is
+# found; then it is raised where CloverGroup.main reports it (`error: interrupted`, exit 130).
+_EARLY_SIGINT: list[int] = []
+
+
+def _note_sigint(signum: int, frame: Any) -> None:  # noqa: ARG001
+    _EARLY_SIGINT.append(signum)
+
+
+def _deliver_early_sigint() -> None:
+    """Ctrl-C acts at once from here on; one pressed meanwhile is raised now."""
+    try:
+        if signal.getsignal(signal.SIGINT) is _note_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread
+        return
+    if _EARLY_SIGINT:
+        _EARLY_SIGINT.clear()
+        raise KeyboardInterrupt
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") in ("clover", "clover.exe"):
+    try:
+        signal.signal(signal.SIGINT, _note_sigint)
+    except ValueError:  # pragma: no cover - not the main thread
+        pass
+
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 DEFAULT_DEMO_PROMPT = 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
 
@@ -87,12 +116,15 @@ class CloverGroup(click.Group):
             "imatrix": ("clover_cpp.imatrix", "main")}
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.LAZY:
-            import importlib
+        try:
+            if cmd_name in self.LAZY:
+                import importlib
 
-            module, attr = self.LAZY[cmd_name]
-            return getattr(importlib.import_module(module), attr)
-        return super().get_command(ctx, cmd_name)
+                module, attr = self.LAZY[cmd_name]
+                return getattr(importlib.import_module(module), attr)
+            return super().get_command(ctx, cmd_name)
+        finally:
+            _deliver_early_sigint()  # the command's modules are loaded: Ctrl-C now interrupts it
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.LAZY})
