@@ -278,6 +278,8 @@ def test_fifos_in_place_of_model_imatrix_and_output(tiny_artifacts, tmp_path) ->
     src = tiny_artifacts["f32"]
     fifo = _fifo(tmp_path / "fifo.gguf")
     _clean_error(_clover("inspect", fifo), "FIFO")
+    _clean_error(_clover("run", "-m", fifo, "-p", "x", "-n", "1"), "not a regular file")
+    _clean_error(_run([CLI, "-m", fifo, "-p", "x", "-n", "1"]), "not a regular file")
     _clean_error(_clover("quantize", fifo, tmp_path / "o.gguf", "Q8_0"), "FIFO")
     _clean_error(_clover("quantize", src, tmp_path / "o.gguf", "Q4_K_M", "--imatrix", fifo), "FIFO")
     _clean_error(_clover("quantize", src, fifo, "Q8_0", "--force"), "not a regular file")
@@ -520,6 +522,46 @@ def test_cli_allocation_failure_is_one_line(tiny_artifacts) -> None:
     if p.returncode < 0:
         TALLY["crash"] += 1
     _clean_error(p, "out of memory")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C while convert starts
+
+_EARLY = r"""
+import os, sys
+sys.argv = ["clover", "convert", sys.argv[1], sys.argv[2], "--force", "--no-progress"]
+import clover_cpp.cli as cli
+os.write(1, b"R")
+cli.main()
+"""
+
+
+def test_convert_ctrl_c_while_it_starts(tiny_artifacts, tmp_path) -> None:
+    """Ctrl-C in the first ~70 ms of `clover convert` (numpy, gguf and safetensors loading)
+    printed a traceback, or a RecursionError from a half-imported numpy. Once the command's
+    module runs, SIGINT at any moment ends in `error: interrupted` (130) or a finished run."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_artifacts["ckpt"], ck)
+    seen = Counter()
+    for i in range(16):
+        p = subprocess.Popen([sys.executable, "-c", _EARLY, str(ck), str(tmp_path / "o.gguf")], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.read(1) == "R"
+        time.sleep(0.03 * i)
+        p.send_signal(signal.SIGINT)
+        try:
+            _, err = p.communicate(timeout=BOUND)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            TALLY["hang"] += 1
+            raise
+        ok = (p.returncode == 130 and err.strip() == "error: interrupted") or \
+            (p.returncode in (0, -signal.SIGINT) and "Traceback" not in err and err.strip().startswith("wrote "))
+        # (-SIGINT after "wrote": the run had finished; Python's own exit was interrupted)
+        TALLY["clean" if ok else "wrong"] += 1
+        assert ok, (0.03 * i, p.returncode, err[-1500:])
+        seen[p.returncode] += 1
+    assert seen[130] >= 1, seen  # some were interrupted (not all finished first)
 
 
 # ----------------------------------------------------------------------------- calibration cache
