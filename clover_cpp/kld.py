@@ -105,7 +105,8 @@ class KLDResult:
                  row("causal", self.causal)]
         for r, s in self.blocks.items():
             lines.append(row(f"block B={self.block_size} mask={r:g}", s))
-        lines.append(f"({self.n_chunks} chunks of {self.n_ctx} tokens; block rows: predictions of masked positions)")
+        lines.append(f"({self.n_chunks} chunks of {self.n_ctx} tokens, the second half of each scored"
+                     + ("; block rows: the predictions of masked positions)" if self.blocks else ")"))
         return "\n".join(lines)
 
 
