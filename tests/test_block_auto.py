@@ -40,7 +40,10 @@ def model(tiny_artifacts):
 
 
 def run_recording(model, toks, **kw):
-    """generate(block_size="auto") and the B and start of each decode block, from the step callback."""
+    """generate(block_size="auto") and the B and start of each decode block, from the step callback.
+    Block diffusion only (draft_self=False) unless kw says otherwise: these schedules are replayed
+    by the numpy reference."""
+    kw.setdefault("draft_self", False)
     blocks: list[tuple[int, int]] = []
 
     def on_step(canvas, n_masked, block_start):
@@ -156,7 +159,7 @@ def test_calibrate_and_auto_from_scratch(model) -> None:
 def test_bad_cost_curve(model, curve) -> None:
     from clover_cpp import CloverError
 
-    with pytest.raises(CloverError, match="cost curve|bad arguments"):
+    with pytest.raises(CloverError, match="cost curve|bad arguments|curve must be"):
         model.set_cost_curve(curve)
 
 
@@ -193,7 +196,7 @@ def test_calibration_disk_cache(tiny_artifacts, tmp_path, monkeypatch, capfd) ->
                 good.rsplit("end", 1)[0]):
         entries[0].write_text(bad)
         assert first_call() == "measured"
-        assert "stale or corrupt" in capfd.readouterr().err
+        assert "is stale" in capfd.readouterr().err
         assert first_call() == "cached"     # replaced by a good entry
     # another thread count is another entry
     with Clover(tiny_artifacts["f32"], n_ctx=256, n_threads=2) as m:
@@ -244,3 +247,110 @@ def test_auto_on_a_small_context(tiny_artifacts, n_ctx: int) -> None:
         assert max(curve) == max(1, 2 ** ((n_ctx // 2).bit_length() - 1)) and all(f > 0 for _, f in curve.values())
         r = m.generate([5], max_tokens=n_ctx - 1, block_size="auto", stop_at_eos=False)
         assert r.stats.n_generated == n_ctx - 1
+
+
+# ------------------------------------------------------------------ auto among B = 1, diffusion, draft-self
+# Draft-self's cost per token comes from the cost curve (a verification forward ~ a pass of 2B)
+# and its measured acceptance (one probe block measures it); on the random tiny model a draft
+# keeps about only its first token, so a verification yields about 2 tokens for 2 forwards.
+CHEAP_BLOCKS = {1: 10.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0}   # single tokens cost 10x a pass
+CHEAP_TOKENS = {1: 1.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0}
+
+
+def _b1(model, toks, n):
+    return model.generate(toks, max_tokens=n, block_size=1, stop_at_eos=False).tokens
+
+
+def test_auto_lossless_picks_draft_self_when_it_is_cheaper(model) -> None:
+    """draft_self=True with block_size="auto": B = 1 or draft-self only (both give the B = 1
+    output); with single tokens 10x a pass, draft-self (about 2 tokens per 2 forwards of ~1)
+    wins once its probe block has measured the acceptance, and the stats say so."""
+    for prompt in PROMPTS:
+        model.set_cost_curve(CHEAP_BLOCKS, CHEAP_BLOCKS)
+        toks = model.tokenize(prompt)
+        r = model.generate(toks, max_tokens=40, block_size="auto", draft_self=True, stop_at_eos=False)
+        s = r.stats
+        assert r.tokens == _b1(model, toks, 40)
+        assert s.mode == "draft-self" and s.block_size > 1 and s.n_blocks_diffusion == 0
+        assert s.n_blocks_draft_self > s.n_blocks_ar and s.n_verifications > 0
+        assert "draft-self" in s.format()
+
+
+def test_auto_never_keeps_a_mode_slower_than_block_size_1(model) -> None:
+    """With single tokens cheap, neither draft-self nor block diffusion may stay: after the
+    one probe block each (diffusion at B = 2, draft-self at B = 8), every block is B = 1 (the
+    10% switching margin does not keep a mode that is slower than B = 1)."""
+    for kw in (dict(draft_self=True), dict(draft_self=None), dict(draft_self=None, threshold=0.0)):
+        model.set_cost_curve(CHEAP_TOKENS, CHEAP_TOKENS)
+        toks = model.tokenize(PROMPTS[1])
+        blocks: list[int] = []
+        r = model.generate(toks, max_tokens=40, block_size="auto", stop_at_eos=False,
+                           on_step=lambda canvas, n_masked, start: blocks.append(len(canvas)), **kw)
+        s = r.stats
+        assert s.mode == "autoregressive" and s.block_size == 1, (kw, s)
+        assert s.n_blocks_draft_self <= 1 and s.n_blocks_diffusion <= 1, (kw, s)   # the probes only
+        assert s.n_blocks_ar >= 40 - 8 - 2, (kw, s)
+        if kw["draft_self"]:
+            assert r.tokens == _b1(model, toks, 40)   # lossless modes only: the B = 1 output
+        # the same context keeps its measured figures: no probe the second time
+        r2 = model.generate(toks, max_tokens=40, block_size="auto", stop_at_eos=False, **kw)
+        assert r2.stats.n_blocks_ar == r2.stats.n_blocks and r2.stats.mode == "autoregressive", (kw, r2.stats)
+
+
+def test_auto_picks_diffusion_when_it_is_cheapest(model) -> None:
+    """draft_self=None (auto): all three modes. A curve whose only cheap forward is a pass of 4
+    (B = 4's diffusion: one pass per block at threshold 0; draft-self at B = 4 verifies with a
+    forward of 8 tokens, which is dear) makes auto settle on block diffusion at B = 4."""
+    model.set_cost_curve(ONLY_4, ONLY_4)
+    toks = model.tokenize(PROMPTS[0])
+    r = model.generate(toks, max_tokens=40, block_size="auto", threshold=0.0, stop_at_eos=False)
+    s = r.stats
+    assert s.mode == "diffusion" and s.block_size == 4, s
+    assert s.n_blocks_diffusion > s.n_blocks_draft_self + s.n_blocks_ar, s
+    assert "diffusion" in s.format()
+
+
+def test_auto_mode_follows_the_measured_acceptance(model) -> None:
+    """The same curve, two acceptances: at temperature 50 draft and verifier are near uniform,
+    so most drafts are kept whole (many tokens per forward) and auto settles on draft-self;
+    greedy, the random model's drafts keep about their first token only (about one token per
+    forward, each dearer than B = 1's), and the same curve brings B = 1 back."""
+    curve = {1: 3.0, 2: 4.0, 4: 4.0, 8: 4.0, 16: 4.0, 32: 4.0}   # a pass of up to 32 costs 4/3 of one token
+    toks = model.tokenize(PROMPTS[2])
+    model.set_cost_curve(curve, curve)
+    hot = model.generate(toks, max_tokens=60, block_size="auto", draft_self=True, temperature=50.0, seed=3,
+                         stop_at_eos=False)
+    assert hot.stats.mode == "draft-self" and hot.stats.n_accepted > hot.stats.n_verifications, hot.stats
+    model.set_cost_curve(curve, curve)
+    cold = model.generate(toks, max_tokens=60, block_size="auto", draft_self=True, stop_at_eos=False)
+    assert cold.stats.mode == "autoregressive" and cold.stats.n_blocks_draft_self <= 1, cold.stats
+    assert cold.tokens == _b1(model, toks, 60)
+
+
+def test_auto_spends_no_block_on_draft_self_that_cannot_pay(model) -> None:
+    """A cost curve linear in tokens (a pass of B costs B single tokens, like a small model on
+    a CPU): a verification forward of 2B tokens for at most B tokens can never beat B = 1, so
+    auto does not even probe draft-self; the output is B = 1's."""
+    linear = {b: float(b) for b in (1, 2, 4, 8, 16, 32)}
+    model.set_cost_curve(linear, linear)
+    toks = model.tokenize(PROMPTS[0])
+    r = model.generate(toks, max_tokens=30, block_size="auto", draft_self=True, stop_at_eos=False)
+    assert r.stats.n_blocks_draft_self == 0 and r.stats.mode == "autoregressive", r.stats
+    assert r.tokens == _b1(model, toks, 30)
+
+
+def test_draft_self_drops_the_canvas_that_would_not_pay(model) -> None:
+    """A verification carries the next draft's canvas only when, by the cost curve and the
+    measured acceptance, a whole draft is likely enough to use it: on a curve linear in tokens
+    with the random model's acceptance (drafts keep about their first token), no verification
+    carries one, so every draft has a pass of its own (passes == verifications); the output is
+    still B = 1's. Without a curve every verification that leaves a block to draft carries one."""
+    toks = model.tokenize(PROMPTS[1])
+    free = model.generate(toks, max_tokens=40, block_size=4, draft_self=True, stop_at_eos=False)
+    assert free.stats.n_decode_passes > free.stats.n_verifications   # canvases rode on verifications
+    linear = {b: float(b) for b in (1, 2, 4, 8, 16, 32)}
+    model.set_cost_curve(linear, linear)
+    model.generate(toks, max_tokens=40, block_size=4, draft_self=True, stop_at_eos=False)  # measures acceptance
+    r = model.generate(toks, max_tokens=40, block_size=4, draft_self=True, stop_at_eos=False)
+    assert r.tokens == free.tokens == _b1(model, toks, 40)
+    assert r.stats.n_decode_passes == r.stats.n_verifications, r.stats

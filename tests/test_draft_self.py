@@ -32,20 +32,58 @@ def autoregressive(model, cfg) -> list[tuple[list[int], int, list[int]]]:
     return [(p, n, list(model.generate(p, max_tokens=n, block_size=1, stop_at_eos=False).tokens))
             for p, n in _prompts(cfg)]
 
+# draft knobs: one pass per draft (the default: it rides on the last verification's forward),
+# two passes, and the block-diffusion rule (threshold 0.9 capped at 4 steps; threshold 0 = one step)
+DRAFTS = [dict(draft_steps=1), dict(draft_steps=2, threshold=0.9), dict(draft_steps=0, threshold=0.9, max_steps=4),
+          dict(draft_steps=0, threshold=0.0)]
+
+
+def _expected_forwards(B: int, budget: int, kept: list[int]) -> int:
+    """The llama_decode calls of one-pass draft-self (draft_steps=1) after the prompt, given what
+    each verification kept: a draft needs a pass unless the last verification kept its whole draft
+    (then that verification's forward ran the pass on a canvas after it); every verification is one
+    forward; after a rejection the kept tokens' commit rides on the next pass (or, for a last lone
+    token, is a forward of its own)."""
+    fw, left, rows, pending = 0, budget, False, False
+    for k in kept:
+        n = min(B, left)
+        fw += (0 if rows else 1) + 1
+        rows, pending = (k == n and left - n >= 2), k < n
+        left -= k
+    return fw + (1 if left == 1 and pending else 0)
+
+
 @pytest.mark.parametrize("B", [4, 8, 16, 32])
 def test_greedy_draft_self_equals_block_size_1(model, autoregressive, B):
     drafted = accepted = 0
+    mask = model.mask_token
     for prompt, budget, want in autoregressive:
-        # a draft of threshold 0.9 on random weights would unmask one token per pass: capped
-        for threshold, max_steps in ((0.9, 4), (0.0, 0)):
-            r = model.generate(prompt, max_tokens=budget, block_size=B, threshold=threshold, max_steps=max_steps,
-                               stop_at_eos=False, draft_self=True)
-            assert list(r.tokens) == want, (prompt, budget, threshold)
-            assert r.stats.n_generated == len(want)
-            assert 0 <= r.stats.n_accepted <= r.stats.n_drafted
-            assert r.stats.n_verifications >= -(-len(want) // B)
-            drafted, accepted = drafted + r.stats.n_drafted, accepted + r.stats.n_accepted
+        for kw in DRAFTS:
+            kept: list[int] = []
+            r = model.generate(prompt, max_tokens=budget, block_size=B, stop_at_eos=False, draft_self=True,
+                               on_step=lambda canvas, n_masked, start: kept.append(sum(t != mask for t in canvas)),
+                               **kw)
+            assert list(r.tokens) == want, (prompt, budget, kw)
+            s = r.stats
+            assert s.n_generated == len(want) and s.mode == "draft-self"
+            assert 0 <= s.n_accepted <= s.n_drafted
+            # the step callback sees each verification's kept tokens (never a draft), and a last
+            # lone token (L_last's own, no verification)
+            assert sum(kept) == len(want) and len(kept) - s.n_verifications in (0, 1)
+            kept = kept[:s.n_verifications]
+            # a verification keeps at most B tokens; a last token alone needs none (it is L_last's)
+            assert s.n_verifications >= -(-(len(want) - 1) // B)
+            assert s.n_decode_forwards == s.n_forward - -(-(len(prompt) - s.n_reused) // 512)
+            if kw["draft_steps"] == 1:   # forwards counted honestly, and a whole draft costs no pass
+                # (kept == the draft's length is a whole draft, or a rejection of its last token:
+                # the stats give how many of those were rejections, each a forward more at most)
+                n_rej = sum(kept) - s.n_accepted
+                ambiguous = n_rej - sum(k < min(B, budget - sum(kept[:i])) for i, k in enumerate(kept))
+                low = _expected_forwards(B, budget, kept)
+                assert low <= s.n_decode_forwards <= low + ambiguous, (kept, s)
+            drafted, accepted = drafted + s.n_drafted, accepted + s.n_accepted
     assert drafted > 0 and accepted > 0  # the verification really ran and really kept drafted tokens
+
 
 def test_draft_self_with_eos_and_stop_strings(model, cfg):
     """EOS inside a draft ends the output as at B = 1; so do stop strings."""
@@ -110,6 +148,43 @@ def test_sampling_draft_self_has_the_autoregressive_distribution(model, tiny_art
     again = model.generate(prompt, max_tokens=40, temperature=T, top_k=k, seed=1, block_size=8, draft_self=True,
                            stop_at_eos=False)
     assert list(r.tokens) == list(again.tokens) and r.stats.n_verifications > 0  # seeded: reproducible
+
+
+def _chi2_bound(df: int) -> float:
+    """The 0.1% upper quantile of chi-square with df degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_whole_drafts_ride_on_their_verification(model, cfg):
+    """The one-pass path: a draft kept whole leaves the next draft to the canvas that rode on its
+    verification's forward (no pass of its own), and the memory is then that commit's without the
+    canvas. At a high temperature the draft and the verifier are both near uniform, so speculative
+    sampling keeps most drafts whole: the forwards are fewer than a pass plus a verification per
+    block, and the memory left behind is exactly the causal processing of the committed text."""
+    prompt = _prompts(cfg, 1)[0][0]
+    fresh = model.new_context(block_size=1)
+    try:
+        for seed in range(4):
+            r = model.generate(prompt, max_tokens=40, temperature=50.0, seed=seed, stop_at_eos=False, block_size=4,
+                               draft_self=True)
+            s = r.stats
+            assert s.n_generated == 40 and s.n_verifications >= 10
+            assert s.n_accepted >= s.n_drafted // 2, s
+            # each verification is one forward; a rejection adds one (the kept tokens' commit with
+            # the next draft's pass), the first draft's pass is one: nothing else
+            assert s.n_decode_forwards <= 1 + s.n_verifications + (s.n_generated - s.n_accepted), s
+            assert s.n_decode_forwards < 1 + 2 * s.n_verifications, s   # whole drafts drafted the next
+            text = list(prompt) + list(r.tokens)
+            n = model.n_committed
+            assert len(prompt) <= n <= len(text)
+            fresh.reset()   # the prompt in one ubatch as generate did, the rest token by token
+            fresh.commit(text[:len(prompt)])
+            for t in text[len(prompt):n]:
+                fresh.commit([t])
+            want = fresh.last_logits()
+            np.testing.assert_allclose(model.last_logits(), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    finally:
+        fresh.close()
 
 
 def test_cli_draft_self_prints_the_block_size_1_text(tiny_artifacts):
