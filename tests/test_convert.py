@@ -894,7 +894,7 @@ def test_bad_outtype_and_missing_source(tmp_path):
     r = CliRunner().invoke(cli_main, [str(tmp_path / "nope"), str(tmp_path / "m.gguf")])
     assert r.exit_code == 1
     assert r.stderr.strip() == f"error: {tmp_path / 'nope'}: no such folder (and not a Hugging Face repo id org/name)"
-    r = CliRunner().invoke(cli_main, [str(tmp_path), str(tmp_path / "m.gguf"), "--outtype", "q4_0"])
+    r = CliRunner().invoke(cli_main, [str(tmp_path), str(tmp_path / "m.gguf"), "--outtype", "q9_9"])
     assert r.exit_code == 2  # click usage error
 
 
