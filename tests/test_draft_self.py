@@ -187,6 +187,21 @@ def test_whole_drafts_ride_on_their_verification(model, cfg):
         fresh.close()
 
 
+@pytest.mark.parametrize("n_ctx", [17, 40])
+def test_draft_self_fills_the_context_exactly(tiny_artifacts, n_ctx):
+    """Draft-self needs no whole blocks: its canvases are cut at n_ctx (a block may start
+    anywhere after a rejection), so prompt + max_tokens = n_ctx runs at any B, greedy equal
+    to B = 1 and sampled to the budget."""
+    with Clover(tiny_artifacts["f32"], block_size=1, n_ctx=n_ctx, kv_f32=True, n_threads=1) as m:
+        want = list(m.generate([5, 6], max_tokens=n_ctx - 2, block_size=1, stop_at_eos=False).tokens)
+        for B in (4, 8, 16):
+            got = m.generate([5, 6], max_tokens=n_ctx - 2, block_size=B, draft_self=True, stop_at_eos=False)
+            assert list(got.tokens) == want, B
+            hot = m.generate([5, 6], max_tokens=n_ctx - 2, block_size=B, draft_self=True, stop_at_eos=False,
+                             temperature=50.0, seed=B)
+            assert len(hot.tokens) == n_ctx - 2 and hot.stats.n_verifications > 0
+
+
 def test_cli_draft_self_prints_the_block_size_1_text(tiny_artifacts):
     import subprocess
     from pathlib import Path
