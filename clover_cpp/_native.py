@@ -39,6 +39,9 @@ CLOVER_ERR_BUFFER_TOO_SMALL = -6
 CLOVER_ERR_INTERNAL = -7
 
 CLOVER_BLOCK_SIZE_AUTO = -1
+CLOVER_DRAFT_SELF_AUTO = -1
+# clover_stats.mode
+DECODE_MODES = {1: "autoregressive", 2: "diffusion", 3: "draft-self"}
 CLOVER_MAX_TOP_LOGPROBS = 20
 
 CLOVER_FINISH_NONE = 0
@@ -102,6 +105,7 @@ class clover_generate_params(Structure):
         ("n_top_logprobs", c_int32),
         ("top_tokens", POINTER(c_int32)),
         ("top_logprobs", POINTER(c_float)),
+        ("draft_steps", c_int32),
     ]
 
 
@@ -128,6 +132,10 @@ class clover_stats(Structure):
         ("n_accepted", c_int32),
         ("n_decode_forwards", c_int32),
         ("grammar_mode", c_int32),
+        ("mode", c_int32),
+        ("n_blocks_ar", c_int32),
+        ("n_blocks_diffusion", c_int32),
+        ("n_blocks_draft_self", c_int32),
     ]
 
 

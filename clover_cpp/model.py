@@ -147,6 +147,10 @@ class GenerationStats:
     n_decode_forwards: int = 0  # llama_decode calls after the prompt's (passes + commits on no pass)
     grammar_mode: str = ""      # a grammar: "ar" (decoded at block_size=1) or "draft-self"; "" = none
     seed: int | None = None     # the sampler's seed this call used (a fresh random one unless given)
+    mode: str = ""              # the last block's: "autoregressive" (B = 1), "diffusion" or "draft-self"
+    n_blocks_ar: int = 0        # blocks per mode (block_size="auto" says what it chose)
+    n_blocks_diffusion: int = 0
+    n_blocks_draft_self: int = 0
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -158,13 +162,19 @@ class GenerationStats:
                    n_block_switches=s.n_block_switches,
                    calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused,
                    n_verifications=s.n_verifications, n_drafted=s.n_drafted, n_accepted=s.n_accepted,
-                   n_decode_forwards=s.n_decode_forwards)
+                   n_decode_forwards=s.n_decode_forwards, mode=N.DECODE_MODES.get(s.mode, ""),
+                   n_blocks_ar=s.n_blocks_ar, n_blocks_diffusion=s.n_blocks_diffusion,
+                   n_blocks_draft_self=s.n_blocks_draft_self)
 
     def format(self) -> str:
         """One line for humans (what `clover run` prints after the text)."""
         sw = f" ({self.n_block_switches} switches)" if self.n_block_switches else ""
         reused = f" ({self.n_reused} reused)" if self.n_reused else ""
-        return (f"[clover] B={self.block_size}{sw} prompt={self.n_prompt} tok{reused}, generated={self.n_generated} tok, "
+        mode = f" {self.mode}" if self.mode else ""
+        if sum(x > 0 for x in (self.n_blocks_ar, self.n_blocks_diffusion, self.n_blocks_draft_self)) > 1:
+            mode += (f" (blocks: {self.n_blocks_ar} autoregressive, {self.n_blocks_diffusion} diffusion, "
+                     f"{self.n_blocks_draft_self} draft-self)")
+        return (f"[clover] B={self.block_size}{mode}{sw} prompt={self.n_prompt} tok{reused}, generated={self.n_generated} tok, "
                 f"blocks={self.n_blocks}, decode passes={self.n_decode_passes} "
                 f"({self.tokens_per_forward:.2f} tok/forward), forward passes={self.n_forward}, "
                 f"prefill={self.t_prefill_ms:.1f} ms, decode={self.t_decode_ms:.1f} ms "
@@ -1300,7 +1310,8 @@ class Clover:
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
-                 draft_self: bool = False, grammar: str | None = None, logprobs: int | None = None,
+                 draft_self: bool | str | None = False, draft_steps: int = 1, grammar: str | None = None,
+                 logprobs: int | None = None,
                  response_format: Mapping[str, Any] | None = None, _chat_text: str | None = None) -> Any:
         """Block-diffusion generation.
 
@@ -1327,7 +1338,13 @@ class Clover:
         draft_self: lossless self-speculative decoding: each block is drafted by block passes and
         verified by its causal commit, so the output is that of block_size=1 (token for token at
         temperature 0, in distribution above it); stats.n_accepted / n_drafted / n_verifications
-        say how it went.
+        say how it went; with block_size="auto": B = 1 or draft-self (both lossless). "auto" (or
+        None): with block_size="auto" the mode too is chosen per block (B = 1, block diffusion or
+        draft-self, the cheapest per token by the cost curve and the running figures); with a
+        fixed block size, block diffusion. False (default): block diffusion (auto: B = 1 or block
+        diffusion). ``stats.mode`` / ``stats.n_blocks_*`` say what ran. draft_steps: passes per
+        draft (1 = one pass, riding on the previous verification's forward; 0 = threshold /
+        max_steps as block diffusion).
         grammar: GBNF text (llama.cpp's grammar format): every output token is one the grammar
         allows (llama.cpp's grammar sampler). response_format: {"type": "json_object"} or
         {"type": "json_schema", "json_schema": {"schema": {...}}} (OpenAI's), turned into a grammar
@@ -1353,7 +1370,8 @@ class Clover:
             stop_tokens = ()
         stops = self._tokens(stop_tokens)
         kw.update(stop_strings=_strings("stop", stop), reuse_prefix=_bool("reuse_prefix", reuse_prefix),
-                  draft_self=_bool("draft_self", draft_self), chat_text=_chat_text,
+                  draft_self=_tristate("draft_self", draft_self),
+                  draft_steps=_int("draft_steps", draft_steps, 0, INT32_MAX), chat_text=_chat_text,
                   **_constraint_params(grammar, logprobs, response_format))
         stop_at_eos, stream = _bool("stop_at_eos", stop_at_eos), _bool("stream", stream)
         _callable("on_step", on_step)
@@ -1422,7 +1440,7 @@ class Clover:
         matcher = StopMatcher(kw.get("stop_strings", ()))
         # track the canvas's final prefix every step (a draft-self canvas is only a draft: its
         # tokens are final once the block's verification has kept them)
-        follow = (push is not None or bool(matcher.stops)) and not kw.get("draft_self", False)
+        follow = (push is not None or bool(matcher.stops)) and kw.get("draft_self", 0) != 1
         pieces: list[str] = []
         got: list[int] = []        # final output tokens so far (what the pieces spell)
         stopset = set(stops)
@@ -1519,7 +1537,8 @@ class Clover:
         gp.step_callback = c_step
         gp.block_callback = c_block
         gp.reuse_prefix = 1 if kw.get("reuse_prefix", True) else 0
-        gp.draft_self = 1 if kw.get("draft_self", False) else 0
+        gp.draft_self = kw.get("draft_self", 0)
+        gp.draft_steps = kw.get("draft_steps", 1)
         cap = max(kw["max_tokens"], 1)
         n_top = kw.get("logprobs")
         if kw.get("grammar"):

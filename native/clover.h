@@ -221,6 +221,16 @@ typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens
 /* clover_generate_params.block_size: choose B per block from the measured cost curve and
  * the running tokens per pass (see clover_generate). */
 #define CLOVER_BLOCK_SIZE_AUTO (-1)
+/* clover_generate_params.draft_self: the mode chosen per block with block_size = auto */
+#define CLOVER_DRAFT_SELF_AUTO (-1)
+
+/* clover_stats.mode: how the last block was decoded */
+enum clover_decode_mode {
+    CLOVER_MODE_NONE           = 0, /* nothing decoded */
+    CLOVER_MODE_AUTOREGRESSIVE = 1, /* B = 1 */
+    CLOVER_MODE_DIFFUSION      = 2, /* block diffusion at B > 1 */
+    CLOVER_MODE_DRAFT_SELF     = 3, /* draft-self at B > 1 */
+};
 
 /* temperatures below this are greedy (temperature 0): the tempered distribution is the argmax
  * but for logits a few float ulps apart, and logits / T could overflow */
@@ -243,12 +253,18 @@ typedef struct clover_generate_params {
     int32_t  reuse_prefix; /* 1 (default): when the prompt starts with the context's committed
                               tokens, keep them and commit only the rest (stats.n_reused); the
                               memory is the same for every B; 0 = always start from an empty memory */
-    int32_t  draft_self;   /* 1 = draft-self (lossless self-speculative decoding, spec/decoding.md):
+    int32_t  draft_self;   /* CLOVER_DRAFT_SELF_AUTO (-1) = with block_size = auto, the mode too is chosen
+                              per block (B = 1, block diffusion or draft-self, whichever the cost curve
+                              and the running figures make cheapest per token); with a fixed B, block
+                              diffusion. 1 = draft-self (lossless self-speculative decoding, spec/decoding.md):
                               each block is drafted by block passes, then verified by its causal
                               commit; the output equals block_size = 1 decoding (token for token at
                               temperature 0, in distribution otherwise: speculative sampling's
-                              acceptance against the draft's distributions, seeded). 0 (default) =
-                              block diffusion */
+                              acceptance against the draft's distributions, seeded); with block_size =
+                              auto, B = 1 or draft-self at some B (both lossless). In a draft-self
+                              block the step callback sees only the verified tokens (once per
+                              verification; a draft is never output). 0 (default) = block diffusion
+                              (with block_size = auto: B = 1 or block diffusion) */
     /* Constrained decoding (spec/decoding.md, "Grammar"): a GBNF grammar (llama.cpp's format, as
      * llama-server's `grammar` field; applied by llama.cpp's grammar sampler over the model's
      * vocabulary), NULL or "" = none; grammar_root: its start rule, NULL or "" = "root". Every
@@ -274,6 +290,11 @@ typedef struct clover_generate_params {
     int32_t   n_top_logprobs;
     int32_t * top_tokens;
     float *   top_logprobs;
+    /* draft-self: the step cap of a draft (default 1: every position of the block from one
+     * block pass, which rides on the previous verification's forward); S > 1: at most S passes
+     * per draft (threshold, then the cap rule of max_steps with S); 0 = threshold and max_steps
+     * as block diffusion does */
+    int32_t   draft_steps;
 } clover_generate_params;
 
 #define CLOVER_MAX_TOP_LOGPROBS 20
@@ -305,6 +326,11 @@ typedef struct clover_stats {
                                    no pass (tokens_per_forward = n_generated / this) */
     int32_t grammar_mode;       /* 0 = no grammar, 1 = grammar at block size 1 (autoregressive), 2 = grammar with
                                    draft-self */
+    int32_t mode;               /* enum clover_decode_mode of the last block (with block_size: the B and mode
+                                   block_size = auto chose last) */
+    int32_t n_blocks_ar;        /* decode blocks per mode: autoregressive (B = 1), */
+    int32_t n_blocks_diffusion; /* block diffusion, */
+    int32_t n_blocks_draft_self;/* draft-self (each verification is one block) */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).
@@ -335,7 +361,7 @@ typedef struct clover_stats {
  * Errors (nothing generated): CLOVER_ERR_INVALID_ARG (block_size < 1 or > n_ctx, threshold
  * outside [0,1], temperature < 0, top_p outside (0,1], top_k/max_steps < 0, bad token id,
  * no mask token, empty prompt), CLOVER_ERR_CONTEXT_FULL (prompt + max_tokens rounded up to
- * whole blocks exceeds n_ctx), CLOVER_ERR_DECODE. */
+ * whole blocks exceeds n_ctx; with draft_self = 1, prompt + max_tokens), CLOVER_ERR_DECODE. */
 CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prompt,
                                const clover_generate_params * params,
                                int32_t * out, int32_t out_cap, int32_t * n_out,
