@@ -764,7 +764,7 @@ class Clover:
     def _context_params(self) -> tuple[int, int | None, int | None]:
         """n_ctx, n_threads and the block size (None = auto) of self._ctx_args, checked."""
         a = self._ctx_args
-        n_ctx = _int("n_ctx", a["n_ctx"], 1, INT32_MAX)
+        n_ctx = _int("n_ctx", a["n_ctx"], 3, INT32_MAX)  # (libclover: llama.cpp needs one output per sequence)
         n_threads = None if a["n_threads"] is None else _int("n_threads", a["n_threads"], 1, MAX_THREADS)
         _tristate("flash_attn", a["flash_attn"])
         _bool("kv_f32", a["kv_f32"])

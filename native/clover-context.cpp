@@ -410,8 +410,8 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model is NULL");
         }
         const clover_context_params cp = params ? *params : clover_context_default_params();
-        if (cp.n_ctx < 1) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 1, got " + std::to_string(cp.n_ctx));
+        if (cp.n_ctx < 3) { // (llama.cpp caps its batch at n_ctx and needs one output per sequence: 3)
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 3, got " + std::to_string(cp.n_ctx));
         }
         int32_t B = cp.block_size;
         if (B == 0) {

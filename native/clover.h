@@ -142,7 +142,7 @@ CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tok
 
 /* ---------------------------------------------------------------- context */
 typedef struct clover_context_params {
-    int32_t n_ctx;      /* positions the memory can hold (prompt + generation); default 4096 */
+    int32_t n_ctx;      /* positions the memory can hold (prompt + generation), >= 3; default 4096 */
     int32_t n_threads;  /* CPU threads; <= 0 = a default from the hardware; default 4 */
     int32_t block_size; /* B; 0 = the model's training block size (or 32); default 0 */
     int32_t flash_attn; /* -1 auto (default), 0 off, 1 on */

@@ -375,3 +375,22 @@ def test_training_block_size_at_or_past_n_ctx_works_with_auto(gguf, tmp_path: Pa
         r = m.generate("hello", max_tokens=4, block_size="auto", stop_at_eos=False)
         assert len(r.tokens) == 4 and r.stats.calibration == "measured" and 1 <= r.stats.block_size <= n_ctx // 2
         assert m.generate("hello", max_tokens=4, stop_at_eos=False).tokens == r.tokens
+
+
+@pytest.mark.parametrize("n_ctx", [1, 2])
+def test_tiny_context_is_refused_not_aborted(gguf, n_ctx: int) -> None:
+    # n_ctx < 3 aborted the process (GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) in
+    # llama.cpp: its batch is capped at n_ctx and it reserves one output per sequence, 3 here)
+    code = ("import sys, ctypes\nfrom clover_cpp import Clover, CloverError, _native as N\n"
+            "try:\n    Clover(sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=1, block_size=1)\n"
+            "except CloverError as e:\n    print('python:', e)\n"
+            "L = N.lib()\nerr, n = N.err_buffer()\n"
+            "m = L.clover_model_load(sys.argv[1].encode(), None, err, n)\n"
+            "cp = L.clover_context_default_params()\ncp.n_ctx = int(sys.argv[2])\ncp.n_threads = 1\n"
+            "c = L.clover_context_new(m, ctypes.byref(cp), err, n)\n"
+            "print('native:', bool(c), err.value.decode())\nL.clover_model_free(m)\n")
+    p = _python(code, str(gguf), str(n_ctx))
+    assert p.returncode == 0, p.stderr[-800:]
+    assert "python: n_ctx must be in [3," in p.stdout and "native: False n_ctx must be >= 3" in p.stdout, p.stdout
+    with Clover(gguf, n_ctx=3, n_threads=1, block_size=1) as m:
+        assert len(m.generate([1], max_tokens=1).tokens) == 1
