@@ -172,6 +172,10 @@ class gen_extras {
     // the candidate of a position; next = it is the next output position (the grammar applies)
     void pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
               pick_work & w, int32_t & tok, double & conf);
+    // pick() for canvas position p of a block: draft-self constrains a draft position whose left
+    // neighbours are all drafted, with the grammar run over them (a clone)
+    void pick_at(const float * row, int32_t p, const clover_generate_params & gp, std::mt19937_64 & rng,
+                 pick_work & w, int32_t & tok, double & conf);
     // a denoising step unmasked canvas position p (tok, predicted by row)
     void unmasked(int32_t p, const float * row, int32_t tok);
     // the finished block's output is canvas[0, n)
@@ -185,11 +189,18 @@ class gen_extras {
     void report(const clover_generate_params & gp, int32_t n_gen, clover_stats * stats) const;
 
   private:
-    bool allows(int32_t tok);
+    bool allows(llama_sampler * g, int32_t tok) const;
+    void pick_in(llama_sampler * g, const float * row, const clover_generate_params & gp, std::mt19937_64 & rng,
+                 pick_work & w, int32_t & tok, double & conf);
     void accept(int32_t tok);
     void record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp);
     const clover_model * model = nullptr;
     llama_sampler *      smpl  = nullptr;
+    llama_sampler *      draft = nullptr; // draft-self: the grammar over the drafted prefix (draft_n tokens)
+    int32_t              draft_n    = 0;
+    bool                 draft_dead = false;
+    std::vector<int32_t> step_cand;        // draft-self: this step's candidate per canvas position
+    void note_candidate(int32_t p, int32_t tok);
     bool    draft_self = false;
     bool    want_lp    = false;
     int32_t n_top      = 0;

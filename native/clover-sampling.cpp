@@ -280,6 +280,9 @@ static bool grammar_within_limits(const char * g, std::string & msg) {
 }
 
 gen_extras::~gen_extras() {
+    if (draft) {
+        llama_sampler_free(draft);
+    }
     if (smpl) {
         llama_sampler_free(smpl);
     }
@@ -338,32 +341,90 @@ int gen_extras::init(const clover_model * m, const clover_generate_params & gp, 
     return CLOVER_OK;
 }
 
-bool gen_extras::allows(int32_t tok) {
+bool gen_extras::allows(llama_sampler * g, int32_t tok) const {
     if (model->eos >= 0 && tok != model->eos && llama_vocab_is_eog(model->vocab, tok)) {
         return false; // the output ends at EOS only (an end-of-turn token would not stop it)
     }
     llama_token_data       one{ tok, 0.0f, 0.0f };
     llama_token_data_array arr{ &one, 1, -1, false };
-    llama_sampler_apply(smpl, &arr);
+    llama_sampler_apply(g, &arr);
     return one.logit != -std::numeric_limits<float>::infinity();
 }
 
 void gen_extras::accept(int32_t tok) {
-    if (smpl && allows(tok)) { // (a token the grammar refuses is only ever the stuck case's EOS)
+    if (smpl && allows(smpl, tok)) { // (a token the grammar refuses is only ever the stuck case's EOS)
         llama_sampler_accept(smpl, tok);
     }
 }
 
 void gen_extras::pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
                       pick_work & w, int32_t & tok, double & conf) {
-    const int32_t V = model->n_vocab;
     if (!smpl || !next) {
-        pick_candidate(row, V, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
+        pick_candidate(row, model->n_vocab, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
         return;
     }
+    pick_in(smpl, row, gp, rng, w, tok, conf);
+}
+
+void gen_extras::pick_at(const float * row, int32_t p, const clover_generate_params & gp, std::mt19937_64 & rng,
+                         pick_work & w, int32_t & tok, double & conf) {
+    if (!smpl || p == 0 || !draft_self) { // (without draft-self a grammar runs at B = 1: p is 0)
+        pick(row, p == 0, gp, rng, w, tok, conf);
+        if (smpl && draft_self) { // a new step of the draft (its positions come in order)
+            note_candidate(0, tok);
+        }
+        return;
+    }
+    // a draft position: the grammar, run (on a copy) over the draft before it - the tokens
+    // already unmasked and this step's candidates of the masked ones - constrains it too, so that
+    // the draft stays in the grammar and can be accepted (the verification decides either way)
+    if (p <= draft_n - 1 || !draft) { // a new step: start again from the grammar's state
+        if (draft) {
+            llama_sampler_free(draft);
+        }
+        draft      = llama_sampler_clone(smpl);
+        draft_n    = 0;
+        draft_dead = false;
+    }
+    for (; !draft_dead && draft_n < p; ++draft_n) {
+        const int32_t t = draft_n < (int32_t) canvas_tok.size() && canvas_tok[draft_n] >= 0 ? canvas_tok[draft_n]
+                          : draft_n < (int32_t) step_cand.size()                            ? step_cand[draft_n]
+                                                                                             : -1;
+        if (t < 0 || !allows(draft, t)) {
+            draft_dead = true; // the draft already left the grammar: the rest of this step is free
+            break;
+        }
+        llama_sampler_accept(draft, t);
+    }
+    if (draft_dead) {
+        pick(row, false, gp, rng, w, tok, conf);
+    } else {
+        pick_in(draft, row, gp, rng, w, tok, conf);
+    }
+    note_candidate(p, tok);
+}
+
+void gen_extras::note_candidate(int32_t p, int32_t tok) {
+    if ((int32_t) step_cand.size() <= p) {
+        step_cand.resize(p + 1, -1);
+    }
+    step_cand[p] = tok;
+    if (p == 0) {
+        draft_n = 0; // (position 0 is the grammar's own next position: the draft copy restarts)
+        if (draft) {
+            llama_sampler_free(draft);
+            draft = nullptr;
+        }
+        draft_dead = false;
+    }
+}
+
+void gen_extras::pick_in(llama_sampler * g, const float * row, const clover_generate_params & gp,
+                         std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
+    const int32_t V = model->n_vocab;
     if (gp.temperature == 0.0) { // greedy: the free argmax, when the grammar allows it, is the constrained one
         pick_candidate(row, V, model->mask, 0.0, gp.top_k, gp.top_p, rng, w, tok, conf);
-        if (allows(tok)) {
+        if (allows(g, tok)) {
             return;
         }
     }
@@ -371,12 +432,12 @@ void gen_extras::pick(const float * row, bool next, const clover_generate_params
         cur[i] = llama_token_data{ i, row[i], 0.0f };
     }
     llama_token_data_array arr{ cur.data(), (size_t) V, -1, false };
-    llama_sampler_apply(smpl, &arr);
+    llama_sampler_apply(g, &arr);
     bool any = false;
     for (int32_t i = 0; i < V; ++i) {
         const bool other_end = model->eos >= 0 && i != model->eos && llama_vocab_is_eog(model->vocab, i);
         constrained[i]       = other_end ? -std::numeric_limits<float>::infinity() : cur[i].logit;
-        any            = any || (i != model->mask && cur[i].logit > -std::numeric_limits<float>::infinity());
+        any = any || (i != model->mask && constrained[i] > -std::numeric_limits<float>::infinity());
     }
     if (!any) { // no token of the vocabulary continues the grammar: the output ends here, as at EOS
         if (model->eos < 0) {
@@ -499,6 +560,13 @@ void gen_extras::take_block() {
     block_tok.clear();
     block_verified = false;
     std::fill(canvas_tok.begin(), canvas_tok.end(), -1);
+    if (draft) { // the next block's draft starts from the grammar's state after this block
+        llama_sampler_free(draft);
+        draft = nullptr;
+    }
+    draft_n    = 0;
+    draft_dead = false;
+    std::fill(step_cand.begin(), step_cand.end(), -1);
     if (!want_lp) {
         return;
     }

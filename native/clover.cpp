@@ -201,7 +201,7 @@ struct decode_run {
         }
         for (int32_t j = 0; j < nm; ++j) {
             const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
-            ex.pick(row, masked[j] == 0, gp, rng, work, cand_tok[j], cand_conf[j]);
+            ex.pick_at(row, masked[j], gp, rng, work, cand_tok[j], cand_conf[j]);
             if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
                 std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
             }
