@@ -272,10 +272,11 @@ typedef struct clover_generate_params {
      * grammar is complete; when no token can continue it, the output ends there as at EOS). The
      * grammar needs the text left to right: with draft_self != 1 a constrained call decodes at
      * block size 1 (autoregressive; block_size is not used and the context's B is not changed;
-     * stats.grammar_mode = 1); with draft_self = 1 the drafts are free and the verification
-     * chooses from the grammar-constrained distribution, so the output is that of the
-     * constrained block size 1 decoding (stats.grammar_mode = 2). A grammar that does not parse:
-     * CLOVER_ERR_INVALID_ARG with llama.cpp's one-line reason. */
+     * stats.grammar_mode = 1); with draft_self = 1 the drafts follow the grammar left to right
+     * and the verification chooses from the grammar-constrained distribution, so the output is
+     * that of the constrained block size 1 decoding (stats.grammar_mode = 2). A grammar that does
+     * not parse, or is past the bounds of spec/decoding.md (1 MiB, 500 nested groups, 5,000
+     * rules): CLOVER_ERR_INVALID_ARG with a one-line reason. */
     const char * grammar;
     const char * grammar_root;
     /* Log-probabilities (as llama-server's `logprobs`): for output token i, logprobs[i] = its log
