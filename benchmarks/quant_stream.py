@@ -56,7 +56,9 @@ hwm = 0
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
         hwm = int(line.split()[1]) * 1024
-print(json.dumps({"seconds": dt, "peak_rss": hwm}))
+import resource
+children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"seconds": dt, "peak_rss": hwm, "children_rss": children}))
 """
 
 
@@ -133,10 +135,12 @@ def part_convert(args: argparse.Namespace) -> None:
         (work / f"one-{q}.gguf").unlink()
         print(f" round {rnd}:")
         print(f"  two-step  convert f16 {a['wall']:6.2f} s (peak RSS {a['peak_rss'] / MB:6.1f} MB) + quantize "
-              f"{b['wall']:6.2f} s (peak RSS {b['peak_rss'] / MB:6.1f} MB) = {two:6.2f} s, peak disk "
-              f"{two_disk / MB:8.1f} MB, output {two_size / MB:.1f} MB")
-        print(f"  one-step  convert {q} {c['wall']:6.2f} s (peak RSS {c['peak_rss'] / MB:6.1f} MB), peak disk "
-              f"{dw.peak / MB:8.1f} MB, output {one_size / MB:.1f} MB")
+              f"{b['wall']:6.2f} s (peak RSS {b['peak_rss'] / MB:6.1f} MB; its child, quantizer + loader check: "
+              f"{b['children_rss'] / MB:6.1f} MB) = {two:6.2f} s, peak disk {two_disk / MB:8.1f} MB, "
+              f"output {two_size / MB:.1f} MB")
+        print(f"  one-step  convert {q} {c['wall']:6.2f} s (peak RSS {c['peak_rss'] / MB:6.1f} MB; its child, the "
+              f"loader check: {c['children_rss'] / MB:6.1f} MB), peak disk {dw.peak / MB:8.1f} MB, "
+              f"output {one_size / MB:.1f} MB")
         print(f"  one-step / two-step: {c['wall'] / two:.2f}x the time, {dw.peak / two_disk:.2f}x the peak disk")
 
 
