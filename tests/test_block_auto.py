@@ -354,3 +354,32 @@ def test_draft_self_drops_the_canvas_that_would_not_pay(model) -> None:
     r = model.generate(toks, max_tokens=40, block_size=4, draft_self=True, stop_at_eos=False)
     assert r.tokens == free.tokens == _b1(model, toks, 40)
     assert r.stats.n_decode_passes == r.stats.n_verifications, r.stats
+
+
+def test_auto_leaves_a_mode_measured_slower_than_block_size_1(tiny_artifacts, tmp_path, monkeypatch) -> None:
+    """A measured cost curve (the disk cache) may no longer hold: here one that claims a block of
+    32 nearly free and single tokens dear. Auto follows it into draft-self, but it also times the
+    blocks it runs (wall time per token, a B = 1 block measuring B = 1 when needed), and once
+    draft-self is measured slower than B = 1 it goes back to B = 1 for good: a handful of
+    draft-self blocks, then B = 1, whose output it keeps (lossless modes)."""
+    from clover_cpp import Clover
+
+    monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "cache"))
+    with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
+        assert m.generate("hello", max_tokens=2, block_size="auto").stats.calibration == "measured"
+    entry = next((tmp_path / "cache").glob("calibration-*.txt"))
+    stale = {1: 100.0, 2: 50.0, 4: 50.0, 8: 50.0, 16: 50.0, 32: 0.001}
+    lines = [f"cost {b} {stale[b]:.6f} {stale[b]:.6f}" if ln.startswith(f"cost {b} ") else ln
+             for ln in entry.read_text().splitlines() for b in [int(ln.split()[1]) if ln.startswith("cost ") else 0]]
+    entry.write_text("\n".join(lines) + "\n")
+    with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
+        toks = m.tokenize(PROMPTS[1])
+        r = m.generate(toks, max_tokens=40, block_size="auto", draft_self=True, stop_at_eos=False)
+        s = r.stats
+        assert s.calibration == "cached"
+        assert s.mode == "autoregressive" and 1 <= s.n_blocks_draft_self <= 3, s
+        assert r.tokens == _b1(m, toks, 40)
+        # the curve set by hand instead is taken as it is: draft-self stays
+        m.set_cost_curve(stale, stale)
+        assert m.generate(toks, max_tokens=40, block_size="auto", draft_self=True,
+                          stop_at_eos=False).stats.mode == "draft-self"
