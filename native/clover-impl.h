@@ -75,6 +75,16 @@ struct clover_context {
     std::vector<double>  auto_ms_fused; // a commit of B tokens fused with the next block's first pass
     std::vector<double>  auto_tpf;
     double               auto_tpf_any = -1.0;
+    // draft-self's running acceptance (decayed sums over verifications): drafted positions after
+    // the first that were compared (tried) and kept (acc), per candidate B and over all B
+    std::vector<double>  ds_acc, ds_tried;
+    double               ds_acc_any = 0.0, ds_tried_any = 0.0;
+    // measured ms per generated token (wall, EMA over finished blocks but a generation's first),
+    // per candidate B, of block diffusion (B = 1: autoregressive) and of draft-self; < 0 = not
+    // seen. With a measured cost curve (not a set one) auto never stays in a mode measured
+    // slower than B = 1 (and runs one B = 1 block to measure B = 1 when it has to).
+    std::vector<double>  meas_ms, ds_meas_ms;
+    bool                 curve_set = false; // the cost curve came from clover_set_cost_curve (taken as is)
     int32_t              use_calib_cache = 1;
     int32_t              last_calibration = 0; // 0 none, 1 measured, 2 from the disk cache (per generate)
 };
@@ -122,6 +132,14 @@ int fused_commit_pass(clover_context * c, const int32_t * commit, int32_t n_comm
                       const std::vector<char> * want, std::vector<const float *> & rows, std::string & msg);
 int commit_impl(clover_context * c, const int32_t * tokens, int32_t n, float * all_logits, int32_t & n_calls,
                 std::string & msg);
+// the pieces of one llama_decode (draft-self's verification builds its own batch)
+void add_to_batch(clover_context * c, const int32_t * tokens, int32_t n, int32_t pos0, llama_seq_id seq,
+                  const std::vector<char> * want, bool logits);
+void set_canvas(clover_context * c, int32_t n_canvas);
+int run_decode(clover_context * c, const char * what, std::string & msg);
+int read_rows(clover_context * c, int32_t first, int32_t n, const std::vector<char> * want,
+              std::vector<const float *> & rows, const char * what, std::string & msg);
+int keep_last_logits(clover_context * c, int32_t i, const char * what, std::string & msg);
 bool ubatch_fits(const clover_context * c, int32_t B); // a commit of B fused with a pass of B fits one ubatch
 int set_block_size_impl(clover_context * c, int32_t B, std::string & msg);
 int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg);
@@ -130,8 +148,28 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg);
 int calibrate_cached(clover_context * c, std::string & msg);
 int auto_index(const clover_context * c, int32_t B);
 bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t n_left);
-int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left);
+// what block_size = auto may choose besides B = 1 (autoregressive): block diffusion at B > 1,
+// draft-self at B > 1 (whose drafts take draft_steps passes; 0 = the threshold rule)
+struct auto_modes {
+    bool    diffusion   = true;
+    bool    draft_self  = false;
+    int32_t draft_steps = 1;
+};
+struct auto_plan {
+    int32_t B  = 0; // 0 = none fits
+    bool    ds = false;
+    bool operator==(const auto_plan & o) const { return B == o.B && ds == o.ds; }
+    bool operator!=(const auto_plan & o) const { return !(*this == o); }
+};
+void auto_reset_running(clover_context * c);
+auto_plan auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left, const auto_modes & modes);
+double auto_plan_ms(const clover_context * c, const auto_plan & p, int32_t draft_steps);
+bool auto_ds_may_pay(const clover_context * c, int32_t draft_steps);
+bool auto_ds_canvas_pays(const clover_context * c, int32_t B, int32_t n);
 void auto_observe(clover_context * c, int32_t B, int32_t n_tokens, int32_t n_passes);
+void auto_observe_ds(clover_context * c, int32_t B, int32_t accepted, int32_t tried);
+void auto_observe_ms(clover_context * c, const auto_plan & p, double ms_per_token);
+bool auto_measured_slower_than_ar(const clover_context * c, const auto_plan & p);
 double auto_ms_of(const clover_context * c, int32_t B);
 double ms_since(std::chrono::steady_clock::time_point t0);
 

@@ -24,6 +24,43 @@ std::vector<int32_t> auto_candidates(const clover_context * c) {
     return out;
 }
 
+// The running figures (tokens per pass, draft-self acceptance) start afresh with a cost curve.
+void auto_reset_running(clover_context * c) {
+    c->auto_tpf.assign(c->auto_sizes.size(), -1.0);
+    c->auto_tpf_any = -1.0;
+    c->ds_acc.assign(c->auto_sizes.size(), 0.0);
+    c->ds_tried.assign(c->auto_sizes.size(), 0.0);
+    c->ds_acc_any   = 0.0;
+    c->ds_tried_any = 0.0;
+    c->meas_ms.assign(c->auto_sizes.size(), -1.0);
+    c->ds_meas_ms.assign(c->auto_sizes.size(), -1.0);
+}
+
+// The measured ms per token of a finished block decoded as p (EMA).
+void auto_observe_ms(clover_context * c, const auto_plan & p, double ms_per_token) {
+    const int i = auto_index(c, p.B);
+    std::vector<double> & v = p.ds && p.B > 1 ? c->ds_meas_ms : c->meas_ms;
+    if (i < 0 || (size_t) i >= v.size() || !(ms_per_token >= 0.0)) {
+        return;
+    }
+    v[i] = v[i] < 0 ? ms_per_token : 0.7 * v[i] + 0.3 * ms_per_token;
+}
+
+// Was p (B > 1) measured slower per token than B = 1, both measured in this context? The cost
+// curve, measured once and cached, may no longer hold (another load on the machine); a curve
+// set by clover_set_cost_curve is taken as it is.
+// When p has been measured but B = 1 not yet, the answer is "yes" once: one B = 1 block
+// measures it (a token at B = 1's speed).
+bool auto_measured_slower_than_ar(const clover_context * c, const auto_plan & p) {
+    const int i = auto_index(c, p.B);
+    if (c->curve_set || p.B <= 1 || i < 0 || c->meas_ms.empty()) {
+        return false;
+    }
+    const std::vector<double> & v = p.ds ? c->ds_meas_ms : c->meas_ms;
+    const double                m = (size_t) i < v.size() ? v[i] : -1.0;
+    return m >= 0 && (c->meas_ms[0] < 0 || m > c->meas_ms[0]);
+}
+
 // Measures the cost curve: per candidate B, the fastest of 10 denoising steps (2 sweeps)
 // of an all-mask block on an almost empty memory, both as a plain block pass and as a commit
 // fused with the next pass; each includes the greedy candidate of every position (a softmax
@@ -84,7 +121,8 @@ int calibrate_impl(clover_context * c, std::string & msg) {
     c->auto_sizes    = sizes;
     c->auto_ms       = ms;
     c->auto_ms_fused = ms_fused;
-    c->auto_tpf.assign(sizes.size(), -1.0);
+    c->curve_set     = false;
+    auto_reset_running(c);
     return CLOVER_OK;
 }
 
@@ -110,10 +148,112 @@ double auto_tpf_estimate(const clover_context * c, size_t i) {
 
 // Expected milliseconds per generated token at candidate i: a block of B tokens takes B / tpf
 // passes, the first of which carries the previous block's commit.
+// B = 1 is autoregressive decoding: one 1-token forward per token.
 double auto_ms_per_token(const clover_context * c, size_t i) {
     const int32_t B      = c->auto_sizes[i];
+    if (B == 1) {
+        return c->auto_ms[i];
+    }
     const double  passes = std::max(1.0, B / auto_tpf_estimate(c, i));
     return (c->auto_ms_fused[i] + (passes - 1.0) * c->auto_ms[i]) / B;
+}
+
+// Draft-self's per-position acceptance at candidate i: the share of drafted positions after
+// the first (which is the autoregressive token itself) that verifications kept while every
+// position before them was kept; its own running figure, else that of any B; -1 = none seen.
+double auto_ds_alpha(const clover_context * c, size_t i) {
+    if (i < c->ds_tried.size() && c->ds_tried[i] >= 1.0) {
+        return c->ds_acc[i] / c->ds_tried[i];
+    }
+    return c->ds_tried_any >= 1.0 ? c->ds_acc_any / c->ds_tried_any : -1.0;
+}
+
+// One draft-self forward at candidate i: the B drafted tokens committed with their logits and
+// the next draft's canvas of B, i.e. 2B tokens with 2B logits rows: a pass of 2B (the next
+// candidate's; twice B's past the last), at least a fused step of B.
+double auto_ds_forward_ms(const clover_context * c, size_t i) {
+    const double pass2 = i + 1 < c->auto_ms.size() ? c->auto_ms[i + 1] : 2.0 * c->auto_ms[i];
+    return std::max(c->auto_ms_fused[i], pass2);
+}
+
+// Expected ms per token of draft-self at candidate i (spec/decoding.md, "Block size auto"):
+// position 0 is always kept, each later one with probability a while all before it were; a
+// draft kept whole costs one forward (its verification drafts the next block), a rejection two
+// (the kept tokens' commit drafts again); draft steps after the first are passes of B.
+double auto_ds_ms_per_token(const clover_context * c, size_t i, int32_t draft_steps) {
+    const int32_t B = c->auto_sizes[i];
+    const double  a = auto_ds_alpha(c, i);
+    if (B < 2 || a < 0) {
+        return 1e300;
+    }
+    double tok = 0.0, aj = 1.0; // aj = a^j
+    for (int32_t j = 0; j < B - 1; ++j) {
+        tok += aj * (1.0 - a) * (j + 2); // j kept after position 0, then the rejection's own token
+        aj *= a;
+    }
+    tok += aj * B;
+    double extra = 0.0;
+    if (draft_steps > 1) {
+        extra = (draft_steps - 1) * c->auto_ms[i];
+    } else if (draft_steps == 0) { // the threshold rule: about B / tpf passes per draft
+        extra = std::max(0.0, B / auto_tpf_estimate(c, i) - 1.0) * c->auto_ms[i];
+    }
+    return ((2.0 - aj) * auto_ds_forward_ms(c, i) + extra) / tok;
+}
+
+// The cost of a forward of n tokens with their logits, from the cost curve (the pass of the
+// smallest candidate >= n; proportionally past the last); < 0 without a curve.
+static double auto_tokens_ms(const clover_context * c, int32_t n) {
+    if (c->auto_sizes.empty()) {
+        return -1.0;
+    }
+    for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
+        if (c->auto_sizes[i] >= n) {
+            return c->auto_ms[i];
+        }
+    }
+    return c->auto_ms.back() * n / c->auto_sizes.back();
+}
+
+// Draft-self: does the next draft's canvas pay its way in a verification of n drafted tokens
+// at B? It is used only when the whole draft is kept (probability a^(n-1) by the running
+// acceptance), when it saves a pass of B; it always costs B more tokens in the forward.
+// Without a cost curve or an acceptance figure: yes.
+bool auto_ds_canvas_pays(const clover_context * c, int32_t B, int32_t n) {
+    const int i = auto_index(c, B);
+    if (i < 0 || c->auto_sizes.empty()) {
+        return true;
+    }
+    const double a = auto_ds_alpha(c, (size_t) i);
+    if (a < 0) {
+        return true;
+    }
+    const double whole = std::pow(a, n - 1);
+    return whole * c->auto_ms[i] >= auto_tokens_ms(c, n + B) - auto_tokens_ms(c, n);
+}
+
+// Could draft-self beat B = 1 at all, were every draft kept whole (one forward per B tokens)?
+// If not, block_size = auto never spends a block measuring its acceptance.
+bool auto_ds_may_pay(const clover_context * c, int32_t draft_steps) {
+    if (c->auto_sizes.empty() || c->auto_sizes[0] != 1) {
+        return false;
+    }
+    for (size_t i = 1; i < c->auto_sizes.size(); ++i) {
+        const int32_t B     = c->auto_sizes[i];
+        const double  extra = draft_steps > 1 ? (draft_steps - 1) * c->auto_ms[i] : 0.0;
+        if ((auto_ds_forward_ms(c, i) + extra) / B < c->auto_ms[0]) {
+            return true;
+        }
+    }
+    return false;
+}
+
+double auto_plan_ms(const clover_context * c, const auto_plan & p, int32_t draft_steps) {
+    const int i = auto_index(c, p.B);
+    if (i < 0) {
+        return 1e300;
+    }
+    return p.ds && p.B > 1 ? auto_ds_ms_per_token(c, (size_t) i, draft_steps) : auto_ms_per_token(c, (size_t) i);
 }
 
 // ---- the calibration cache: one small text file per (model file, backend, build, threads)
@@ -197,7 +337,8 @@ bool calib_load(clover_context * c, const std::string & path, const std::string 
     c->auto_sizes    = sizes;
     c->auto_ms       = ms;
     c->auto_ms_fused = msf;
-    c->auto_tpf.assign(sizes.size(), -1.0);
+    c->curve_set     = false;
+    auto_reset_running(c);
     return true;
 }
 
@@ -270,22 +411,48 @@ bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t
     return (int64_t) n_committed + ((int64_t) n_left + B - 1) / B * B <= c->n_ctx;
 }
 
-// The candidate with the lowest expected ms per token among those that fit (auto_fits).
-int32_t auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left) {
-    int32_t best = 0;
-    double  best_ms = 1e300;
+// The (B, mode) with the lowest expected ms per token among those that fit (auto_fits) and
+// that `modes` allows; B = 1 (autoregressive) is always allowed.
+auto_plan auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left, const auto_modes & modes) {
+    auto_plan best;
+    double    best_ms = 1e300;
     for (size_t i = 0; i < c->auto_sizes.size(); ++i) {
         const int32_t B = c->auto_sizes[i];
         if (!auto_fits(c, B, n_committed, n_left)) {
             continue;
         }
-        const double ms = auto_ms_per_token(c, i);
-        if (best == 0 || ms < best_ms) { // (the first that fits, whatever its cost)
-            best_ms = ms;
-            best    = B;
+        if (B == 1 || modes.diffusion) {
+            const double ms = auto_ms_per_token(c, i);
+            if (best.B == 0 || ms < best_ms) { // (the first that fits, whatever its cost)
+                best_ms = ms;
+                best    = auto_plan{ B, false };
+            }
+        }
+        if (B > 1 && modes.draft_self) {
+            const double ms = auto_ds_ms_per_token(c, i, modes.draft_steps);
+            if (best.B == 0 || ms < best_ms) {
+                best_ms = ms;
+                best    = auto_plan{ B, true };
+            }
         }
     }
     return best;
+}
+
+// Draft-self's running acceptance after a verification at B: `tried` drafted positions after
+// the first were compared, `accepted` of them kept (decayed sums, per B and over all B).
+void auto_observe_ds(clover_context * c, int32_t B, int32_t accepted, int32_t tried) {
+    if (tried < 1) {
+        return;
+    }
+    const double keep = 0.8;
+    c->ds_acc_any   = keep * c->ds_acc_any + accepted;
+    c->ds_tried_any = keep * c->ds_tried_any + tried;
+    const int i     = auto_index(c, B);
+    if (i >= 0 && (size_t) i < c->ds_tried.size()) {
+        c->ds_acc[i]   = keep * c->ds_acc[i] + accepted;
+        c->ds_tried[i] = keep * c->ds_tried[i] + tried;
+    }
 }
 
 // Running tokens per pass after a finished decode block of size B.
@@ -371,8 +538,8 @@ int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const dou
         for (int32_t i = 0; i < n; ++i) {
             ctx->auto_ms_fused[i] = ms_fused ? ms_fused[i] : i + 1 < n ? ms[i + 1] : 2.0 * ms[i];
         }
-        ctx->auto_tpf.assign(n, -1.0);
-        ctx->auto_tpf_any = -1.0;
+        ctx->curve_set = true;
+        auto_reset_running(ctx);
         return CLOVER_OK;
     });
 }

@@ -36,8 +36,11 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
     if (gp.max_steps < 0) {
         return bad(CLOVER_ERR_INVALID_ARG, "max_steps must be >= 0");
     }
-    if (gp.draft_self != 0 && gp.draft_self != 1) {
-        return bad(CLOVER_ERR_INVALID_ARG, "draft_self must be 0 or 1");
+    if (gp.draft_self != 0 && gp.draft_self != 1 && gp.draft_self != CLOVER_DRAFT_SELF_AUTO) {
+        return bad(CLOVER_ERR_INVALID_ARG, "draft_self must be 0, 1 or -1 (auto)");
+    }
+    if (gp.draft_steps < 0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "draft_steps must be >= 0");
     }
     if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
         return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
@@ -58,7 +61,9 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
         return bad(CLOVER_ERR_INVALID_ARG, "output buffer too small: out_cap=" + std::to_string(out_cap) +
                                                " < max_tokens=" + std::to_string(gp.max_tokens));
     }
-    const int64_t need = (int64_t) n_prompt + ((int64_t) gp.max_tokens + B - 1) / B * B;
+    // (draft-self cuts its canvases at n_ctx: it needs no whole blocks)
+    const int64_t need = gp.draft_self == 1 ? (int64_t) n_prompt + gp.max_tokens
+                                            : (int64_t) n_prompt + ((int64_t) gp.max_tokens + B - 1) / B * B;
     if (need > ctx->n_ctx) {
         return bad(CLOVER_ERR_CONTEXT_FULL,
                    "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" + std::to_string(gp.max_tokens) +
@@ -100,6 +105,14 @@ struct decode_run {
     std::vector<float>         verify_logits;  // draft-self: the verifying commit's logits
     std::vector<float>         last_before;    // draft-self: L_last before the verifying commit
     std::vector<float>         draft_q;        // draft-self, temperature > 0: each canvas position's draft distribution
+    std::vector<int32_t>       next_canvas;    // draft-self: the next block's canvas in the verification's forward
+    std::vector<const float *> vrows;          // draft-self: the verification's rows (row i predicts position i + 1)
+    int32_t                    Bc      = 0;     // the current block's canvas length (B; draft-self: within n_ctx)
+    bool                       ds      = false; // the current block is draft-self (else block diffusion; B = 1: autoregressive)
+    bool                       ds_rows = false; // draft-self: `rows` hold the canvas of the last verification's forward
+    auto_modes                 modes;           // block_size = auto: what it may choose besides B = 1
+    int32_t                    mode_last        = CLOVER_MODE_NONE;
+    int32_t                    n_mode_blocks[4] = { 0, 0, 0, 0 };
 
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b,
                clover_detail::gen_extras & e)
@@ -120,6 +133,7 @@ struct decode_run {
 
     // the pending block's commit as a forward of its own (no pass to ride on)
     int commit_pending() {
+        ds_rows         = false;
         int32_t   calls = 0;
         const int rc    = commit_impl(ctx, pending.data(), (int32_t) pending.size(), nullptr, calls, msg);
         n_calls += calls;
@@ -128,32 +142,58 @@ struct decode_run {
         return rc;
     }
 
-    // block size auto, at a block boundary: switch when another B is at least 10% cheaper per
-    // token; the first time no tokens-per-pass figure exists, one block of B = 2 measures it
+    // block size auto, at a block boundary: the (B, mode) cheapest per token (auto_pick), switched
+    // to only when it is at least 10% cheaper than the current one, unless the current one is
+    // slower than B = 1. The first time no figure exists, one block measures it: block diffusion's
+    // tokens per pass at B = 2 (when B = 1 looks best), draft-self's acceptance at B = 8 (only
+    // when whole drafts would beat B = 1 on this cost curve).
     int replan() {
-        const int32_t n_left = gp.max_tokens - (int32_t) gen.size();
-        const int32_t at     = ctx->n_committed + (int32_t) pending.size();
-        int32_t       next   = auto_pick(ctx, at, n_left);
-        if (next == 1 && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 && auto_fits(ctx, 2, at, n_left)) {
-            next = 2;
-        } else if (next > 0 && next != B && !(auto_ms_of(ctx, next) < 0.9 * auto_ms_of(ctx, B)) &&
-                   auto_fits(ctx, B, at, n_left)) {
-            next = B; // not worth a switch (and B still fits)
+        const int32_t   n_left = gp.max_tokens - (int32_t) gen.size();
+        const int32_t   at     = ctx->n_committed + (int32_t) pending.size();
+        const auto_plan cur{ B, ds && B > 1 };
+        auto_plan       next = auto_pick(ctx, at, n_left, modes);
+        int32_t         probe = 0; // draft-self's probe: the largest candidate <= 8 that fits
+        for (int32_t b = 2; b <= 8 && n_left >= 2; b *= 2) {
+            if (auto_index(ctx, b) >= 0 && auto_fits(ctx, b, at, n_left)) {
+                probe = b;
+            }
         }
-        if (next <= 0 || next == B) {
+        if (next.B == 1 && modes.diffusion && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 &&
+            auto_fits(ctx, 2, at, n_left)) {
+            next = auto_plan{ 2, false };
+        } else if (modes.draft_self && ctx->ds_tried_any <= 0.0 && probe > 1 &&
+                   auto_ds_may_pay(ctx, modes.draft_steps)) {
+            next = auto_plan{ probe, true };
+        } else if (next.B > 0 && next != cur && auto_fits(ctx, B, at, n_left)) {
+            const double ms_cur = auto_plan_ms(ctx, cur, modes.draft_steps);
+            const bool   cur_ok = B == 1 || (ms_cur <= auto_plan_ms(ctx, auto_plan{ 1, false }, modes.draft_steps) &&
+                                           !auto_measured_slower_than_ar(ctx, cur));
+            if (cur_ok && !(auto_plan_ms(ctx, next, modes.draft_steps) < 0.9 * ms_cur)) {
+                next = cur; // not worth a switch (and B still fits)
+            }
+        }
+        if (auto_measured_slower_than_ar(ctx, next)) { // measured: B = 1 is faster here and now
+            next = auto_plan{ 1, false };
+        }
+        if (next.B <= 0 || next == cur) {
+            return CLOVER_OK;
+        }
+        ds_rows = false; // a canvas drafted for another block
+        ++n_switches;
+        ds = next.ds;
+        if (next.B == B) {
             return CLOVER_OK;
         }
         // the pending block rides on the next pass only when both fit one ubatch of this context
-        if (!pending.empty() && (!ubatch_fits(ctx, next) || (int32_t) pending.size() + next > ctx->U)) {
+        if (!pending.empty() && (!ubatch_fits(ctx, next.B) || (int32_t) pending.size() + next.B > ctx->U)) {
             const int rc = commit_pending();
             if (rc != CLOVER_OK) {
                 return rc;
             }
         }
-        const int rc = switch_block_size_keep(ctx, next, msg);
+        const int rc = switch_block_size_keep(ctx, next.B, msg);
         if (rc == CLOVER_OK) {
-            B = next;
-            ++n_switches;
+            B = next.B;
         }
         return rc;
     }
@@ -161,7 +201,8 @@ struct decode_run {
     // one denoising step of the current block: position 0's candidate from L_last, position
     // i > 0's from the pass's row i - 1; a pass (fused with the pending commit) only when some
     // masked i > 0 needs one; the unmasked ones are written into the canvas
-    int step(int32_t s) {
+    int step(int32_t s, int32_t cap) {
+        ds_rows = false;
         std::fill(want.begin(), want.end(), 0);
         bool need_pass = false;
         for (int32_t p : masked) {
@@ -171,18 +212,18 @@ struct decode_run {
             }
         }
         int rc = CLOVER_OK;
-        if (need_pass && !pending.empty() && (int32_t) pending.size() + B > ctx->U) {
+        if (need_pass && !pending.empty() && (int32_t) pending.size() + Bc > ctx->U) {
             rc = commit_pending(); // the two do not fit one ubatch (a context of fewer than 2B positions)
         }
         if (rc != CLOVER_OK) {
             return rc;
         }
         if (need_pass && !pending.empty()) {
-            rc = fused_commit_pass(ctx, pending.data(), (int32_t) pending.size(), canvas.data(), B, &want, rows, msg);
+            rc = fused_commit_pass(ctx, pending.data(), (int32_t) pending.size(), canvas.data(), Bc, &want, rows, msg);
             pending.clear();
             ++n_commits;
         } else if (need_pass) {
-            rc = block_pass_rows(ctx, canvas.data(), B, &want, rows, msg);
+            rc = block_pass_rows(ctx, canvas.data(), Bc, &want, rows, msg);
         } else if (!pending.empty()) {
             rc = commit_pending();
         }
@@ -190,12 +231,18 @@ struct decode_run {
             return rc;
         }
         n_steps += need_pass ? 1 : 0;
+        pick(s, cap);
+        return CLOVER_OK;
+    }
+
+    // the candidates of step s from L_last and `rows`, and the unmasking (step cap `cap`)
+    void pick(int32_t s, int32_t cap) {
         const clover_model * m  = ctx->model;
         const int32_t        nm = (int32_t) masked.size();
         cand_tok.resize(nm);
         cand_conf.resize(nm);
         order.resize(nm);
-        const bool keep_q = gp.draft_self && gp.temperature > 0.0;
+        const bool keep_q = ds && gp.temperature > 0.0;
         if (keep_q) {
             draft_q.resize((size_t) B * m->n_vocab);
         }
@@ -207,7 +254,7 @@ struct decode_run {
             }
         }
         const int32_t k =
-            clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, gp.max_steps, s, order.data());
+            clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, cap, s, order.data());
         for (int32_t j = 0; j < k; ++j) {
             const int32_t p = masked[order[j]];
             canvas[p]       = cand_tok[order[j]];
@@ -215,7 +262,6 @@ struct decode_run {
         }
         masked.erase(std::remove_if(masked.begin(), masked.end(), [&](int32_t p) { return canvas[p] != m->mask; }),
                      masked.end());
-        return CLOVER_OK;
     }
 
     // the finished block's tokens join the output (cut at the first EOS and at max_tokens);
@@ -253,6 +299,8 @@ struct decode_run {
             const int32_t start  = ctx->n_committed + (int32_t) pending.size();
             // positions at or past the budget are never candidates: they stay masked
             const int32_t n_cand = std::min(B, gp.max_tokens - (int32_t) gen.size());
+            // a draft-self block may start anywhere (after a rejection): its canvas ends within n_ctx
+            Bc = ds ? std::max(n_cand, std::min(B, ctx->n_ctx - start)) : B;
             canvas.assign(B, ctx->model->mask);
             want.assign(B, 0);
             masked.clear();
@@ -260,68 +308,135 @@ struct decode_run {
                 masked.push_back(i);
             }
             ++n_blocks;
-            bool    cancelled = false, has_eos = false;
-            int32_t s = 0, passes = n_steps;
-            while (!masked.empty() && !cancelled) {
-                const int rc = step(s++);
+            const auto t_block = std::chrono::steady_clock::now();
+            mode_last = B == 1 ? CLOVER_MODE_AUTOREGRESSIVE : ds ? CLOVER_MODE_DRAFT_SELF : CLOVER_MODE_DIFFUSION;
+            ++n_mode_blocks[mode_last];
+            bool cancelled = false, has_eos = false;
+            const bool ds_block = ds && n_cand >= 2; // (a draft of one token is the autoregressive token itself)
+            if (ds_block) {
+                const int rc = draft_self_block(start, n_cand, cancelled, has_eos);
                 if (rc != CLOVER_OK) {
                     return rc;
                 }
-                cancelled = gp.step_callback &&
-                            gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0;
-            }
-            bool verified = false; // draft-self: the block is committed (or rolled back) already
-            if (masked.empty()) {
-                auto_observe(ctx, B, n_cand, std::max(1, n_steps - passes));
-                block_out.assign(canvas.begin(), canvas.begin() + n_cand);
-                ex.block_from_canvas(n_cand);
-                if (gp.draft_self) {
-                    const int rc = verify(n_cand);
+            } else {
+                int32_t s = 0, passes = n_steps;
+                while (!masked.empty() && !cancelled) {
+                    const int rc = step(s++, gp.max_steps);
                     if (rc != CLOVER_OK) {
                         return rc;
                     }
-                    verified = true;
+                    cancelled = gp.step_callback &&
+                                gp.step_callback(start, canvas.data(), B, (int32_t) masked.size(), gp.user_data) != 0;
                 }
-                cancelled = take_block(start, has_eos) != 0 || cancelled;
+                if (masked.empty()) {
+                    if (!ds) {
+                        auto_observe(ctx, B, n_cand, std::max(1, n_steps - passes));
+                    }
+                    block_out.assign(canvas.begin(), canvas.begin() + n_cand);
+                    ex.block_from_canvas(n_cand);
+                    cancelled = take_block(start, has_eos) != 0 || cancelled;
+                }
+            }
+            // the wall time per token of this block (its forwards carry the previous block's commit;
+            // the first block's have none, so it is left out)
+            if (auto_B && n_blocks > 1 && !block_out.empty() && (!ds || ds_block)) {
+                auto_observe_ms(ctx, auto_plan{ B, ds && B > 1 }, ms_since(t_block) / (double) block_out.size());
             }
             if (cancelled || has_eos || (int32_t) gen.size() >= gp.max_tokens) {
                 finish = cancelled ? CLOVER_FINISH_CANCELLED : has_eos ? CLOVER_FINISH_EOS : CLOVER_FINISH_MAX_TOKENS;
                 return cancelled ? CLOVER_ERR_CANCELLED : CLOVER_OK;
             }
-            if (!verified) {
+            if (!ds_block) {
                 pending = canvas; // committed by the next block's first pass
             }
         }
     }
 
-    // Draft-self (spec/decoding.md): the causal commit of the n drafted tokens gives, at each of
-    // them, the autoregressive logits. The longest prefix of the draft that equals the greedy
-    // autoregressive choices is kept (at temperature > 0: that speculative sampling accepts,
-    // against the draft's distributions), plus the autoregressive token after it; the memory then
-    // goes back to the text before the draft (a copy on the spare sequence, taken before the
-    // commit) and the kept tokens become the pending commit, which rides on the next block's
-    // first pass. When the whole draft is kept, the commit stays. block_out: the kept tokens.
+    // A draft-self block (spec/decoding.md, "Draft-self"): the draft takes at most draft_steps
+    // steps (the first one's pass rode on the last verification's forward when that one kept its
+    // whole draft), then the verification. The step callback sees the verified tokens only.
+    int draft_self_block(int32_t start, int32_t n_cand, bool & cancelled, bool & has_eos) {
+        const int32_t cap = gp.draft_steps > 0 ? gp.draft_steps : gp.max_steps;
+        int32_t       s   = 0;
+        if (ds_rows) {
+            ds_rows = false;
+            pick(s++, cap);
+        }
+        while (!masked.empty()) {
+            const int rc = step(s++, cap);
+            if (rc != CLOVER_OK) {
+                return rc;
+            }
+        }
+        block_out.assign(canvas.begin(), canvas.begin() + n_cand);
+        ex.block_from_canvas(n_cand);
+        const int rc = verify(n_cand);
+        if (rc != CLOVER_OK) {
+            return rc;
+        }
+        std::fill(canvas.begin(), canvas.end(), ctx->model->mask);
+        std::copy(block_out.begin(), block_out.end(), canvas.begin());
+        cancelled = gp.step_callback && gp.step_callback(start, canvas.data(), B, B - (int32_t) block_out.size(),
+                                                         gp.user_data) != 0;
+        cancelled = take_block(start, has_eos) != 0 || cancelled;
+        return CLOVER_OK;
+    }
+
+    // Draft-self's verification (spec/decoding.md): the causal commit of the n drafted tokens gives,
+    // at each of them, the autoregressive logits, and the same forward runs the next block's first
+    // draft pass on a canvas after them (the commit does not see the canvas: its numbers are those
+    // of a commit alone). The longest prefix of the draft that equals the greedy autoregressive
+    // choices is kept (at temperature > 0: what speculative sampling accepts, against the draft's
+    // distributions), plus the autoregressive token after it. All kept: the commit stands and the
+    // canvas's rows are the next draft's first step. Else the memory goes back to the text before
+    // the draft (a copy on the spare sequence, taken before the forward), the canvas is dropped,
+    // and the kept tokens become the pending commit, which rides on the next block's first pass.
+    // block_out: the kept tokens.
     int verify(int32_t n) {
         const clover_model * m   = ctx->model;
         const size_t         V   = (size_t) m->n_vocab;
         llama_memory_t       mem = llama_get_memory(ctx->lctx);
         const llama_seq_id   cur = ctx->mem_seq, other = 1 - ctx->mem_seq;
         const int32_t        P   = ctx->n_committed;
+        // the next block's canvas, for when the whole draft is kept and that block needs a pass
+        // (and, by the cost curve and the running acceptance, when it is likely enough to be used)
+        const int32_t left_after = gp.max_tokens - (int32_t) gen.size() - n;
+        const int32_t nb         = std::min(B, ctx->n_ctx - (P + n));
+        const int32_t nc         = left_after >= 2 && nb >= std::min(B, left_after) && n + nb <= ctx->U &&
+                                   auto_ds_canvas_pays(ctx, B, n)
+                                       ? nb
+                                       : 0;
         last_before              = ctx->last_logits;
         llama_memory_seq_rm(mem, other, -1, -1);
         llama_memory_seq_cp(mem, cur, other, -1, -1);
-        verify_logits.resize((size_t) n * V);
-        int32_t calls = 0;
-        int     rc    = commit_impl(ctx, canvas.data(), n, verify_logits.data(), calls, msg);
-        n_calls += calls;
+        ctx->batch.n_tokens = 0;
+        add_to_batch(ctx, canvas.data(), n, P, cur, nullptr, true);
+        if (nc > 0) {
+            next_canvas.assign(nc, m->mask);
+            want.assign(B, 0);
+            for (int32_t i = 0; i + 1 < std::min(nc, left_after); ++i) {
+                want[i] = 1;
+            }
+            add_to_batch(ctx, next_canvas.data(), nc, P + n, cur, &want, true);
+        }
+        set_canvas(ctx, nc);
+        const char * what = nc > 0 ? "verification + block pass" : "verification";
+        int          rc   = run_decode(ctx, what, msg);
+        (nc > 0 ? n_steps : n_calls) += 1;
         ++n_verifications;
         n_drafted += n;
+        if (rc == CLOVER_OK) {
+            rc = read_rows(ctx, 0, n, nullptr, vrows, what, msg);
+        }
+        if (rc == CLOVER_OK && nc > 0) {
+            rc = read_rows(ctx, n, nc, &want, rows, what, msg);
+        }
         if (rc != CLOVER_OK) {
             return rc;
         }
         int32_t k = 0, next = -1;
         double  conf = 0.0;
-        auto row_of = [&](int32_t i) { return i == 0 ? last_before.data() : verify_logits.data() + (size_t) (i - 1) * V; };
+        auto row_of = [&](int32_t i) { return i == 0 ? last_before.data() : vrows[i - 1]; };
         ex.verify_begin();
         for (; k < n; ++k) {
             ex.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
@@ -336,9 +451,21 @@ struct decode_run {
             ex.verified(row_of(k), next);
         }
         n_accepted += k;
+        // the acceptance of the positions after the first (the first is the autoregressive token)
+        auto_observe_ds(ctx, B, k < n ? std::max(0, k - 1) : n - 1, k < n ? k : n - 1);
         if (k == n) { // all kept: the commit stands, L_last predicts the next block's position 0
             llama_memory_seq_rm(mem, other, -1, -1);
-            return CLOVER_OK;
+            if (nc > 0) { // the canvas's cells go (see fused_commit_pass)
+                llama_memory_seq_cp(mem, cur, other, -1, P + n);
+                llama_memory_seq_rm(mem, cur, -1, -1);
+                llama_memory_seq_cp(mem, other, cur, -1, -1);
+                llama_memory_seq_rm(mem, other, -1, -1);
+            }
+            ctx->n_committed += n;
+            ctx->mem_tokens.insert(ctx->mem_tokens.end(), canvas.begin(), canvas.begin() + n);
+            rc      = keep_last_logits(ctx, n - 1, what, msg);
+            ds_rows = nc > 0 && rc == CLOVER_OK;
+            return rc;
         }
         llama_memory_seq_rm(mem, cur, -1, -1);
         llama_memory_seq_cp(mem, other, cur, -1, -1);
@@ -377,6 +504,10 @@ struct decode_run {
             stats->n_drafted          = n_drafted;
             stats->n_accepted         = n_accepted;
             stats->n_decode_forwards  = n_steps + n_calls;
+            stats->mode                = mode_last;
+            stats->n_blocks_ar         = n_mode_blocks[CLOVER_MODE_AUTOREGRESSIVE];
+            stats->n_blocks_diffusion  = n_mode_blocks[CLOVER_MODE_DIFFUSION];
+            stats->n_blocks_draft_self = n_mode_blocks[CLOVER_MODE_DRAFT_SELF];
         }
         ex.report(gp, n_gen, stats);
     }
@@ -402,6 +533,7 @@ clover_generate_params clover_generate_default_params(void) {
     p.user_data      = nullptr;
     p.reuse_prefix   = 1;
     p.draft_self     = 0;
+    p.draft_steps    = 1;
     p.grammar        = nullptr;
     p.grammar_root   = nullptr;
     p.logprobs       = nullptr;
@@ -428,6 +560,18 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
         clover_generate_params gp = params ? *params : clover_generate_default_params();
         clover_detail::normalise_sampling(gp.temperature, gp.top_k, gp.top_p, ctx->model->n_vocab);
+        // draft_self = auto: with block_size = auto the mode too is chosen per block, unless a
+        // grammar or log-probabilities ask for one mode's records; else block diffusion, or
+        // draft-self on a model without a block operator
+        if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO &&
+            (gp.block_size != CLOVER_BLOCK_SIZE_AUTO || (gp.grammar && gp.grammar[0]) || gp.logprobs ||
+             gp.n_top_logprobs != 0)) {
+            gp.draft_self = ctx->model->has_block_operator ? 0 : 1;
+        }
+        auto_modes modes;
+        modes.diffusion   = gp.draft_self != 1 && ctx->model->has_block_operator;
+        modes.draft_self  = gp.draft_self != 0;
+        modes.draft_steps = gp.draft_steps;
         // a grammar needs the text left to right: without draft-self the call runs at B = 1
         // (the context's B is kept), spec/decoding.md "Grammar"
         const bool  ar_grammar = clover_detail::gen_extras::forces_ar(gp);
@@ -455,6 +599,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         const bool    prefix = gp.reuse_prefix && ctx->lctx && nc > 0 && nc <= n_prompt &&
                             (int32_t) ctx->mem_tokens.size() == nc &&
                             std::equal(ctx->mem_tokens.begin(), ctx->mem_tokens.end(), prompt);
+        auto_plan plan{ B, gp.draft_self == 1 };
         if (auto_B) {
             if (ctx->auto_sizes.empty()) {
                 rc = calibrate_cached(ctx, msg);
@@ -462,7 +607,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                     return set_err(err, err_len, rc, "block-size calibration: " + msg);
                 }
             }
-            B = auto_pick(ctx, n_prompt, gp.max_tokens); // blocks start right after the prompt
+            plan = auto_pick(ctx, n_prompt, gp.max_tokens, modes); // blocks start right after the prompt
+            B    = plan.B;
         }
         const int32_t reuse = prefix ? nc : 0;
         if (reuse > 0) {
@@ -481,6 +627,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
 
         decode_run run(ctx, gp, prompt, n_prompt, auto_B, B, ex);
+        run.modes = modes;
+        run.ds    = plan.ds && B > 1;
         rc = run.prefill(reuse);
         if (rc == CLOVER_OK) {
             rc = run.run();
