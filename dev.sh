@@ -107,7 +107,7 @@ setup() { setup_python; build_native "$@"; setup_llama_cpp_python; }
 
 # llama.cpp's own tools that the tests run on clover GGUFs (the causal path: tests/test_causal_path.py,
 # tests/test_semantics.py); the package build makes only what the wheel ships
-TEST_TOOLS=(llama-perplexity llama-bench llama-simple)
+TEST_TOOLS=(llama-perplexity llama-bench llama-simple llama-quantize)
 
 # The native decoding tests, the fuzz corpus and the hardening tests once more, on an
 # AddressSanitizer + UndefinedBehaviorSanitizer build of libllama + libclover + clover-cli.
