@@ -50,6 +50,7 @@ struct clover_model {
     bool    has_block_operator = true; // false: clover.block_operator = release-bd-softmax (no block diffusion)
     bool     on_rpc           = false; // some layers live on RPC servers
     uint64_t rpc_failures_now = 0;     // rpc_failures() when loaded: more = a server was lost
+    std::string placement;             // where the weights live (placement_key): in the calibration key
 };
 
 struct clover_context {
@@ -171,6 +172,9 @@ void auto_observe_ds(clover_context * c, int32_t B, int32_t accepted, int32_t tr
 void auto_observe_ms(clover_context * c, const auto_plan & p, double ms_per_token);
 bool auto_measured_slower_than_ar(const clover_context * c, const auto_plan & p);
 double auto_ms_of(const clover_context * c, int32_t B);
+// the backend set of a load (RPC servers and their devices, offloaded layers, split, overrides),
+// so that a cost curve measured on one placement is never reused for another
+std::string placement_key(const clover_model_params & mp, const std::vector<ggml_backend_dev_t> & devices);
 double ms_since(std::chrono::steady_clock::time_point t0);
 
 } // namespace clover_impl

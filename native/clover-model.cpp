@@ -331,6 +331,7 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
         cm->lm           = lm;
         cm->on_rpc           = !devices.empty();
         cm->rpc_failures_now = rpc_failures();
+        cm->placement        = placement_key(mp, devices);
         if (cm->on_rpc && cm->rpc_failures_now != rpc_failures_before) {
             clover_model_free(cm);
             return set_err(err, err_len, CLOVER_ERR_LOAD, "while loading: " + rpc_error());

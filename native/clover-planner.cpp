@@ -289,10 +289,29 @@ std::string calib_key(const clover_context * c) {
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         k << " " << ggml_backend_dev_name(ggml_backend_dev_get(i));
     }
+    k << "\nplacement " << c->model->placement;
     k << "\nsystem " << llama_print_system_info() << "\n"
       << "threads " << c->n_threads << " flash_attn " << c->flash_attn << " kv_f32 " << c->kv_f32
       << " n_ctx " << c->n_ctx << "\n";
     return k.str();
+}
+
+std::string placement_key(const clover_model_params & mp, const std::vector<ggml_backend_dev_t> & devices) {
+    std::ostringstream k;
+    k << "n_gpu_layers " << mp.n_gpu_layers << " rpc [" << (mp.rpc_servers ? mp.rpc_servers : "") << "] devices";
+    for (ggml_backend_dev_t dev : devices) {
+        if (dev) { // the endpoint (RPC) or the device's own description, and its type
+            k << " " << ggml_backend_dev_description(dev) << "/" << (int) ggml_backend_dev_type(dev);
+        }
+    }
+    k << " split";
+    for (int32_t i = 0; i < mp.n_tensor_split && mp.tensor_split; ++i) {
+        k << " " << mp.tensor_split[i];
+    }
+    k << " ot [" << (mp.tensor_overrides ? mp.tensor_overrides : "") << "]";
+    std::string s = k.str();
+    std::replace(s.begin(), s.end(), '\n', ' '); // the key is line-oriented
+    return s;
 }
 
 std::string calib_path(const std::string & dir, const std::string & key) {
