@@ -328,6 +328,12 @@ std::string calib_path(const std::string & dir, const std::string & key) {
 // entry exists but cannot be trusted)
 bool calib_load(clover_context * c, const std::string & path, const std::string & key, bool * bad) {
     *bad = false;
+    std::error_code ec;
+    const auto      st = std::filesystem::status(path, ec);
+    if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st)) {
+        *bad = true; // a FIFO would block the open forever, a device never ends: measure again
+        return false; // (and the store renames a regular file into its place)
+    }
     std::ifstream f(path, std::ios::binary);
     if (!f) {
         return false;
