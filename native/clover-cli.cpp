@@ -30,6 +30,16 @@
 
 namespace {
 
+// clover_stats.mode as the stats line names it (the names of GenerationStats.mode in Python)
+const char * mode_name(int32_t mode) {
+    switch (mode) {
+        case CLOVER_MODE_AUTOREGRESSIVE: return "autoregressive";
+        case CLOVER_MODE_DIFFUSION:      return "diffusion";
+        case CLOVER_MODE_DRAFT_SELF:     return "draft-self";
+        default:                         return "none";
+    }
+}
+
 void usage(const char * argv0) {
     fprintf(stdout,
             "usage: %s -m MODEL.gguf (-p PROMPT | -f FILE) [options]\n"
@@ -48,8 +58,11 @@ void usage(const char * argv0) {
             "                         measured once per model and machine and cached, and tokens/pass)\n"
             "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
-            "  --draft-self           lossless self-speculative decoding: blocks drafted by block passes,\n"
-            "                         verified by their causal commit (the output of --block-size 1)\n"
+            "  --draft-self [on|off|auto]  lossless self-speculative decoding (alone = on): blocks drafted\n"
+            "                         by block passes, verified by their causal commit (the output of\n"
+            "                         --block-size 1); auto (also --draft-self=auto) with --block-size auto:\n"
+            "                         the mode too is chosen per block (B = 1, block diffusion or\n"
+            "                         draft-self); the stats line names the mode chosen\n"
             "  --grammar GBNF         constrain the output to a GBNF grammar (llama.cpp's format); decoded\n"
             "                         at block size 1, or verified by --draft-self (spec/decoding.md)\n"
             "  --grammar-file FILE    the grammar from a file\n"
@@ -323,8 +336,25 @@ int main(int argc, char ** argv) {
             const std::string v = val();
             auto_block        = v == "auto";
             cp.block_size     = auto_block ? 0 : (int32_t) parse_int(a, v.c_str(), 1, 1 << 20);
-        } else if (a == "--draft-self") {
-            gp.draft_self = 1;
+        } else if (a == "--draft-self" || a.rfind("--draft-self=", 0) == 0) {
+            // an optional value, as clover run's: --draft-self alone = on; --draft-self auto |
+            // --draft-self=auto = CLOVER_DRAFT_SELF_AUTO (the mode chosen per block with auto B)
+            std::string v = "on";
+            if (a.size() > 12) {
+                v = a.substr(13);
+            } else if (i + 1 < argc && (!strcmp(argv[i + 1], "on") || !strcmp(argv[i + 1], "off") ||
+                                        !strcmp(argv[i + 1], "auto"))) {
+                v = argv[++i];
+            }
+            if (v == "on") {
+                gp.draft_self = 1;
+            } else if (v == "off") {
+                gp.draft_self = 0;
+            } else if (v == "auto") {
+                gp.draft_self = CLOVER_DRAFT_SELF_AUTO;
+            } else {
+                die("option --draft-self: expected on, off or auto, got '" + v + "'");
+            }
         } else if (a == "--grammar") {
             grammar = val();
         } else if (a == "--grammar-file") {
@@ -529,15 +559,19 @@ int main(int argc, char ** argv) {
     }
     fprintf(stderr,
             "clover: prompt %d tok, generated %d tok, forwards %d, steps %d, tokens/forward %.2f, "
-            "decode %.2f tok/s, prefill %.1f ms, block size %d%s (%d switches)\n",
+            "decode %.2f tok/s, prefill %.1f ms, block size %d%s (%d switches), mode %s\n",
             n_tok, stats.n_generated, stats.n_forward, stats.n_steps, stats.tokens_per_forward,
             stats.tokens_per_second, stats.t_prefill_ms, stats.block_size, auto_block ? " (auto)" : "",
-            stats.n_block_switches);
+            stats.n_block_switches, mode_name(stats.mode));
+    if ((stats.n_blocks_ar > 0) + (stats.n_blocks_diffusion > 0) + (stats.n_blocks_draft_self > 0) > 1) {
+        fprintf(stderr, "clover: blocks per mode: %d autoregressive, %d diffusion, %d draft-self\n",
+                stats.n_blocks_ar, stats.n_blocks_diffusion, stats.n_blocks_draft_self);
+    }
     if (stats.grammar_mode != 0) {
         fprintf(stderr, "clover: grammar: %s\n",
                 stats.grammar_mode == 1 ? "decoded at block size 1 (autoregressive)" : "verified by draft-self");
     }
-    if (gp.draft_self) {
+    if (gp.draft_self == 1 || stats.n_verifications > 0) {
         fprintf(stderr, "clover: draft-self: %d verifications, %d of %d drafted tokens accepted (%.2f tokens per verification)\n",
                 stats.n_verifications, stats.n_accepted, stats.n_drafted,
                 stats.n_verifications > 0 ? (double) stats.n_generated / stats.n_verifications : 0.0);
