@@ -268,9 +268,12 @@ def _sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:
                      show_default=True, help="Top-p (1 = off)."),
         click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=DEFAULT_SEED, show_default=True,
                      help="Sampling seed (-1 = random)."),
-        click.option("--draft-self", "draft_self", is_flag=True,
-                     help="Lossless self-speculative decoding: blocks drafted by block passes, verified by "
-                          "their causal commit (the output of --block-size 1, faster when drafts are good)."),
+        click.option("--draft-self", "draft_self", type=click.Choice(["on", "off", "auto"]), is_flag=False,
+                     flag_value="on", default="off", show_default=True,
+                     help="Lossless self-speculative decoding (--draft-self alone = on): blocks drafted by block "
+                          "passes, verified by their causal commit (the output of --block-size 1, faster when "
+                          "drafts are good). --draft-self=auto with --block-size auto: the mode too is chosen per "
+                          "block (B = 1, block diffusion or draft-self); the stats line names the one chosen."),
         click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
         click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="TEXT",
                      help="Stop before TEXT (repeatable; matched across token boundaries)."),
@@ -303,13 +306,15 @@ def _open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int
 
 def _gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
                 top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = (),
-                draft_self: bool = False) -> dict[str, Any]:
+                draft_self: bool | str = False) -> dict[str, Any]:
     if seed == -1:  # as in llama.cpp: a random seed
         import secrets
         seed = secrets.randbits(63)
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
-                stop=list(reverse_prompt), draft_self=draft_self)
+                stop=list(reverse_prompt),
+                draft_self={"on": True, "off": False}.get(draft_self, draft_self) if isinstance(draft_self, str)
+                else draft_self)
 
 
 def _until_context_end(m: Any, n_prompt: int, block_size: Any) -> int:
@@ -570,7 +575,7 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
                    "size 1, or verified by --draft-self.")
 @click.option("--json", "json_object", is_flag=True, help="Constrain the output to a JSON object.")
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
-        threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool,
+        threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
         flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
         verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
@@ -643,7 +648,7 @@ def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, t
 @click.option("--separator", default=CHAT_SEPARATOR, show_default=True, metavar="TEXT",
               help="Line written between replies when stdout is not a terminal ('' = none).")
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
-         max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: bool, ignore_eos: bool,
+         max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str, ignore_eos: bool,
          reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
          verbose: bool, visual: bool | None, stats: bool, separator: str) -> None:

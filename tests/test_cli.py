@@ -421,6 +421,7 @@ def test_bad_model_files(files, tmp_path: Path, case: str, cmd: str) -> None:
     (["-n", "-3"], "--n-predict"),
     (["-c", "8", "-n", "64"], "n_ctx"),
     (["--bogus-flag"], "bogus"),
+    (["--draft-self=maybe"], "--draft-self"),
 ])
 def test_bad_run_flags(files, args: list[str], needle: str) -> None:
     assert_user_error(invoke(["run", "-m", files["model"], "-p", "hello", "-t", "1", "--no-visual"] + args),
@@ -546,6 +547,58 @@ def test_more_flags_same_effect_on_both_tools(files, tmp_path, extra: list[str])
     if extra[:1] == ["-r"]:  # the stop string is in the unstopped text, and the output ends before it
         assert extra[1] in full and full.startswith(res.output.rstrip("\n"))
         assert len(res.output.rstrip("\n")) == full.index(extra[1])
+
+
+MODES = ("autoregressive", "diffusion", "draft-self")
+
+
+@needs_lib
+def test_draft_self_auto_names_the_mode_it_chose(files) -> None:
+    """--draft-self (alone = on) is draft-self, whose text is --block-size 1's; --draft-self=auto
+    (and --draft-self auto) lets block size auto choose among B = 1, block diffusion and
+    draft-self, and the stats line names the mode it chose; clover-cli takes the same flags and
+    its stats line says "mode NAME"."""
+    base = ["run", "-m", files["model"], "-p", "hello world", "-n", "16", "-t", "1", "--no-visual", "--no-echo",
+            "--ignore-eos"]
+    one = invoke(base + ["--block-size", "1"])
+    assert one.exit_code == 0 and re.search(r"\[clover\] B=1 autoregressive ", one.stderr), one.stderr
+    ds = invoke(base + ["--block-size", "4", "--draft-self"])
+    assert ds.exit_code == 0 and ds.stdout == one.stdout, ds.output
+    assert re.search(r"\[clover\] B=4 draft-self ", ds.stderr), ds.stderr
+    diff = invoke(base + ["--block-size", "4", "--draft-self=off"])
+    assert diff.exit_code == 0 and re.search(r"\[clover\] B=4 diffusion ", diff.stderr), diff.stderr
+    for flag in (["--draft-self=auto"], ["--draft-self", "auto"]):
+        res = invoke(base + flag)
+        assert res.exit_code == 0, res.output
+        m = re.search(r"\[clover\] B=(\d+) (autoregressive|diffusion|draft-self)[ ,(]", res.stderr)
+        assert m, res.stderr
+        assert "generated=16 tok" in res.stderr and res.stdout.strip()
+        n_diffusion = re.search(r"(\d+) diffusion, ", res.stderr)  # the blocks per mode, when more than one ran
+        if m.group(2) != "diffusion" and (n_diffusion is None or n_diffusion.group(1) == "0"):
+            assert res.stdout == one.stdout  # lossless modes only (B = 1, draft-self): B = 1's text
+    assert "--draft-self [on|off|auto]" in invoke(["run", "--help"]).output
+    assert "--draft-self [on|off|auto]" in invoke(["chat", "--help"]).output
+    # clover-cli: the same flags; the stats line names the mode
+    cli = [str(CLI_BIN), "-m", str(files["model"]), "-p", "hello world", "-n", "16", "-t", "1", "--no-echo",
+           "--ignore-eos"]
+    p1 = subprocess.run(cli + ["--block-size", "1"], capture_output=True, timeout=60)
+    assert p1.returncode == 0 and b", mode autoregressive" in p1.stderr, p1.stderr
+    assert p1.stdout.decode(errors="replace") == one.stdout
+    p = subprocess.run(cli + ["--block-size", "4", "--draft-self"], capture_output=True, timeout=60)
+    assert p.returncode == 0 and b", mode draft-self" in p.stderr and p.stdout == p1.stdout, p.stderr
+    p = subprocess.run(cli + ["--block-size", "4", "--draft-self=off"], capture_output=True, timeout=60)
+    assert p.returncode == 0 and b", mode diffusion" in p.stderr, p.stderr
+    for flag in (["--draft-self", "auto"], ["--draft-self=auto"]):
+        p = subprocess.run(cli + flag, capture_output=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        m = re.search(rb"block size (\d+) \(auto\) \(\d+ switches\), mode (autoregressive|diffusion|draft-self)\n",
+                      p.stderr)
+        assert m, p.stderr
+    p = subprocess.run(cli + ["--draft-self=maybe"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        "error: option --draft-self: expected on, off or auto, got 'maybe'"], p.stderr
+    help_text = subprocess.run([str(CLI_BIN), "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "--draft-self [on|off|auto]" in help_text and "--draft-self=auto" in help_text
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
