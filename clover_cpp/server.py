@@ -197,7 +197,9 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 "block_size": "auto", "train_block_size": model.train_block_size,
                 "mode": "block-diffusion",
                 "modes": {"block-diffusion": "block_size 'auto' or 1..max_block_size, threshold, max_steps",
-                          "draft-self": "draft_self: true (the output of block_size 1, verified)"},
+                          "draft-self": "draft_self: true (the output of block_size 1, verified)",
+                          "auto": "draft_self: 'auto' with block_size 'auto': B = 1, block diffusion or draft-self "
+                                  "per block (the reply's clover.mode)"},
                 "parallel": parallel, "queue_size": max_queue, "chat_template": template,
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_messages": limits.max_messages,
                            "body_timeout_s": limits.body_timeout, "max_block_size": limits.max_block_size,

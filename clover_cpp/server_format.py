@@ -23,6 +23,12 @@ def clover_stats(r: GenerationResult, seed: int) -> dict[str, Any]:
     out = {"block_size": s.block_size, "tokens_per_forward": round(s.tokens_per_forward, 4),
            "decode_passes": s.n_decode_passes, "reused_prompt_tokens": s.n_reused,
            "tokens_per_second": round(s.tokens_per_second, 2), "seed": seed}
+    if getattr(s, "mode", ""):
+        # the last block's mode ("autoregressive", "diffusion" or "draft-self": what block_size /
+        # draft_self "auto" chose) and the blocks per mode
+        out["mode"] = s.mode
+        out["blocks"] = {"autoregressive": s.n_blocks_ar, "diffusion": s.n_blocks_diffusion,
+                         "draft-self": s.n_blocks_draft_self}
     if getattr(s, "grammar_mode", ""):
         out["grammar_mode"] = s.grammar_mode  # "ar" or "draft-self": how a constrained request decoded
     return out

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 INT32_MAX = 2**31 - 1
 
@@ -105,7 +105,7 @@ def validate(cls: type[BaseModel], body: dict[str, Any]) -> Any:
                            code="unknown_field", param=where) from None
         if first.get("type") == "missing":
             raise APIError(400, f"'{where}' is required", param=where) from None
-        raise APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=where or None) from None
+        raise APIError(400, f"{where}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}", param=where or None) from None
 
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -172,7 +172,16 @@ class _Knobs(BaseModel):
     threshold: float = Field(default=0.9, ge=0.0, le=1.0, allow_inf_nan=False)
     max_steps: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    draft_self: bool = False  # lossless self-speculative decoding (the output of block_size 1)
+    # true: lossless self-speculative decoding (the output of block_size 1); "auto": with block_size
+    # auto the mode too is chosen per block (B = 1, block diffusion or draft-self; clover.mode says which)
+    draft_self: Union[bool, Literal["auto"]] = False
+
+    @field_validator("draft_self", mode="before")
+    @classmethod
+    def _draft_self(cls, v: Any) -> Any:
+        if v is True or v is False or v == "auto":
+            return v
+        raise ValueError(f'must be true, false or "auto", got {json.dumps(v)[:40]}')
 
     def stops(self, limits: Limits) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -339,6 +339,9 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options"),
     ({"prompt": [2**32 + 5]}, "prompt"),
+    ({"prompt": "x", "draft_self": "bogus"}, "draft_self"),
+    ({"prompt": "x", "draft_self": 1}, "draft_self"),
+    ({"prompt": "x", "draft_self": None}, "draft_self"),
 ])
 def test_every_field_honoured_or_named(server, body, param) -> None:
     """A field the server cannot honour, or a value out of its range, is a 400 naming it
@@ -372,6 +375,33 @@ def test_max_completion_tokens_is_max_tokens(server) -> None:
     seeds = {c.completions.create(model="x", prompt="x", max_tokens=1, seed=-1).model_extra["clover"]["seed"]
              for _ in range(3)}
     assert len(seeds) == 3
+
+
+def test_draft_self_auto_and_the_mode_reported(server, local) -> None:
+    """draft_self: true | false | "auto"; the reply's clover.mode names the last block's mode and
+    clover.blocks counts the blocks per mode: false at B = 4 is diffusion, B = 1 autoregressive,
+    true draft-self (the text of block_size 1); "auto" (with block_size auto) one of the three,
+    its blocks counted; "bogus" is a 400 naming draft_self (test_every_field_honoured_or_named)."""
+    c = server.client()
+    prompt = "def fibonacci(n):\n"
+    base = dict(model="x", prompt=prompt, max_tokens=12, temperature=0)
+    one = c.completions.create(**base, extra_body={"block_size": 1, "ignore_eos": True}).model_extra["clover"]
+    assert one["mode"] == "autoregressive" and one["blocks"]["autoregressive"] == 12
+    diff = c.completions.create(**base, extra_body={"block_size": 4, "ignore_eos": True}).model_extra["clover"]
+    assert diff["mode"] == "diffusion" and diff["blocks"] == {"autoregressive": 0, "diffusion": 3, "draft-self": 0}
+    want = local.generate(prompt, max_tokens=12, block_size=1, stop_at_eos=False, reuse_prefix=False).text
+    r = c.completions.create(**base, extra_body={"block_size": 4, "ignore_eos": True, "draft_self": True})
+    assert r.choices[0].text == want and r.model_extra["clover"]["mode"] == "draft-self"
+    for body in ({"block_size": "auto", "draft_self": "auto"}, {"draft_self": "auto"}):
+        r = c.completions.create(**base, extra_body={**body, "ignore_eos": True})
+        ext = r.model_extra["clover"]
+        assert r.usage.completion_tokens == 12 and ext["mode"] in ("autoregressive", "diffusion", "draft-self"), ext
+        assert ext["blocks"][ext["mode"]] >= 1 and sum(ext["blocks"].values()) >= 1, ext
+    props = httpx.get(server.url + "/props").json()
+    assert "auto" in props["modes"]
+    r = _post(server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "draft_self": "bogus"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "draft_self", r.text
+    assert 'true, false or "auto"' in r.json()["error"]["message"]
 
 
 def test_info_endpoints(server, local) -> None:
