@@ -324,6 +324,9 @@ int set_block_size_impl(clover_context * c, int32_t B, std::string & msg) {
         msg = "block size must be in [1, n_ctx=" + std::to_string(c->n_ctx) + "], got " + std::to_string(B);
         return CLOVER_ERR_INVALID_ARG;
     }
+    if (B > 1 && check_mask_token(c->model, "block size " + std::to_string(B), msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
     if (B == c->B && c->lctx) {
         return CLOVER_OK;
     }
@@ -414,8 +417,8 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 3, got " + std::to_string(cp.n_ctx));
         }
         int32_t B = cp.block_size;
-        if (B == 0) {
-            B = model->train_block > 0 ? model->train_block : 32;
+        if (B == 0) { // (no mask token: causal only, B = 1)
+            B = model->mask < 0 ? 1 : model->train_block > 0 ? model->train_block : 32;
             B = std::min(B, cp.n_ctx);
         }
         if (B < 1 || B > cp.n_ctx) {
@@ -426,8 +429,9 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         if (cp.flash_attn < -1 || cp.flash_attn > 1) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "flash_attn must be -1, 0 or 1");
         }
-        if (model->mask < 0) {
-            return set_err(err, err_len, CLOVER_ERR_LOAD, "the model has no mask token (tokenizer.ggml.mask_token_id)");
+        std::string mmsg;
+        if (B > 1 && check_mask_token(model, "block size " + std::to_string(B), mmsg) != CLOVER_OK) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, mmsg);
         }
         auto * c       = new clover_context();
         c->model       = model;
@@ -498,7 +502,10 @@ int clover_block_pass(clover_context * ctx, const int32_t * tokens, int32_t n, f
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context or logits_out is NULL");
         }
         std::string msg;
-        int         rc = check_pass(ctx, tokens, n, ctx->B, "a block pass", msg);
+        int         rc = check_mask_token(ctx->model, "a block pass", msg);
+        if (rc == CLOVER_OK) {
+            rc = check_pass(ctx, tokens, n, ctx->B, "a block pass", msg);
+        }
         if (rc == CLOVER_OK) {
             rc = block_pass_impl(ctx, tokens, n, logits_out, msg);
         }

@@ -122,6 +122,8 @@ int guarded(char * err, size_t err_len, F && f) {
 // CLOVER_OK, or CLOVER_ERR_INVALID_ARG and the one-line refusal when a decode at block size B would
 // run block diffusion (B > 1 without draft-self) on a model without a block operator
 int check_block_diffusion(const clover_model * m, int32_t B, std::string & msg);
+// CLOVER_OK when the model has a mask token, else the one line saying `what` needs one and how to add it
+int check_mask_token(const clover_model * m, const std::string & what, std::string & msg);
 
 // ---- the llama.cpp context and the memory (clover-context.cpp)
 constexpr llama_seq_id SCRATCH_SEQ = 2;

@@ -98,6 +98,16 @@ int check_block_diffusion(const clover_model * m, int32_t B, std::string & msg) 
     return CLOVER_ERR_INVALID_ARG;
 }
 
+int check_mask_token(const clover_model * m, const std::string & what, std::string & msg) {
+    if (!m || m->mask >= 0) {
+        return CLOVER_OK;
+    }
+    msg = what + " needs a mask token and this model has none (its GGUF has no tokenizer.ggml.mask_token_id: the "
+                 "release publishes none), so it runs causally only (block size 1); to enable it, add \"mask_token_id\" "
+                 "to the checkpoint's config.json and convert again";
+    return CLOVER_ERR_INVALID_ARG;
+}
+
 } // namespace clover_impl
 
 using namespace clover_impl;

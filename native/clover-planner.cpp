@@ -66,6 +66,9 @@ bool auto_measured_slower_than_ar(const clover_context * c, const auto_plan & p)
 // fused with the next pass; each includes the greedy candidate of every position (a softmax
 // over the vocabulary, which matters for small models). Leaves the context at the last B, empty.
 int calibrate_impl(clover_context * c, std::string & msg) {
+    if (check_mask_token(c->model, "block-size calibration (block passes)", msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
     const std::vector<int32_t> sizes = auto_candidates(c);
     std::vector<double>        ms(sizes.size(), 1e300), ms_fused(sizes.size(), 1e300);
     std::vector<const float *> rows;

@@ -48,8 +48,11 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
     if (n_prompt == 0 && gp.max_tokens > 0) {
         return bad(CLOVER_ERR_INVALID_ARG, "empty prompt: the first block is predicted from the prompt's last token");
     }
-    if (ctx->model->mask < 0) {
-        return bad(CLOVER_ERR_INVALID_ARG, "the model has no mask token");
+    if (gp.draft_self == 1 && check_mask_token(ctx->model, "draft-self", msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (B > 1 && check_mask_token(ctx->model, "block size " + std::to_string(B), msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
     }
     if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
         return bad(CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
@@ -563,6 +566,9 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         // draft_self = auto: with block_size = auto the mode too is chosen per block, unless a
         // grammar or log-probabilities ask for one mode's records; else block diffusion, or
         // draft-self on a model without a block operator
+        if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO && ctx->model->mask < 0) {
+            gp.draft_self = 0; // no mask token: causal only (auto stays at B = 1, check_mask_token)
+        }
         if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO &&
             (gp.block_size != CLOVER_BLOCK_SIZE_AUTO || (gp.grammar && gp.grammar[0]) || gp.logprobs ||
              gp.n_top_logprobs != 0)) {
@@ -578,7 +584,8 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         // a model without a block operator (the release's layout) never runs block diffusion: auto is
         // B = 1 there, a B > 1 without draft-self is refused (check_block_diffusion)
         const bool  no_diffusion = !gp.draft_self && !ctx->model->has_block_operator;
-        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !ar_grammar && !no_diffusion;
+        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !ar_grammar && !no_diffusion &&
+                            ctx->model->mask >= 0;
         int32_t     B      = ar_grammar ? 1 : gp.block_size == 0 ? ctx->B : gp.block_size == CLOVER_BLOCK_SIZE_AUTO ? 1 : gp.block_size;
         std::string msg;
         clover_detail::gen_extras ex;
