@@ -308,6 +308,11 @@ class ConversionPlan:
         )
 
 
+NO_MASK_WARNING = ("warning: config.json names no mask_token_id (the release publishes none): the GGUF runs causally "
+                   "only (block size 1); to enable draft-self, add \"mask_token_id\" (its mask token's id) to "
+                   "config.json and convert again")
+
+
 def _load_config(folder: Path) -> CloverConfig:
     p = folder / "config.json"
     if not p.exists():
@@ -879,6 +884,8 @@ def convert(
     """
     t0 = time.monotonic()
     plan = plan_conversion(src, out, outtype, split_max_size, dry_run=dry_run)
+    if plan.config.mask_token_id is None:
+        print(NO_MASK_WARNING, file=sys.stderr)
     if dry_run:
         return plan
 

@@ -165,7 +165,7 @@ class CloverConfig:
     norm_topk_prob: bool
     rms_norm_eps: float
     block_size: int
-    mask_token_id: int
+    mask_token_id: int | None  # None: the release's config without one (causal only)
     eos_token_id: int | None
     bos_token_id: int | None
     pad_token_id: int | None
@@ -387,12 +387,9 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     k = req_int("num_experts_per_tok")
     I = req_int("moe_intermediate_size")  # noqa: E741
     Is = req_int("shared_expert_intermediate_size")
-    if release and cfg.get("mask_token_id") is None:
-        raise ConversionError(
-            "config.json: mask_token_id is missing (the release's mask token and its config key are not public: "
-            'add "mask_token_id": the id of its mask token, which draft-self drafts with)'
-        )
-    mask = req_int("mask_token_id", minimum=0)
+    # the release publishes no mask token: without one the file runs causally only (B = 1; draft-self
+    # and block passes need it, the converter warns); our layout always names one
+    mask = None if release and cfg.get("mask_token_id") is None else req_int("mask_token_id", minimum=0)
     fai = opt_int("full_attention_interval", 4)
     B0 = opt_int("block_size", 32)
     ctx = opt_int("max_position_embeddings", 262144)
@@ -408,7 +405,7 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         raise _err("num_attention_heads", f"must be a multiple of num_key_value_heads ({nkv})", nh)
     if k > E:
         raise _err("num_experts_per_tok", f"must be <= num_experts ({E})", k)
-    if mask >= V:
+    if mask is not None and mask >= V:
         raise _err("mask_token_id", f"must be < vocab_size ({V})", mask)
 
     rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else None

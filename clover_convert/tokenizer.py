@@ -44,7 +44,7 @@ class TokenizerInfo:
     eos_id: int | None
     pad_id: int | None
     bos_id: int | None
-    mask_id: int
+    mask_id: int | None  # None: the release config names none (causal only)
     add_bos: bool
     chat_template: str | list[dict[str, str]] | None
     n_real: int  # tokens defined by tokenizer.json (the rest is padding)
@@ -207,7 +207,8 @@ def add_tokenizer(w: GGUFWriter, tok: TokenizerInfo) -> None:
         w.add_pad_token_id(tok.pad_id)
     if tok.bos_id is not None:
         w.add_bos_token_id(tok.bos_id)
-    w.add_mask_token_id(tok.mask_id)
+    if tok.mask_id is not None:
+        w.add_mask_token_id(tok.mask_id)
     w.add_add_bos_token(tok.add_bos)
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
