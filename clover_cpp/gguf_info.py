@@ -69,12 +69,18 @@ class GGUFInfo:
         if op == BLOCK_OPERATOR_RELEASE:
             diff = ("no: the release's block softmax (bd_softmax_*) is not public and Clover's (ssm_mix, "
                     "ssm_block_calib) is absent")
-            return {"causal (B = 1)": "yes", "draft-self": "yes (drafts from the trunk, the block softmax left out)",
+            caps = {"causal (B = 1)": "yes", "draft-self": "yes (drafts from the trunk, the block softmax left out)",
                     "block diffusion": diff}
-        if op != BLOCK_OPERATOR_CLOVER:
+        elif op != BLOCK_OPERATOR_CLOVER:
             no = f"no: unknown block operator {op!r}"
             return {"causal (B = 1)": no, "draft-self": no, "block diffusion": no}
-        return {"causal (B = 1)": "yes", "draft-self": "yes", "block diffusion": "yes"}
+        else:
+            caps = {"causal (B = 1)": "yes", "draft-self": "yes", "block diffusion": "yes"}
+        if "tokenizer.ggml.mask_token_id" not in self.metadata:  # (libclover: B > 1 needs a mask token)
+            no_mask = ("no: no mask token (tokenizer.ggml.mask_token_id); add mask_token_id to config.json and "
+                       "convert again")
+            caps = {k: (no_mask if k != "causal (B = 1)" and v.startswith("yes") else v) for k, v in caps.items()}
+        return caps
 
     def hparams(self) -> dict[str, Any]:
         pre = self.architecture + "."
