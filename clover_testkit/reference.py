@@ -503,11 +503,12 @@ class GenerateResult:
     finish_reason: str = ""   # "eos", "max_tokens" or "cancelled"
 
 
-def _candidates(logits: np.ndarray, mask_id: int, temperature: float, top_k: int,
+def _candidates(logits: np.ndarray, mask_id: int | None, temperature: float, top_k: int,
                 top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Per row of logits [m, V]: candidate token and its confidence."""
     l = logits.astype(np.float64).copy()
-    l[:, mask_id] = -np.inf
+    if mask_id is not None:  # (None: a config without one, B = 1 only)
+        l[:, mask_id] = -np.inf
     toks, conf = np.zeros(len(l), np.int64), np.zeros(len(l))
     for row in range(len(l)):
         if temperature == 0.0:
@@ -554,8 +555,8 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
     prompt = [int(t) for t in prompt_tokens]
     if not prompt:
         raise ValueError("the prompt must not be empty")
-    if cfg.mask_token_id is None:
-        raise ValueError("config has no mask_token_id")
+    if cfg.mask_token_id is None and any(b > 1 for b in schedule):  # (B = 1 needs none: causal decoding)
+        raise ValueError("config has no mask_token_id (a block size > 1 needs one)")
     if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or max_steps < 0:
         raise ValueError("bad sampling parameters")
     mask, eos = cfg.mask_token_id, set(cfg.eos_token_ids) if stop_at_eos else set()

@@ -14,7 +14,9 @@ bd_softmax_* (math not public) instead of our in_proj_m / block_calib.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import json
 import subprocess
 from pathlib import Path
@@ -170,12 +172,44 @@ def test_num_shared_experts_other_than_1_refused(release, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_release_config_without_a_mask_token_refused(release, tmp_path):
-    ck = _rewrite(release["ckpt"], tmp_path / "ck", edit_config=lambda c: c.pop("mask_token_id"))
+def _no_mask(what: str) -> str:
+    return (f"{what} needs a mask token and this model has none (its GGUF has no tokenizer.ggml.mask_token_id: the "
+            "release publishes none), so it runs causally only (block size 1); to enable it, add \"mask_token_id\" "
+            "to the checkpoint's config.json and convert again")
+
+
+NO_MASK_WARNING = ("warning: config.json names no mask_token_id (the release publishes none): the GGUF runs causally "
+                   "only (block size 1); to enable draft-self, add \"mask_token_id\" (its mask token's id) to "
+                   "config.json and convert again")
+
+
+@pytest.fixture(scope="module")
+def nomask(release, tmp_path_factory) -> dict:
+    """The release checkpoint as published: config.json names no mask token."""
+    d = tmp_path_factory.mktemp("nomask")
+    ck = _rewrite(release["ckpt"], d / "ck", edit_config=lambda c: c.pop("mask_token_id"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        convert(ck, d / "nomask.gguf", outtype="f32", progress=False)
+    return {"ckpt": ck, "gguf": d / "nomask.gguf", "stderr": err.getvalue()}
+
+
+def test_release_config_without_a_mask_token_converts_causal_only(nomask, tmp_path):
+    assert nomask["stderr"].strip() == NO_MASK_WARNING
+    md = _gguf(nomask["gguf"]).fields
+    assert "tokenizer.ggml.mask_token_id" not in md and "tokenizer.ggml.eos_token_id" in md
+    r = subprocess.run([str(CLOVER), "convert", str(nomask["ckpt"]), str(tmp_path / "x.gguf"), "--outtype", "f32"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and NO_MASK_WARNING in r.stderr.splitlines(), r.stderr
+    assert "tokenizer.ggml.mask_token_id" not in _gguf(tmp_path / "x.gguf").fields
+
+
+def test_our_layout_still_needs_its_mask_token(tiny_artifacts, tmp_path):
+    ck = _rewrite(Path(tiny_artifacts["ckpt"]), tmp_path / "ck", edit_config=lambda c: c.pop("mask_token_id"))
     with pytest.raises(ConversionError) as e:
         convert(ck, tmp_path / "x.gguf", outtype="f32", progress=False)
-    assert str(e.value).startswith("config.json: mask_token_id is missing (the release's mask token and its config "
-                                   "key are not public")
+    assert "mask_token_id" in str(e.value)
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_two_block_operators_refused(release, tmp_path):
@@ -340,7 +374,97 @@ def test_clover_run_block_size_8_never_runs_block_diffusion(release):
         assert r.stdout == one.stdout and "draft-self" in r.stderr, r.stderr
 
 
+@pytest.mark.needs_libclover
+def test_no_mask_token_runs_block_size_1_like_the_reference_and_auto_stays_at_1(nomask, release):
+    from clover_cpp import Clover
+
+    ref = R.CloverReference.from_pretrained(nomask["ckpt"])
+    with Clover(nomask["gguf"], n_ctx=256, kv_f32=True, n_threads=1) as m:
+        assert m.mask_token == -1 and m.block_size == 1  # (the context's default B: causal only)
+        for prompt in _prompts(release["cfg"], 3):
+            got = m.generate(prompt, max_tokens=16, block_size=1, stop_at_eos=False)
+            want = R.generate(ref, prompt, max_tokens=16, block_size=1, stop_at_eos=False)
+            assert list(got.tokens) == want.tokens
+            for kw in ({"block_size": "auto"}, {"block_size": "auto", "draft_self": "auto"}, {}):
+                auto = m.generate(prompt, max_tokens=16, stop_at_eos=False, **kw)
+                assert list(auto.tokens) == want.tokens, kw
+                assert auto.stats.block_size == 1 and auto.stats.calibration == "", kw  # no block passes measured
+
+
+@pytest.mark.needs_libclover
+def test_no_mask_token_refuses_draft_self_block_passes_and_b_gt_1(nomask, release):
+    from clover_cpp import Clover, CloverError
+    from clover_cpp import _native as N
+
+    prompt = _prompts(release["cfg"], 1)[0]
+    with Clover(nomask["gguf"], n_ctx=256, kv_f32=True, n_threads=1) as m:
+        for kw, what in (({"draft_self": True}, "draft-self"), ({"block_size": 8, "draft_self": True}, "draft-self"),
+                         ({"block_size": 8}, "block size 8")):
+            with pytest.raises(CloverError) as e:
+                m.generate(prompt, max_tokens=8, **kw)
+            assert str(e.value) == _no_mask(what), kw
+        with pytest.raises(CloverError) as e:
+            m.block_logits(prompt[:1])
+        assert str(e.value) == _no_mask("a block pass")
+        with pytest.raises(CloverError) as e:
+            m.calibrate()
+        assert str(e.value) == "block-size calibration: " + _no_mask("block-size calibration (block passes)")
+    with pytest.raises(CloverError) as e:
+        Clover(nomask["gguf"], n_ctx=256, block_size=8, n_threads=1)
+    assert str(e.value) == _no_mask("block size 8")
+    # the C API says the same line
+    L = N.load_library()
+    eb, el = N.err_buffer()
+    mp = L.clover_model_default_params()
+    mdl = L.clover_model_load(str(nomask["gguf"]).encode(), ctypes.byref(mp), eb, el)
+    assert mdl, eb.value.decode()
+    cp = L.clover_context_default_params()
+    cp.n_ctx, cp.block_size, cp.n_threads = 256, 8, 1
+    assert not L.clover_context_new(mdl, ctypes.byref(cp), eb, el) and eb.value.decode() == _no_mask("block size 8")
+    cp.block_size = 0
+    c = L.clover_context_new(mdl, ctypes.byref(cp), eb, el)
+    try:
+        assert c, eb.value.decode()
+        assert L.clover_set_block_size(c, 4, eb, el) == N.CLOVER_ERR_INVALID_ARG
+        assert eb.value.decode() == _no_mask("block size 4")
+        out, n, st = (ctypes.c_int32 * 8)(), ctypes.c_int32(), N.clover_stats()
+        for B, ds, what in ((8, 0, "block size 8"), (1, 1, "draft-self"), (0, 0, None)):
+            gp = L.clover_generate_default_params()
+            gp.block_size, gp.max_tokens, gp.draft_self = B, 8, ds
+            rc = L.clover_generate(c, N.as_int32_array(prompt), len(prompt), ctypes.byref(gp), out, 8,
+                                   ctypes.byref(n), ctypes.byref(st), eb, el)
+            if what is None:
+                assert rc == N.CLOVER_OK and n.value == 8 and st.block_size == 1
+            else:
+                assert rc == N.CLOVER_ERR_INVALID_ARG and eb.value.decode() == _no_mask(what) and n.value == 0
+    finally:
+        L.clover_context_free(c)
+        L.clover_model_free(mdl)
+
+
+@pytest.mark.needs_libclover
+def test_clover_run_without_a_mask_token(nomask):
+    base = [str(CLOVER), "run", "-m", str(nomask["gguf"]), "-p", "def add(a, b):", "-n", "8", "-t", "1",
+            "--ignore-eos", "--no-visual"]
+    one = subprocess.run(base + ["--block-size", "1"], capture_output=True, text=True, timeout=120)
+    auto = subprocess.run(base + ["--block-size", "auto"], capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and auto.returncode == 0, one.stderr + auto.stderr
+    assert auto.stdout == one.stdout and "[clover] B=1 autoregressive" in auto.stderr
+    for extra, what in ((["--draft-self"], "draft-self"), (["--block-size", "8"], "block size 8")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stderr.strip().splitlines() == [f"error: {_no_mask(what)}"], r.stderr
+
+
 # ----------------------------------------------------------------------------- clover inspect
+
+def test_inspect_says_a_file_without_a_mask_token_runs_causal_only(nomask):
+    r = subprocess.run([str(CLOVER), "inspect", str(nomask["gguf"])], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("runs:          causal (B = 1): yes; draft-self: no: no mask token (tokenizer.ggml.mask_token_id); "
+            "add mask_token_id to config.json and convert again; block diffusion: no: the release's") in r.stdout
+    assert ", mask " not in r.stdout
+
+
 
 def test_inspect_says_layout_and_what_runs(release, tiny_artifacts):
     rel = subprocess.run([str(CLOVER), "inspect", str(release["gguf"])], capture_output=True, text=True, timeout=60)
