@@ -181,7 +181,7 @@ class GenerationStats:
                 f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
                 + (f", cost curve {self.calibration}" if self.calibration else "")
                 + (f", draft-self: {self.n_accepted}/{self.n_drafted} drafted tokens accepted, "
-                   f"{self.n_generated / self.n_verifications:.2f} tok/verification, "
+                   f"{(self.n_accepted + self.n_verifications) / self.n_verifications:.2f} tok/verification, "
                    f"{self.n_decode_passes / max(self.n_generated, 1):.2f} draft passes/tok"
                    if self.n_verifications else ""))
 

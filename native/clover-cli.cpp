@@ -572,9 +572,11 @@ int main(int argc, char ** argv) {
                 stats.grammar_mode == 1 ? "decoded at block size 1 (autoregressive)" : "verified by draft-self");
     }
     if (gp.draft_self == 1 || stats.n_verifications > 0) {
+        // each verification keeps its accepted drafts plus one token (the correction or the bonus); not
+        // n_generated / n_verifications, which counts the blocks of other modes when auto mixes them
         fprintf(stderr, "clover: draft-self: %d verifications, %d of %d drafted tokens accepted (%.2f tokens per verification)\n",
                 stats.n_verifications, stats.n_accepted, stats.n_drafted,
-                stats.n_verifications > 0 ? (double) stats.n_generated / stats.n_verifications : 0.0);
+                stats.n_verifications > 0 ? (double) (stats.n_accepted + stats.n_verifications) / stats.n_verifications : 0.0);
     }
     clover_context_free(ctx);
     clover_model_free(st.model);

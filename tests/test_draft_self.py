@@ -3,6 +3,8 @@ commit give exactly the autoregressive (block_size = 1) output, whatever the dra
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -214,3 +216,14 @@ def test_cli_draft_self_prints_the_block_size_1_text(tiny_artifacts):
     assert one.returncode == 0 and ds.returncode == 0, ds.stderr
     assert ds.stdout == one.stdout
     assert "draft-self:" in ds.stderr and "tok/verification" in ds.stderr
+    acc, drafted = re.search(r"draft-self: (\d+)/(\d+) drafted tokens accepted", ds.stderr).groups()
+    assert 0 <= int(acc) <= int(drafted) and int(drafted) > 0
+
+
+def test_tokens_per_verification_counts_only_draft_self_blocks():
+    """Each verification keeps its accepted drafts plus one token; when auto mixes modes, tokens of
+    B = 1 or diffusion blocks are not the verifications' (40 tokens after one 3-accepted draft is 4.00)."""
+    from clover_cpp.model import GenerationStats
+
+    mixed = GenerationStats(n_generated=40, n_verifications=1, n_drafted=7, n_accepted=3, n_decode_passes=2)
+    assert "3/7 drafted tokens accepted, 4.00 tok/verification" in mixed.format()
