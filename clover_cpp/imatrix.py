@@ -21,12 +21,13 @@ not skipped (a block pass has B rows; the causal commits of a chunk are batched 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -62,13 +63,12 @@ _EVAL_CB = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(_GGMLTensor), ctypes.c
 
 
 def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
-    from ._lib import llama_lib_path
+    """libllama's and ggml's functions as libclover itself links them: symbols are looked up
+    through libclover's handle (dlsym searches its dependencies), so the callback is installed
+    in the very libllama that creates our contexts, never in another copy found by path."""
+    from ._native import lib
 
-    lp = llama_lib_path()
-    if lp is None:
-        raise RuntimeError("libllama is not built")
-    llama = ctypes.CDLL(str(lp))
-    base = ctypes.CDLL(str(lp.parent / ("libggml-base" + lp.suffix)))
+    llama = base = lib()
     if not hasattr(llama, "llama_set_default_eval_callback"):
         raise RuntimeError("this libllama lacks llama_set_default_eval_callback (patch 0008): rebuild clover-cpp")
     llama.llama_set_default_eval_callback.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -115,6 +115,14 @@ class ImatrixCollector:
 
     def uninstall(self) -> None:
         self._llama.llama_set_default_eval_callback(None, None)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        self.install()
+        try:
+            yield
+        finally:
+            self.uninstall()
 
     def _op(self, op: int) -> bytes:
         n = self._op_names.get(op)
@@ -201,12 +209,8 @@ def collect_imatrix(model_path: str | os.PathLike, text: str, n_ctx: int = 512, 
     from .model import Clover, CloverValueError
 
     coll = ImatrixCollector(_weight_names(Path(model_path)), process_output=process_output)
-    coll.install()
-    try:
-        m = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, block_size=block_size)
-    finally:
-        coll.uninstall()
-    with m:
+    # installed for the whole run: a context llama.cpp makes again later reports too
+    with coll.installed(), Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, block_size=block_size) as m:
         toks = m.tokenize(text, add_special=True)
         n_chunk = len(toks) // n_ctx
         if max_chunks is not None:
