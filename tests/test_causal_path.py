@@ -83,7 +83,9 @@ def test_llama_perplexity_equals_clover_perplexity(tiny_artifacts, ref, tmp_path
                           "-c", str(chunk), "-b", str(chunk), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    llama_ppl = float(re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr).group(1))
+    final = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+    assert final, "no 'Final estimate' line from llama-perplexity:\n" + (res.stdout + res.stderr)[-3000:]
+    llama_ppl = float(final.group(1))
     with Clover(tiny_artifacts["f32"], block_size=1, n_ctx=chunk, n_threads=1, kv_f32=True) as m:
         ours = m.perplexity(text.read_text(encoding="utf-8"), n_ctx=chunk)
         toks = m.tokenize(text.read_text(encoding="utf-8"), add_special=True)
