@@ -310,35 +310,46 @@ def test_greedy_draft_self_equals_block_size_1(model, release, B):
     assert drafted > 0  # block passes really drafted
 
 
-@pytest.mark.needs_libclover
-def test_block_diffusion_refused_through_the_c_api(release):
+@contextlib.contextmanager
+def _c_model(path: Path):
+    """(libclover, a loaded model, error buffer, its length) through the C API; the model freed after."""
     from clover_cpp import _native as N
 
     L = N.load_library()
     eb, el = N.err_buffer()
     mp = L.clover_model_default_params()
-    m = L.clover_model_load(str(release["gguf"]).encode(), ctypes.byref(mp), eb, el)
+    m = L.clover_model_load(str(path).encode(), ctypes.byref(mp), eb, el)
     assert m, eb.value.decode()
-    cp = L.clover_context_default_params()
-    cp.n_ctx, cp.block_size, cp.n_threads = 256, 8, 1
-    c = L.clover_context_new(m, ctypes.byref(cp), eb, el)
     try:
-        assert c, eb.value.decode()
-        for B in (0, 8):  # the context's B (8) and an explicit 8
+        yield L, m, eb, el
+    finally:
+        L.clover_model_free(m)
+
+
+@pytest.mark.needs_libclover
+def test_block_diffusion_refused_through_the_c_api(release):
+    from clover_cpp import _native as N
+
+    with _c_model(release["gguf"]) as (L, m, eb, el):
+        cp = L.clover_context_default_params()
+        cp.n_ctx, cp.block_size, cp.n_threads = 256, 8, 1
+        c = L.clover_context_new(m, ctypes.byref(cp), eb, el)
+        try:
+            assert c, eb.value.decode()
+            for B in (0, 8):  # the context's B (8) and an explicit 8
+                gp = L.clover_generate_default_params()
+                gp.block_size, gp.max_tokens, gp.draft_self = B, 8, 0
+                out, n, st = (ctypes.c_int32 * 8)(), ctypes.c_int32(), N.clover_stats()
+                rc = L.clover_generate(c, N.as_int32_array([5, 6, 7]), 3, ctypes.byref(gp), out, 8, ctypes.byref(n),
+                                       ctypes.byref(st), eb, el)
+                assert rc == N.CLOVER_ERR_INVALID_ARG and eb.value.decode() == REFUSAL and n.value == 0
             gp = L.clover_generate_default_params()
-            gp.block_size, gp.max_tokens, gp.draft_self = B, 8, 0
-            out, n, st = (ctypes.c_int32 * 8)(), ctypes.c_int32(), N.clover_stats()
+            gp.block_size, gp.max_tokens, gp.draft_self = 1, 8, 0  # B = 1 runs
             rc = L.clover_generate(c, N.as_int32_array([5, 6, 7]), 3, ctypes.byref(gp), out, 8, ctypes.byref(n),
                                    ctypes.byref(st), eb, el)
-            assert rc == N.CLOVER_ERR_INVALID_ARG and eb.value.decode() == REFUSAL and n.value == 0
-        gp = L.clover_generate_default_params()
-        gp.block_size, gp.max_tokens, gp.draft_self = 1, 8, 0  # B = 1 runs
-        rc = L.clover_generate(c, N.as_int32_array([5, 6, 7]), 3, ctypes.byref(gp), out, 8, ctypes.byref(n),
-                               ctypes.byref(st), eb, el)
-        assert rc == N.CLOVER_OK and n.value > 0
-    finally:
-        L.clover_context_free(c)
-        L.clover_model_free(m)
+            assert rc == N.CLOVER_OK and n.value > 0
+        finally:
+            L.clover_context_free(c)
 
 
 @pytest.mark.needs_libclover
@@ -413,33 +424,29 @@ def test_no_mask_token_refuses_draft_self_block_passes_and_b_gt_1(nomask, releas
         Clover(nomask["gguf"], n_ctx=256, block_size=8, n_threads=1)
     assert str(e.value) == _no_mask("block size 8")
     # the C API says the same line
-    L = N.load_library()
-    eb, el = N.err_buffer()
-    mp = L.clover_model_default_params()
-    mdl = L.clover_model_load(str(nomask["gguf"]).encode(), ctypes.byref(mp), eb, el)
-    assert mdl, eb.value.decode()
-    cp = L.clover_context_default_params()
-    cp.n_ctx, cp.block_size, cp.n_threads = 256, 8, 1
-    assert not L.clover_context_new(mdl, ctypes.byref(cp), eb, el) and eb.value.decode() == _no_mask("block size 8")
-    cp.block_size = 0
-    c = L.clover_context_new(mdl, ctypes.byref(cp), eb, el)
-    try:
-        assert c, eb.value.decode()
-        assert L.clover_set_block_size(c, 4, eb, el) == N.CLOVER_ERR_INVALID_ARG
-        assert eb.value.decode() == _no_mask("block size 4")
-        out, n, st = (ctypes.c_int32 * 8)(), ctypes.c_int32(), N.clover_stats()
-        for B, ds, what in ((8, 0, "block size 8"), (1, 1, "draft-self"), (0, 0, None)):
-            gp = L.clover_generate_default_params()
-            gp.block_size, gp.max_tokens, gp.draft_self = B, 8, ds
-            rc = L.clover_generate(c, N.as_int32_array(prompt), len(prompt), ctypes.byref(gp), out, 8,
-                                   ctypes.byref(n), ctypes.byref(st), eb, el)
-            if what is None:
-                assert rc == N.CLOVER_OK and n.value == 8 and st.block_size == 1
-            else:
-                assert rc == N.CLOVER_ERR_INVALID_ARG and eb.value.decode() == _no_mask(what) and n.value == 0
-    finally:
-        L.clover_context_free(c)
-        L.clover_model_free(mdl)
+    with _c_model(nomask["gguf"]) as (L, mdl, eb, el):
+        cp = L.clover_context_default_params()
+        cp.n_ctx, cp.block_size, cp.n_threads = 256, 8, 1
+        assert not L.clover_context_new(mdl, ctypes.byref(cp), eb, el)
+        assert eb.value.decode() == _no_mask("block size 8")
+        cp.block_size = 0
+        c = L.clover_context_new(mdl, ctypes.byref(cp), eb, el)
+        try:
+            assert c, eb.value.decode()
+            assert L.clover_set_block_size(c, 4, eb, el) == N.CLOVER_ERR_INVALID_ARG
+            assert eb.value.decode() == _no_mask("block size 4")
+            out, n, st = (ctypes.c_int32 * 8)(), ctypes.c_int32(), N.clover_stats()
+            for B, ds, what in ((8, 0, "block size 8"), (1, 1, "draft-self"), (0, 0, None)):
+                gp = L.clover_generate_default_params()
+                gp.block_size, gp.max_tokens, gp.draft_self = B, 8, ds
+                rc = L.clover_generate(c, N.as_int32_array(prompt), len(prompt), ctypes.byref(gp), out, 8,
+                                       ctypes.byref(n), ctypes.byref(st), eb, el)
+                if what is None:
+                    assert rc == N.CLOVER_OK and n.value == 8 and st.block_size == 1
+                else:
+                    assert rc == N.CLOVER_ERR_INVALID_ARG and eb.value.decode() == _no_mask(what) and n.value == 0
+        finally:
+            L.clover_context_free(c)
 
 
 @pytest.mark.needs_libclover
