@@ -62,25 +62,25 @@ _GGMLTensor._fields_ = [  # ggml.h struct ggml_tensor of the pinned tree
 _EVAL_CB = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(_GGMLTensor), ctypes.c_bool, ctypes.c_void_p)
 
 
-def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+def _linked() -> ctypes.CDLL:
     """libllama's and ggml's functions as libclover itself links them: symbols are looked up
     through libclover's handle (dlsym searches its dependencies), so the callback is installed
     in the very libllama that creates our contexts, never in another copy found by path."""
     from ._native import lib
 
-    llama = base = lib()
-    if not hasattr(llama, "llama_set_default_eval_callback"):
+    L = lib()
+    if not hasattr(L, "llama_set_default_eval_callback"):
         raise RuntimeError("this libllama lacks llama_set_default_eval_callback (patch 0008): rebuild clover-cpp")
-    llama.llama_set_default_eval_callback.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    llama.llama_set_default_eval_callback.restype = None
-    base.ggml_op_name.argtypes = [ctypes.c_int]
-    base.ggml_op_name.restype = ctypes.c_char_p
-    base.ggml_nbytes.argtypes = [ctypes.POINTER(_GGMLTensor)]
-    base.ggml_nbytes.restype = ctypes.c_size_t
-    base.ggml_backend_tensor_get.argtypes = [ctypes.POINTER(_GGMLTensor), ctypes.c_void_p, ctypes.c_size_t,
-                                             ctypes.c_size_t]
-    base.ggml_backend_tensor_get.restype = None
-    return llama, base
+    L.llama_set_default_eval_callback.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    L.llama_set_default_eval_callback.restype = None
+    L.ggml_op_name.argtypes = [ctypes.c_int]
+    L.ggml_op_name.restype = ctypes.c_char_p
+    L.ggml_nbytes.argtypes = [ctypes.POINTER(_GGMLTensor)]
+    L.ggml_nbytes.restype = ctypes.c_size_t
+    L.ggml_backend_tensor_get.argtypes = [ctypes.POINTER(_GGMLTensor), ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_size_t]
+    L.ggml_backend_tensor_get.restype = None
+    return L
 
 
 def _filter_name(name: str) -> str:
@@ -108,13 +108,13 @@ class ImatrixCollector:
     active: bool = True                   # off: the callback asks for nothing
 
     def install(self) -> None:
-        self._llama, self._base = _libs()
+        self._lib = _linked()
         self._op_names: dict[int, bytes] = {}
         self._cb = _EVAL_CB(self._callback)
-        self._llama.llama_set_default_eval_callback(ctypes.cast(self._cb, ctypes.c_void_p), None)
+        self._lib.llama_set_default_eval_callback(ctypes.cast(self._cb, ctypes.c_void_p), None)
 
     def uninstall(self) -> None:
-        self._llama.llama_set_default_eval_callback(None, None)
+        self._lib.llama_set_default_eval_callback(None, None)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -127,15 +127,15 @@ class ImatrixCollector:
     def _op(self, op: int) -> bytes:
         n = self._op_names.get(op)
         if n is None:
-            n = self._op_names[op] = self._base.ggml_op_name(op) or b""
+            n = self._op_names[op] = self._lib.ggml_op_name(op) or b""
         return n
 
     def _array(self, t: Any) -> np.ndarray:
         """A tensor's data (f32 or i32) as a numpy array in ggml's index order reversed
         ([ne3, ne2, ne1, ne0]), copied from its backend (any device, any strides)."""
-        nbytes = self._base.ggml_nbytes(ctypes.byref(t))
+        nbytes = self._lib.ggml_nbytes(ctypes.byref(t))
         buf = np.empty(nbytes, np.uint8)
-        self._base.ggml_backend_tensor_get(ctypes.byref(t), buf.ctypes.data, 0, nbytes)
+        self._lib.ggml_backend_tensor_get(ctypes.byref(t), buf.ctypes.data, 0, nbytes)
         dt = np.float32 if t.type == _GGML_TYPE_F32 else np.int32
         return np.lib.stride_tricks.as_strided(buf.view(dt), shape=tuple(t.ne[i] for i in (3, 2, 1, 0)),
                                                strides=tuple(t.nb[i] for i in (3, 2, 1, 0)))
