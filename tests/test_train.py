@@ -264,14 +264,6 @@ def test_forward_is_causal():
     assert torch.equal(n1, n3)
 
 
-def _new_reference_api() -> bool:
-    import inspect
-
-    from clover_testkit.reference import CloverReference
-    return "block_size" not in inspect.signature(CloverReference.commit).parameters
-
-
-@pytest.mark.skipif(not _new_reference_api(), reason="clover_testkit.reference still has the retired commit(mem, tokens, B)")
 @pytest.mark.parametrize("B,o", [(4, 1), (4, 4), (3, 2)])
 def test_forward_matches_reference(B, o):
     """forward_train == the numpy reference (commit is causal; block_pass against the memory)."""
