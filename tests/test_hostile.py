@@ -62,6 +62,17 @@ def _run(args: list, timeout: float = BOUND, env: dict | None = None) -> subproc
     return p
 
 
+def _communicate(p: subprocess.Popen, timeout: float, hang: str) -> tuple:
+    """p's (stdout, stderr); past the timeout p is killed and the hang counted and failed."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        TALLY["hang"] += 1
+        raise AssertionError(hang) from None
+
+
 def _clover(*args, timeout: float = BOUND, env: dict | None = None) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "clover_cpp.cli", *args], timeout, env)
 
@@ -409,13 +420,7 @@ def test_rpc_silent_listener_default_limit_and_sigint(tiny_artifacts) -> None:
             time.sleep(0.05)
         time.sleep(0.3)
         p.send_signal(signal.SIGINT)
-        try:
-            _, err = p.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            TALLY["hang"] += 1
-            raise AssertionError("clover-cli ignored SIGINT during an RPC handshake") from None
+        _, err = _communicate(p, 10, "clover-cli ignored SIGINT during an RPC handshake")
         ok = p.returncode == 130 and err.strip() == "error: interrupted"
         TALLY["clean" if ok else "wrong"] += 1
         assert ok, (p.returncode, err)
@@ -439,13 +444,7 @@ def test_rpc_server_stopped_mid_generation(tiny_artifacts) -> None:
         first = p.stdout.read(len("hello") + 8)  # the prompt's echo, then 8 bytes generated: mid-generation
         os.kill(srv.proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        try:
-            out, err = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            TALLY["hang"] += 1
-            raise AssertionError("clover-cli hung on a stopped rpc-server") from None
+        out, err = _communicate(p, 30, "clover-cli hung on a stopped rpc-server")
         dt = time.monotonic() - t0
         res = subprocess.CompletedProcess(p.args, p.returncode, (first + out).decode(errors="replace"),
                                           err.decode(errors="replace"))
@@ -548,13 +547,7 @@ def test_convert_ctrl_c_while_it_starts(tiny_artifacts, tmp_path) -> None:
         assert p.stdout is not None and p.stdout.read(1) == "R"
         time.sleep(0.03 * i)
         p.send_signal(signal.SIGINT)
-        try:
-            _, err = p.communicate(timeout=BOUND)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            TALLY["hang"] += 1
-            raise
+        _, err = _communicate(p, BOUND, f"clover convert ignored SIGINT {0.03 * i:.2f} s after it started")
         ok = (p.returncode == 130 and err.strip() == "error: interrupted") or \
             (p.returncode in (0, -signal.SIGINT) and "Traceback" not in err and err.strip().startswith("wrote "))
         # (-SIGINT after "wrote": the run had finished; Python's own exit was interrupted)
