@@ -79,11 +79,16 @@ def test_llama_perplexity_equals_clover_perplexity(tiny_artifacts, ref, tmp_path
     text = tmp_path / "text.txt"
     text.write_text(FIXTURE_TEXT * 3, encoding="utf-8")
     chunk = 64
-    res = subprocess.run([str(BIN / "llama-perplexity"), "-m", str(tiny_artifacts["f32"]), "-f", str(text),
-                          "-c", str(chunk), "-b", str(chunk), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    final = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+    # llama-perplexity's asynchronous logger now and then loses its last lines at exit (seen in CI:
+    # every chunk's running value printed, then nothing, exit 0): run it again, at most 3 times
+    for _ in range(3):
+        res = subprocess.run([str(BIN / "llama-perplexity"), "-m", str(tiny_artifacts["f32"]), "-f", str(text),
+                              "-c", str(chunk), "-b", str(chunk), "-t", "1", "-ctk", "f32", "-ctv", "f32"],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        final = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+        if final:
+            break
     assert final, "no 'Final estimate' line from llama-perplexity:\n" + (res.stdout + res.stderr)[-3000:]
     llama_ppl = float(final.group(1))
     with Clover(tiny_artifacts["f32"], block_size=1, n_ctx=chunk, n_threads=1, kv_f32=True) as m:
