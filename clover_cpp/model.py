@@ -1291,8 +1291,15 @@ class Clover:
         return Perplexity(ppl=math.exp(nll / count), n_tokens=count, n_chunks=n_chunk, n_ctx=n_ctx)
 
     # -- generation
+    @property
+    def end_of_turn_tokens(self) -> list[int]:
+        """The chat end-of-turn token ids (besides EOS) that :meth:`chat` and
+        :meth:`generate_chat` stop on: those of ``<|im_end|>``, ``<|eot_id|>`` and ``<|end|>``
+        that are single tokens of this model's vocabulary."""
+        return list(self._stop_tokens())
+
     def _stop_tokens(self) -> list[int]:
-        """End-of-turn tokens used by chat (besides EOS)."""
+        """End-of-turn tokens used by chat (besides EOS): :attr:`end_of_turn_tokens`."""
         if self._eot_cache is None:
             ids: list[int] = []
             for txt in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
@@ -1602,9 +1609,18 @@ class Clover:
         assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
         of :meth:`generate` (stream=True works). The conversation's earlier turns are not
         re-read when the context still holds them (prefix reuse)."""
-        prompt = self.format_chat(messages)
+        return self.generate_chat(self.format_chat(messages), **gen_kwargs)
+
+    def generate_chat(self, text: str, **gen_kwargs: Any) -> Any:
+        """Generate the reply to an already rendered chat prompt (:meth:`format_chat`'s text):
+        its tokens are :meth:`chat_tokens`'s (the last exchange's own tokens when ``text``
+        continues it, so the memory is reused), and the output stops at EOS or an
+        :attr:`end_of_turn_tokens` token (besides any ``stop_tokens`` given). Keyword arguments
+        are those of :meth:`generate` (stream=True works); the reply is remembered as this
+        object's last chat exchange."""
+        text = _str("text", text)
         stops = self._tokens(gen_kwargs.pop("stop_tokens", None) or ()) + self._stop_tokens()
-        return self.generate(self.chat_tokens(prompt), stop_tokens=stops, _chat_text=prompt, **gen_kwargs)
+        return self.generate(self.chat_tokens(text), stop_tokens=stops, _chat_text=text, **gen_kwargs)
 
     def chat_tokens(self, prompt: str) -> list[int]:
         """The tokens of a rendered chat prompt. When it continues the last chat exchange (that

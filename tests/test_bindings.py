@@ -233,6 +233,29 @@ def test_chat(model) -> None:
     assert streamed == r.text
 
 
+def test_generate_chat_and_end_of_turn_tokens(model) -> None:
+    """The public calls the CLI and server use: end_of_turn_tokens (the chat's stop ids) and
+    generate_chat (a rendered prompt, continued from the last exchange, stopped at end of turn)."""
+    im_end = model.tokenize("<|im_end|>")
+    eot = model.end_of_turn_tokens
+    assert im_end[0] in eot and model.mask_token not in eot
+    eot.append(-1)  # a copy: the object's list is not changed through it
+    assert -1 not in model.end_of_turn_tokens
+    msgs = [{"role": "user", "content": "hi"}]
+    text = model.format_chat(msgs)
+    r = model.generate_chat(text, max_tokens=16)
+    assert r.tokens == model.chat(msgs, max_tokens=16).tokens
+    assert not set(r.tokens) & set(model.end_of_turn_tokens)
+    # the next turn continues the exchange: its tokens start with the last prompt's and reply's
+    nxt = model.format_chat(msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "more"}])
+    assert model.chat_tokens(nxt)[: len(model.chat_tokens(text)) + len(r.tokens)] == model.chat_tokens(text) + r.tokens
+    r2 = model.generate_chat(nxt, max_tokens=4)
+    assert r2.stats.n_reused > len(model.tokenize(text, add_special=True))  # the prompt and part of the reply
+    assert "".join(model.generate_chat(text, max_tokens=16, stream=True)) == r.text
+    with pytest.raises(TypeError):
+        model.generate_chat(msgs)
+
+
 @pytest.mark.parametrize("text", ["hello world", "def fibonacci(n):\n    return n", "  spaces  and\ttabs",
                                   "ünïcödé ✓", "<|im_start|>user\nhi<|im_end|>"])
 def test_tokenize_round_trip(model, text: str) -> None:
