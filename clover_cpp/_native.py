@@ -48,9 +48,11 @@ CLOVER_FINISH_NONE = 0
 CLOVER_FINISH_EOS = 1
 CLOVER_FINISH_MAX_TOKENS = 2
 CLOVER_FINISH_CANCELLED = 3
+CLOVER_FINISH_STOP_TOKEN = 4
 
 FINISH_REASONS = {CLOVER_FINISH_NONE: "", CLOVER_FINISH_EOS: "eos",
-                  CLOVER_FINISH_MAX_TOKENS: "max_tokens", CLOVER_FINISH_CANCELLED: "cancelled"}
+                  CLOVER_FINISH_MAX_TOKENS: "max_tokens", CLOVER_FINISH_CANCELLED: "cancelled",
+                  CLOVER_FINISH_STOP_TOKEN: "stop"}
 
 
 # ----------------------------------------------------------------------------- structs
@@ -106,6 +108,8 @@ class clover_generate_params(Structure):
         ("top_tokens", POINTER(c_int32)),
         ("top_logprobs", POINTER(c_float)),
         ("draft_steps", c_int32),
+        ("stop_tokens", POINTER(c_int32)),
+        ("n_stop_tokens", c_int32),
     ]
 
 
@@ -238,6 +242,7 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
     fn("clover_last_logits", c_int, clover_context_p, c_float_p)
     fn("clover_reset", c_int, clover_context_p)
     fn("clover_n_committed", c_int32, clover_context_p)
+    fn("clover_committed_tokens", c_int32, clover_context_p, c_int32_p, c_int32)
 
     fn("clover_generate_default_params", clover_generate_params)
     fn("clover_generate", c_int, clover_context_p, c_int32_p, c_int32, POINTER(clover_generate_params),

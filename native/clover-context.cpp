@@ -465,6 +465,17 @@ int32_t clover_block_size(const clover_context * ctx) { return ctx ? ctx->B : 0;
 int32_t clover_n_ctx(const clover_context * ctx) { return ctx ? ctx->n_ctx : 0; }
 int32_t clover_n_committed(const clover_context * ctx) { return ctx ? ctx->n_committed : 0; }
 
+int32_t clover_committed_tokens(const clover_context * ctx, int32_t * out, int32_t n_max) {
+    if (!ctx) {
+        return 0;
+    }
+    const int32_t n = std::min<int32_t>(ctx->n_committed, (int32_t) ctx->mem_tokens.size());
+    if (out && n_max > 0) {
+        std::copy(ctx->mem_tokens.begin(), ctx->mem_tokens.begin() + std::min(n, n_max), out);
+    }
+    return n;
+}
+
 int clover_set_block_size(clover_context * ctx, int32_t block_size, char * err, size_t err_len) {
     return guarded(err, err_len, [&]() -> int {
         clear_err(err, err_len);

@@ -57,6 +57,12 @@ int check_generate_args(const clover_context * ctx, const clover_generate_params
     if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
         return bad(CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
     }
+    if (gp.n_stop_tokens < 0 || (gp.n_stop_tokens > 0 && !gp.stop_tokens)) {
+        return bad(CLOVER_ERR_INVALID_ARG, "bad stop_tokens (NULL or negative count)");
+    }
+    if (check_tokens(ctx, gp.stop_tokens, gp.n_stop_tokens, msg) != CLOVER_OK) {
+        return bad(CLOVER_ERR_INVALID_ARG, "stop_tokens: " + msg);
+    }
     if (gp.max_tokens <= 0) {
         return CLOVER_OK;
     }
@@ -267,21 +273,22 @@ struct decode_run {
                      masked.end());
     }
 
-    // the finished block's tokens join the output (cut at the first EOS and at max_tokens);
-    // returns the block callback's verdict (nonzero = cancel)
-    int take_block(int32_t start, bool & has_eos) {
+    // the finished block's tokens join the output (cut at the first EOS or stop token and at
+    // max_tokens; ended = CLOVER_FINISH_EOS / _STOP_TOKEN when one was there); returns the block
+    // callback's verdict (nonzero = cancel)
+    int take_block(int32_t start, int32_t & ended) {
         gen.insert(gen.end(), block_out.begin(), block_out.end());
         ex.take_block();
         const int32_t eos         = gp.stop_at_eos ? ctx->model->eos : -1;
         int32_t       new_visible = (int32_t) gen.size();
-        if (eos >= 0) {
-            for (int32_t i = visible; i < (int32_t) gen.size(); ++i) {
-                if (gen[i] == eos) {
-                    new_visible = i;
-                    has_eos     = true;
-                    break;
-                }
+        for (int32_t i = visible; i < (int32_t) gen.size() && !ended; ++i) {
+            if (gen[i] == eos && eos >= 0) {
+                ended = CLOVER_FINISH_EOS;
+            } else if (std::find(gp.stop_tokens, gp.stop_tokens + std::max(0, gp.n_stop_tokens), gen[i]) !=
+                       gp.stop_tokens + std::max(0, gp.n_stop_tokens)) {
+                ended = CLOVER_FINISH_STOP_TOKEN;
             }
+            new_visible = ended ? i : new_visible;
         }
         const int32_t old_visible = visible;
         visible                   = std::max(visible, std::min(new_visible, gp.max_tokens));
@@ -314,10 +321,11 @@ struct decode_run {
             const auto t_block = std::chrono::steady_clock::now();
             mode_last = B == 1 ? CLOVER_MODE_AUTOREGRESSIVE : ds ? CLOVER_MODE_DRAFT_SELF : CLOVER_MODE_DIFFUSION;
             ++n_mode_blocks[mode_last];
-            bool cancelled = false, has_eos = false;
+            bool    cancelled = false;
+            int32_t ended     = 0; // CLOVER_FINISH_EOS / _STOP_TOKEN: the block held one
             const bool ds_block = ds && n_cand >= 2; // (a draft of one token is the autoregressive token itself)
             if (ds_block) {
-                const int rc = draft_self_block(start, n_cand, cancelled, has_eos);
+                const int rc = draft_self_block(start, n_cand, cancelled, ended);
                 if (rc != CLOVER_OK) {
                     return rc;
                 }
@@ -337,7 +345,7 @@ struct decode_run {
                     }
                     block_out.assign(canvas.begin(), canvas.begin() + n_cand);
                     ex.block_from_canvas(n_cand);
-                    cancelled = take_block(start, has_eos) != 0 || cancelled;
+                    cancelled = take_block(start, ended) != 0 || cancelled;
                 }
             }
             // the wall time per token of this block (its forwards carry the previous block's commit;
@@ -345,8 +353,8 @@ struct decode_run {
             if (auto_B && n_blocks > 1 && !block_out.empty() && (!ds || ds_block)) {
                 auto_observe_ms(ctx, auto_plan{ B, ds && B > 1 }, ms_since(t_block) / (double) block_out.size());
             }
-            if (cancelled || has_eos || (int32_t) gen.size() >= gp.max_tokens) {
-                finish = cancelled ? CLOVER_FINISH_CANCELLED : has_eos ? CLOVER_FINISH_EOS : CLOVER_FINISH_MAX_TOKENS;
+            if (cancelled || ended || (int32_t) gen.size() >= gp.max_tokens) {
+                finish = cancelled ? CLOVER_FINISH_CANCELLED : ended ? ended : CLOVER_FINISH_MAX_TOKENS;
                 return cancelled ? CLOVER_ERR_CANCELLED : CLOVER_OK;
             }
             if (!ds_block) {
@@ -358,7 +366,7 @@ struct decode_run {
     // A draft-self block (spec/decoding.md, "Draft-self"): the draft takes at most draft_steps
     // steps (the first one's pass rode on the last verification's forward when that one kept its
     // whole draft), then the verification. The step callback sees the verified tokens only.
-    int draft_self_block(int32_t start, int32_t n_cand, bool & cancelled, bool & has_eos) {
+    int draft_self_block(int32_t start, int32_t n_cand, bool & cancelled, int32_t & ended) {
         const int32_t cap = gp.draft_steps > 0 ? gp.draft_steps : gp.max_steps;
         int32_t       s   = 0;
         if (ds_rows) {
@@ -381,7 +389,7 @@ struct decode_run {
         std::copy(block_out.begin(), block_out.end(), canvas.begin());
         cancelled = gp.step_callback && gp.step_callback(start, canvas.data(), B, B - (int32_t) block_out.size(),
                                                          gp.user_data) != 0;
-        cancelled = take_block(start, has_eos) != 0 || cancelled;
+        cancelled = take_block(start, ended) != 0 || cancelled;
         return CLOVER_OK;
     }
 
@@ -543,6 +551,8 @@ clover_generate_params clover_generate_default_params(void) {
     p.n_top_logprobs = 0;
     p.top_tokens     = nullptr;
     p.top_logprobs   = nullptr;
+    p.stop_tokens    = nullptr;
+    p.n_stop_tokens  = 0;
     return p;
 }
 

@@ -68,6 +68,7 @@ enum clover_finish_reason {
     CLOVER_FINISH_EOS        = 1, /* a block contained EOS (stop_at_eos) */
     CLOVER_FINISH_MAX_TOKENS = 2, /* the token budget was reached */
     CLOVER_FINISH_CANCELLED  = 3, /* a callback asked to stop */
+    CLOVER_FINISH_STOP_TOKEN = 4, /* a block contained one of clover_generate_params.stop_tokens */
 };
 
 typedef struct clover_model   clover_model;
@@ -188,6 +189,10 @@ CLOVER_API int clover_last_logits(const clover_context * ctx, float * logits_out
 /* Clear the memory (n_committed = 0). */
 CLOVER_API int     clover_reset(clover_context * ctx);
 CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
+/* The committed tokens (the text the memory holds; after clover_generate: the prompt and every
+ * finished decode block but the last): copies min(n_committed, n_max) of them, from the first,
+ * into out (may be NULL when n_max <= 0) and returns n_committed (0 for a NULL context). */
+CLOVER_API int32_t clover_committed_tokens(const clover_context * ctx, int32_t * out, int32_t n_max);
 
 /* ---------------------------------------------------------------- block size auto */
 
@@ -296,6 +301,12 @@ typedef struct clover_generate_params {
      * per draft (threshold, then the cap rule of max_steps with S); 0 = threshold and max_steps
      * as block diffusion does */
     int32_t   draft_steps;
+    /* Stop tokens (besides EOS): the output ends before the first of them, as at EOS, with
+     * stats.finish_reason = CLOVER_FINISH_STOP_TOKEN (stop_at_eos does not apply to them); the
+     * block holding it is not committed. n_stop_tokens >= 0 ids in [0, n_vocab), stop_tokens may be
+     * NULL when it is 0; read during the call only. Default none. */
+    const int32_t * stop_tokens;
+    int32_t         n_stop_tokens;
 } clover_generate_params;
 
 #define CLOVER_MAX_TOP_LOGPROBS 20

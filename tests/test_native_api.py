@@ -145,6 +145,12 @@ class Ctx:
     def n_committed(self) -> int:
         return L.clover_n_committed(self.p)
 
+    def committed_tokens(self) -> list[int]:
+        n = L.clover_committed_tokens(self.p, None, 0)
+        out = (ctypes.c_int32 * max(n, 1))()
+        assert L.clover_committed_tokens(self.p, out, n) == n
+        return list(out[:n])
+
     def _check(self, rc, eb):
         if rc != N.CLOVER_OK:
             raise NativeError(rc, eb.value.decode())
@@ -177,8 +183,11 @@ class Ctx:
         assert L.clover_reset(self.p) == N.CLOVER_OK
 
     def generate(self, prompt, *, max_tokens=24, block_size=0, threshold=0.9, max_steps=0, temperature=0.0,
-                 top_k=0, top_p=1.0, seed=0, stop_at_eos=True, step_cb=None, block_cb=None, reuse_prefix=None):
+                 top_k=0, top_p=1.0, seed=0, stop_at_eos=True, step_cb=None, block_cb=None, reuse_prefix=None,
+                 stop_tokens=()):
         gp = L.clover_generate_default_params()
+        stops = N.as_int32_array(stop_tokens)
+        gp.stop_tokens, gp.n_stop_tokens = stops, len(stop_tokens)
         if reuse_prefix is not None:
             gp.reuse_prefix = int(reuse_prefix)
         gp.block_size, gp.threshold, gp.max_steps = block_size, threshold, max_steps
@@ -788,6 +797,65 @@ def test_stop_at_eos(eos_variant):
         rc, toks2, st2, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9, stop_at_eos=False)
         assert rc == N.CLOVER_OK and len(toks2) == 40 and eos in toks2
         assert toks2[:len(toks)] == toks
+
+
+def test_stop_tokens_end_the_output_in_c(model, vocab_hi):
+    """clover_generate_params.stop_tokens: the output ends before the first stop token (whatever
+    stop_at_eos says), finish_reason = CLOVER_FINISH_STOP_TOKEN, the stats count the cut output,
+    and the block that held it is not committed."""
+    prompt = _prompt(42, 5, vocab_hi)
+    with Ctx(model, 4) as ctx:
+        rc, full, st, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9, stop_at_eos=False)
+        assert rc == N.CLOVER_OK, msg
+        target = full[9]
+        cut = full.index(target)
+        blocks: list[list[int]] = []
+        rc, toks, st, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9, stop_at_eos=False,
+                                         stop_tokens=[full[-1] if full[-1] not in full[:cut] else target, target],
+                                         block_cb=lambda s, t: blocks.append(t), reuse_prefix=False)
+        assert rc == N.CLOVER_OK, msg
+        assert toks == full[:cut] and target not in toks
+        assert N.FINISH_REASONS[st.finish_reason] == "stop" and st.finish_reason == N.CLOVER_FINISH_STOP_TOKEN
+        assert st.n_generated == len(toks) and sum(blocks, []) == toks
+        assert st.tokens_per_forward == pytest.approx(len(toks) / st.n_decode_forwards)
+        # the prompt and every finished block but the last (the one with the stop token) are committed
+        n_blocks = cut // 4 + 1
+        assert st.n_blocks == n_blocks and ctx.committed_tokens() == prompt + full[:(n_blocks - 1) * 4]
+        assert ctx.n_committed == len(prompt) + (n_blocks - 1) * 4
+        # stop_at_eos does not switch them off; a stop token that never comes changes nothing
+        rc, toks2, st2, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9,
+                                           stop_tokens=[target])
+        assert rc == N.CLOVER_OK and toks2 == toks
+        absent = next(t for t in range(model.n_vocab) if t not in full and t != model.mask)
+        rc, toks3, st3, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9, stop_at_eos=False,
+                                           stop_tokens=[absent])
+        assert rc == N.CLOVER_OK and toks3 == full and N.FINISH_REASONS[st3.finish_reason] == "max_tokens"
+        # ids outside the vocabulary, a NULL array with a count: refused with a message
+        rc, toks4, _, msg = ctx.generate(prompt, max_tokens=4, stop_tokens=[model.n_vocab])
+        assert rc == N.CLOVER_ERR_INVALID_ARG and "stop_tokens" in msg and toks4 == []
+        gp = L.clover_generate_default_params()
+        gp.max_tokens, gp.n_stop_tokens = 4, 2
+        out, eb = (ctypes.c_int32 * 4)(), N.err_buffer()
+        assert L.clover_generate(ctx.p, N.as_int32_array(prompt), 5, ctypes.byref(gp), out, 4, None, None, *eb) \
+            == N.CLOVER_ERR_INVALID_ARG and b"stop_tokens" in eb[0].value
+
+
+def test_committed_tokens(model, vocab_hi):
+    """clover_committed_tokens: the text the memory holds, min(n, n_max) of it copied."""
+    prompt = _prompt(43, 7, vocab_hi)
+    with Ctx(model, 4) as ctx:
+        assert L.clover_committed_tokens(ctx.p, None, 0) == 0 and ctx.committed_tokens() == []
+        ctx.commit(prompt[:3])
+        ctx.commit(prompt[3:])
+        assert ctx.committed_tokens() == prompt
+        short = (ctypes.c_int32 * 8)(*([-9] * 8))
+        assert L.clover_committed_tokens(ctx.p, short, 2) == 7 and list(short) == prompt[:2] + [-9] * 6
+        rc, toks, st, msg = ctx.generate(prompt, max_tokens=10, block_size=4, stop_at_eos=False)
+        assert rc == N.CLOVER_OK, msg
+        assert ctx.committed_tokens() == prompt + toks[:8] and L.clover_n_committed(ctx.p) == 15
+        ctx.reset()
+        assert ctx.committed_tokens() == []
+    assert L.clover_committed_tokens(None, None, 0) == 0
 
 
 # ----------------------------------------------------------------------------- sampling
