@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results-draft-self.txt"))
     a = ap.parse_args(argv)
 
-    from clover_cpp.cli import default_cache_dir, demo_model
+    from clover_cpp.demo import default_cache_dir, demo_model
 
     lines: list[str] = []
     t0 = time.time()

@@ -41,7 +41,7 @@ log "parity and greedy tests (n_gpu_layers ${CLOVER_TEST_NGL:-0})"
 log "models"
 "$PY" benchmarks/make_baselines.py --types f16 >/dev/null 2>&1
 SMALL=${CLOVER_BENCH_CACHE:-$HOME/.cache/clover-cpp/bench}/clover-small-f16.gguf
-DEFAULT=$("$PY" -c "from clover_cpp.cli import demo_model, default_cache_dir; print(demo_model(default_cache_dir(), log=lambda s: None)[0])")
+DEFAULT=$("$PY" -c "from clover_cpp.demo import demo_model, default_cache_dir; print(demo_model(default_cache_dir(), log=lambda s: None)[0])")
 
 log "sweeps"
 export CLOVER_CACHE_DIR=${CLOVER_CACHE_DIR:-$(mktemp -d)}

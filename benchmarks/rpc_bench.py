@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from clover_cpp import Clover  # noqa: E402
-from clover_cpp.cli import paired_runs  # noqa: E402
+from clover_cpp.demo import paired_runs  # noqa: E402
 from clover_testkit.rpc import RpcServer  # noqa: E402
 
 RPC_SERVER = REPO / "build" / "bin" / "ggml-rpc-server"

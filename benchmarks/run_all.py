@@ -352,7 +352,7 @@ def startup(a, rep: list[str], res: dict) -> None:
     the first run may measure the cost curve and build the GGUF; the second reads the caches."""
     import subprocess
 
-    from clover_cpp.cli import default_cache_dir, demo_model
+    from clover_cpp.demo import default_cache_dir, demo_model
     gguf, _ = demo_model(default_cache_dir(), log=lambda s: None)
     cmds = {"clover run": [str(REPO / ".venv" / "bin" / "clover"), "run", "-m", str(gguf)],
             "clover-cli": [str(REPO / "build" / "bin" / "clover-cli"), "-m", str(gguf)]}

@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a Clover GGUF (default: the demo model)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from clover_cpp.cli import default_cache_dir, demo_model
+    from clover_cpp.demo import default_cache_dir, demo_model
 
     model = Path(a.model) if a.model else demo_model(default_cache_dir())[0]
     lines = [f"# serve_bench.py on {model.name}, {a.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}", ""]

@@ -42,7 +42,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     from clover_cpp import Clover, CloverError
-    from clover_cpp.cli import default_cache_dir, demo_model
+    from clover_cpp.demo import default_cache_dir, demo_model
 
     model = Path(a.model) if a.model else demo_model(default_cache_dir())[0]
     rng = random.Random(a.seed)

@@ -115,7 +115,7 @@ def test_run_plain(files) -> None:
 def test_defaults_are_greedy_and_documented(files) -> None:
     """The defaults the README states: greedy (--temp 0, top-k off, top-p 1, seed 0: the same
     command prints the same text, equal to Clover.generate's), -n 128; -s -1 is a random seed."""
-    from clover_cpp.cli import DEFAULT_N_PREDICT, DEFAULT_SEED, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P
+    from clover_cpp.cli.options import DEFAULT_N_PREDICT, DEFAULT_SEED, DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P
 
     assert (DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT) == (0.0, 0, 1.0, 0, 128)
     readme = " ".join((REPO / "README.md").read_text().split())
@@ -308,21 +308,37 @@ def test_bench(files) -> None:
 
 @needs_lib
 def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CLOVER_DEMO_MODEL", raising=False)
-    import clover_cpp.cli as cli_mod
+    """The demo on a GGUF (CLOVER_DEMO_MODEL): the prompt echoed, the stats, the paired B = 1 rounds."""
+    from clover_cpp.cli.bench import DEFAULT_DEMO_PROMPT
 
-    monkeypatch.setattr(cli_mod, "bundled_model_dir", lambda: None)  # the tiny preset path
+    monkeypatch.setenv("CLOVER_DEMO_MODEL", str(files["model"]))
     cache = tmp_path / "cache"
     res = invoke(["demo", "--cache-dir", cache, "-n", "16", "-t", "1", "--no-visual"])
     assert res.exit_code == 0, res.output
-    assert (cache / "clover-tiny-f16.gguf").is_file()
-    assert res.stdout.startswith(cli_mod.DEFAULT_DEMO_PROMPT)
-    assert "tiny" in res.stderr and "block size auto" in res.stderr and "[clover] B=" in res.stderr
+    assert res.stdout.startswith(DEFAULT_DEMO_PROMPT)
+    assert str(files["model"]) in res.stderr and "converting" not in res.stderr  # a GGUF is used as it is
+    assert "block size auto" in res.stderr and "[clover] B=" in res.stderr
     assert "speed-up" in res.stderr and "paired rounds" in res.stderr
-    # second run reuses the cache
     res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "--block-size", "8"])
-    assert res.exit_code == 0 and "writing the tiny preset" not in res.stderr
-    assert "[clover] B=8" in res.stderr
+    assert res.exit_code == 0 and "[clover] B=8" in res.stderr and "speed-up" not in res.stderr, res.output
+
+
+def test_demo_without_a_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installation without models/clover-default (and no CLOVER_DEMO_MODEL): one line that says
+    how to get a model, exit 1, nothing written (the demo no longer builds a random-weight fixture)."""
+    import clover_cpp.demo as demo_mod
+
+    monkeypatch.delenv("CLOVER_DEMO_MODEL", raising=False)
+    monkeypatch.setattr(demo_mod._lib, "repo_root", lambda: tmp_path / "no-repo")
+    monkeypatch.setattr(demo_mod, "__file__", str(tmp_path / "site" / "clover_cpp" / "demo.py"))
+    assert demo_mod.bundled_model_dir() is None
+    cache = tmp_path / "cache"
+    res = invoke(["demo", "--cache-dir", cache, "-n", "4", "--no-visual"])
+    assert res.exit_code == 1 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == ["error: this installation has no default model (models/clover-default): set "
+                                       "CLOVER_DEMO_MODEL to a Clover checkpoint folder or .gguf, e.g. the "
+                                       "repository's models/clover-default"], res.stderr
+    assert not cache.exists()
 
 
 @needs_lib

@@ -61,7 +61,7 @@ def test_fresh_venv_runs_demo_and_python(wheel: Path, tmp_path: Path) -> None:
     r = subprocess.run([str(venv / "bin" / "clover"), "demo", "-n", "12", "--no-compare", "--no-visual"], **run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "generated=12 tok" in r.stderr and "models/clover-default" in r.stderr
-    code = ("import clover_cpp._native as N; from clover_cpp import Clover; from clover_cpp.cli import demo_model;"
+    code = ("import clover_cpp._native as N; from clover_cpp import Clover; from clover_cpp.demo import demo_model;"
             "import pathlib, sys; lib = N.find_library(); print(lib);"
             "path, _ = demo_model(pathlib.Path(sys.argv[1]));"
             "m = Clover(path, n_threads=1); r = m.generate('def add(a, b):', max_tokens=8, stop_at_eos=False);"

@@ -1,0 +1,196 @@
+"""The generating commands: `clover run` (a prompt), `clover chat` (a conversation on stdin) and
+`clover perplexity` (the causal model's perplexity over a text, as llama-perplexity)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .group import CONTEXT_SETTINGS, UserError, cli
+from .live import generate_to_terminal
+from .options import (gen_kwargs, model_option, open_model, runtime_options, sampling_options, until_context_end,
+                      use_visual, visual_option)
+
+CHAT_SEPARATOR = "----"
+
+
+def _read_prompt(prompt: str | None, file: str | None) -> str:
+    if prompt is not None and file is not None:
+        raise UserError("give either -p/--prompt or -f/--file, not both")
+    if file is not None:
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"{file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"{file}: not UTF-8 text") from None
+    if prompt is None:
+        raise UserError("missing prompt: give -p/--prompt TEXT or -f/--file FILE")
+    if prompt == "-":
+        return sys.stdin.read()
+    return prompt
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@model_option
+@click.option("-p", "--prompt", default=None, help="Prompt text ('-' = read stdin).")
+@click.option("-f", "--file", default=None, metavar="FILE", help="Read the prompt from FILE.")
+@sampling_options
+@runtime_options
+@visual_option
+@click.option("--echo/--no-echo", default=True, show_default=True,
+              help="Print the prompt before the output, as llama-cli does.")
+@click.option("--no-display-prompt", "no_display_prompt", is_flag=True, hidden=True,
+              help="llama-cli's name for --no-echo.")
+@click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
+@click.option("--grammar-file", "grammar_file", default=None, metavar="FILE",
+              help="Constrain the output to the GBNF grammar in FILE (llama.cpp's format); decoded at block "
+                   "size 1, or verified by --draft-self.")
+@click.option("--json", "json_object", is_flag=True, help="Constrain the output to a JSON object.")
+def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
+        threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str,
+        ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
+        flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+        verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
+        grammar_file: str | None = None, json_object: bool = False) -> None:
+    """Generate text from a prompt with block-diffusion decoding (the prompt is echoed first,
+    as llama-cli does; --no-echo leaves it out)."""
+    text = _read_prompt(prompt, file)
+    kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
+                    reverse_prompt, draft_self)
+    if grammar_file and json_object:
+        raise UserError("give either --grammar-file or --json, not both")
+    if grammar_file:
+        if not Path(grammar_file).is_file():  # (a FIFO would block the read)
+            raise UserError(f"grammar file {grammar_file}: not a readable file")
+        try:
+            kw["grammar"] = Path(grammar_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read grammar file {grammar_file}: {getattr(e, 'strerror', None) or e}") from None
+    elif json_object:
+        kw["response_format"] = {"type": "json_object"}
+    visual = use_visual(visual)
+    with open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
+                    tensor_split, override_tensor) as m:
+        if n_predict == -1:
+            n_prompt = len(m.tokenize(text, add_special=True, parse_special=True))
+            kw["max_tokens"] = until_context_end(m, n_prompt, block_size)
+        r = generate_to_terminal(m, text, visual, prefix=text if echo and not no_display_prompt else "", **kw)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats:
+            click.echo(r.stats.format(), err=True)
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@model_option
+@click.argument("file", metavar="TEXT_FILE", required=False)
+@click.option("-f", "--file", "file_opt", default=None, metavar="TEXT_FILE", help="The text (as llama-perplexity's -f).")
+@click.option("-c", "--ctx-size", "chunk", type=click.IntRange(min=2), default=512, show_default=True,
+              help="Tokens per chunk (as llama-perplexity's -c): each chunk is scored on its second half.")
+@click.option("-t", "--threads", "threads", type=click.IntRange(1, 512), default=None,
+              help="CPU threads (default: from the hardware).")
+@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0, show_default=True,
+              help="Layers to offload to the GPU (-1 = all).")
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's log.")
+def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, threads: int | None,
+               n_gpu_layers: int, verbose: bool) -> None:
+    """Perplexity of the causal model over a text file, computed and printed as llama-perplexity does."""
+    if (file is None) == (file_opt is None):
+        raise UserError("give the text file once, as TEXT_FILE or with -f")
+    path = Path(file or file_opt)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the text ({e.__class__.__name__}: {e})") from None
+    with open_model(model, threads, chunk, n_gpu_layers, 1, verbose) as m:
+        r = m.perplexity(text, n_ctx=chunk)
+    click.echo(f"Final estimate: PPL = {r.ppl:.4f} ({r.n_chunks} chunks of {r.n_ctx} tokens, "
+               f"{r.n_tokens} positions scored)")
+
+
+@cli.command(context_settings=CONTEXT_SETTINGS)
+@model_option
+@click.option("--system", default=None, help="System message.")
+@sampling_options
+@runtime_options
+@visual_option
+@click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
+@click.option("--separator", default=CHAT_SEPARATOR, show_default=True, metavar="TEXT",
+              help="Line written between replies when stdout is not a terminal ('' = none).")
+def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
+         max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str, ignore_eos: bool,
+         reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
+         rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+         verbose: bool, visual: bool | None, stats: bool, separator: str) -> None:
+    """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
+    /reset to forget the conversation. Earlier turns stay in the context's memory and are
+    not read again (prefix reuse). When stdout is not a terminal, a separator line is written
+    between replies."""
+    kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
+                    reverse_prompt, draft_self)
+    interactive = sys.stdin.isatty()
+    visual = use_visual(visual)
+    separate = bool(separator) and not sys.stdout.isatty()
+    n_replies = 0
+    base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    with open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
+                    tensor_split, override_tensor) as m:
+        m.format_chat([{"role": "user", "content": "x"}])  # template problems show up now, not later
+        history: list[dict[str, str]] = []
+        if interactive:
+            click.echo("clover chat - /exit to quit, /reset to start over", err=True)
+        while True:
+            if interactive:
+                sys.stdout.write("> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if line.strip() == "/reset":
+                history = []
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                msgs, budget = _fit_history(m, base, history, n_predict, kw["block_size"])
+            except UserError as e:  # this message does not fit: say so, keep the session and its history
+                history.pop()
+                click.echo(f"error: {e.format_message()}", err=True)
+                continue
+            if separate and n_replies:
+                sys.stdout.write(separator + "\n")
+            r = generate_to_terminal(m, None, visual, chat_messages=msgs, **dict(kw, max_tokens=budget))
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            n_replies += 1
+            history.append({"role": "assistant", "content": r.text})
+            if stats:
+                click.echo(r.stats.format(), err=True)
+
+
+def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str]],
+                 max_tokens: int, block_size: Any) -> tuple[list[dict[str, str]], int]:
+    """Drop the oldest turns until the prompt plus the budget fits the context: decode blocks of
+    B start right after the prompt, so they need the budget rounded up to whole blocks
+    (clover_generate's rule; with block size auto, B is only ever one whose blocks fit).
+    max_tokens -1: at least one block must fit, and the budget is the rest of the context.
+    Returns the messages and the token budget."""
+    B = 1 if block_size == "auto" else block_size
+    while True:
+        msgs = base + history
+        n = len(m.tokenize(m.format_chat(msgs), add_special=True, parse_special=True))
+        need = n + (B if max_tokens == -1 else -(-max_tokens // B) * B)
+        if need <= m.n_ctx or len(history) <= 1:
+            if need > m.n_ctx:
+                raise UserError(f"the message ({n} tokens) and -n {max_tokens} do not fit the context "
+                                f"({m.n_ctx}); raise -c or lower -n")
+            return msgs, (until_context_end(m, n, block_size) if max_tokens == -1 else max_tokens)
+        del history[:2]

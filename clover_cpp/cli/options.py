@@ -1,0 +1,183 @@
+"""Options shared by the commands (llama.cpp's flag names: -m, -p, -n, -t, -c, --temp, --top-k,
+--top-p, --seed), the block-size type, and the steps every generating command takes with them:
+open the model, turn the flags into Clover.generate's arguments, the budget of -n -1."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .group import UserError
+
+
+def model_option(f: Any) -> Any:
+    return click.option("-m", "--model", "model", required=True, metavar="FILE", help="Clover GGUF file.")(f)
+
+
+def runtime_options(f: Any) -> Any:
+    opts = [
+        click.option("-t", "--threads", "threads", type=click.IntRange(1, 512), default=None,
+                     help="CPU threads (default: from the hardware)."),
+        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=1), default=4096, show_default=True,
+                     help="Context size (prompt + generation) in tokens."),
+        click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0,
+                     show_default=True, help="Layers to offload to the GPU (-1 = all)."),
+        click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                     show_default=True, help="Flash attention (as llama.cpp's -fa)."),
+        click.option("--rpc", "rpc", default=None, metavar="HOST:PORT,...",
+                     help="llama.cpp RPC servers (ggml-rpc-server) that hold the offloaded layers (-ngl)."),
+        click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1,...",
+                     callback=lambda ctx, p, v: _parse_split(v),
+                     help="Share of the offloaded layers per device, RPC servers first (as llama.cpp's -ts)."),
+        click.option("-ot", "--override-tensor", "override_tensor", default=None, metavar="PATTERN=BUFFER,...",
+                     help="Put tensors matching PATTERN in BUFFER (as llama.cpp's -ot), e.g. '^output\\.weight=CPU'."),
+        click.option("--verbose", is_flag=True, help="Show llama.cpp's log."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _parse_split(value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        split = [float(x) for x in re.split(r"[,/]", value)]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a list of numbers like 3,1", param_hint="'-ts'") from None
+    if any(not (x >= 0) or x == float("inf") for x in split):
+        raise click.BadParameter(f"{value!r}: shares must be finite and >= 0", param_hint="'-ts'")
+    return split
+
+
+def flash_attn_flag(value: str) -> bool | None:
+    """-fa on/off/auto as Clover's flash_attn (True, False, None = llama.cpp decides)."""
+    return {"on": True, "off": False}.get(value)
+
+
+class BlockSizeType(click.ParamType):
+    """A block size: an integer >= 1, or "auto" (chosen per block, see clover.h)."""
+    name = "N|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            v = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
+        if v < 1:
+            self.fail(f"{v} is not >= 1", param, ctx)
+        return v
+
+
+BLOCK_SIZE = BlockSizeType()
+
+
+# Greedy by default, unlike llama-cli (temp 0.8, top-k 40, top-p 0.95, seed -1, -n -1): the same
+# command prints the same text, as Clover.generate returns it, and --draft-self reproduces it token
+# for token (README, "Command-line defaults"); llama-cli's sampling is one set of flags away
+DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT = 0.0, 0, 1.0, 0, 128
+
+
+def sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:
+    opts = [
+        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(-1, 2**31 - 1), default=n_default,
+                     show_default=True, help="Tokens to generate at most (-1 = until EOS or the end of the "
+                                             "context, as llama-cli)."),
+        click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
+                     help="Block size B (1 = autoregressive; auto = chosen per block from the pass cost, "
+                          "measured once per model and machine and cached, and the tokens per pass)."),
+        click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+                     help="Unmask every position whose confidence is at least this."),
+        click.option("--step-cap", "--max-steps", "max_steps", type=click.IntRange(0, 2**31 - 1), default=0,
+                     show_default=True, help="Denoising steps per block at most (0 = no cap)."),
+        click.option("--temp", "temperature", type=click.FloatRange(min=0.0), default=DEFAULT_TEMP,
+                     show_default=True, help="Sampling temperature (0 = greedy)."),
+        click.option("--top-k", type=click.IntRange(min=0), default=DEFAULT_TOP_K, show_default=True,
+                     help="Top-k (0 = off)."),
+        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_TOP_P,
+                     show_default=True, help="Top-p (1 = off)."),
+        click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=DEFAULT_SEED, show_default=True,
+                     help="Sampling seed (-1 = random)."),
+        click.option("--draft-self", "draft_self", type=click.Choice(["on", "off", "auto"]), is_flag=False,
+                     flag_value="on", default="off", show_default=True,
+                     help="Lossless self-speculative decoding (--draft-self alone = on): blocks drafted by block "
+                          "passes, verified by their causal commit (the output of --block-size 1, faster when "
+                          "drafts are good). --draft-self=auto with --block-size auto: the mode too is chosen per "
+                          "block (B = 1, block diffusion or draft-self); the stats line names the one chosen."),
+        click.option("--ignore-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
+        click.option("-r", "--reverse-prompt", "reverse_prompt", multiple=True, metavar="TEXT",
+                     help="Stop before TEXT (repeatable; matched across token boundaries)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def visual_option(f: Any) -> Any:
+    return click.option("--visual/--no-visual", default=None,
+                        help="Live view of the block being denoised, on a terminal only (default: on when "
+                             "stdout is a terminal; a pipe or a file always gets plain text).")(f)
+
+
+def use_visual(visual: bool | None) -> bool:
+    """--visual draws with cursor movements: only on a terminal, never into a pipe or a file."""
+    return (visual is None or visual) and sys.stdout.isatty()
+
+
+def set_verbose() -> None:
+    """--verbose: llama.cpp's log on stderr."""
+    from .. import set_verbosity
+
+    set_verbosity(2)
+
+
+def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
+               verbose: bool, flash_attn: str = "auto", rpc: str | None = None,
+               tensor_split: list[float] | None = None, override_tensor: str | None = None) -> Any:
+    from .. import Clover, CloverError
+
+    # libclover checks the file (missing, not a GGUF, wrong architecture, bad metadata) with
+    # one-line messages in milliseconds; reading the header in Python first cost 0.3 s+
+    if Path(path).is_dir():
+        raise UserError(f"{path}: is a folder, not a GGUF file")
+    if verbose:
+        set_verbose()
+    try:
+        return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
+                      block_size=None if block_size == "auto" else block_size,
+                      flash_attn=flash_attn_flag(flash_attn), rpc_servers=rpc,
+                      tensor_split=tensor_split, override_tensor=override_tensor)
+    except CloverError as e:
+        raise UserError(e.message) from None
+
+
+def gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
+               top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = (),
+               draft_self: bool | str = False) -> dict[str, Any]:
+    """The sampling flags as Clover.generate's keyword arguments."""
+    if seed == -1:  # as in llama.cpp: a random seed
+        import secrets
+        seed = secrets.randbits(63)
+    return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
+                stop=list(reverse_prompt),
+                draft_self={"on": True, "off": False}.get(draft_self, draft_self) if isinstance(draft_self, str)
+                else draft_self)
+
+
+def until_context_end(m: Any, n_prompt: int, block_size: Any) -> int:
+    """The budget of -n -1: the rest of the context, in whole blocks of a fixed B (decode blocks
+    start right after the prompt; block size auto only picks blocks that fit)."""
+    B = 1 if block_size == "auto" else int(block_size)
+    budget = (m.n_ctx - n_prompt) // B * B
+    if budget < 1:
+        raise UserError(f"the prompt ({n_prompt} tokens) leaves no room for a block of {B} in the context "
+                        f"({m.n_ctx}); raise -c")
+    return budget
