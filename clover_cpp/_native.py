@@ -17,17 +17,18 @@ import ctypes
 import os
 import sys
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_float, c_int,
-                    c_int32, c_size_t, c_uint64, c_void_p)
+                    c_int32, c_int64, c_size_t, c_uint64, c_void_p)
 from pathlib import Path
+from typing import Sequence
 
 __all__ = [
-    "CloverLibraryNotFound", "find_library", "lib_dirs", "load_library", "lib",
+    "CloverLibraryNotFound", "CloverLibraryMismatch", "abi_mismatches", "find_library", "lib_dirs", "load_library", "lib",
     "clover_model_params", "clover_context_params", "clover_generate_params", "clover_stats",
     "clover_step_callback", "clover_block_callback",
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 1
+CLOVER_API_VERSION = 2
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -152,7 +153,12 @@ c_double_p = POINTER(c_double)
 
 # ----------------------------------------------------------------------------- loading
 class CloverLibraryNotFound(OSError):
-    pass
+    """No usable libclover (missing, not loadable, or not the ABI of these declarations)."""
+
+
+class CloverLibraryMismatch(CloverLibraryNotFound):
+    """The libclover found was built from another clover.h than these declarations (an API
+    version, a struct's size or a field's offset differs): one line naming the first difference."""
 
 
 def _lib_names() -> list[str]:
@@ -207,6 +213,8 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = restype
         f.argtypes = list(argtypes)
 
+    fn("clover_api_version", c_int32)
+    fn("clover_abi_query", c_int64, c_char_p)
     fn("clover_status_str", c_char_p, c_int)
     fn("clover_set_verbosity", None, c_int)
 
@@ -254,6 +262,60 @@ def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
     return L
 
 
+# ----------------------------------------------------------------------------- ABI check
+# the structs and constants above, compared with the library's clover_abi_query at load
+STRUCTS = (clover_model_params, clover_context_params, clover_generate_params, clover_stats)
+CONSTANTS = ("CLOVER_API_VERSION", "CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE",
+             "CLOVER_ERR_CANCELLED", "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL",
+             "CLOVER_FINISH_NONE", "CLOVER_FINISH_EOS", "CLOVER_FINISH_MAX_TOKENS", "CLOVER_FINISH_CANCELLED",
+             "CLOVER_FINISH_STOP_TOKEN", "CLOVER_BLOCK_SIZE_AUTO", "CLOVER_DRAFT_SELF_AUTO", "CLOVER_MAX_TOP_LOGPROBS")
+
+
+def abi_mismatches(L: ctypes.CDLL, structs: Sequence[type] | None = None,
+                   constants: Sequence[str] | None = None) -> list[str]:
+    """How these declarations differ from the library's (clover_abi_query): the API version, each
+    struct's size, alignment and field count, each field's offset, each constant's value; [] = none.
+    structs / constants: default STRUCTS / CONSTANTS (read at the call)."""
+    structs = STRUCTS if structs is None else structs
+    constants = CONSTANTS if constants is None else constants
+    out: list[str] = []
+    if L.clover_api_version() != CLOVER_API_VERSION:
+        out.append(f"API version {L.clover_api_version()}, these bindings are for {CLOVER_API_VERSION}")
+
+    def q(what: str) -> int:
+        return int(L.clover_abi_query(what.encode()))
+
+    for S in structs:
+        name = S.__name__
+        for what, mine in ((f"sizeof {name}", ctypes.sizeof(S)), (f"alignof {name}", ctypes.alignment(S)),
+                           (f"fields {name}", len(S._fields_))):
+            if q(what) != mine:
+                out.append(f"{what} = {q(what)} in the library, {mine} here")
+        for f in S._fields_:
+            what = f"offsetof {name}.{f[0]}"
+            if q(what) != getattr(S, f[0]).offset:
+                out.append(f"{what} = {q(what)} in the library, {getattr(S, f[0]).offset} here")
+    g = globals()
+    for c in constants:
+        if q(f"known value {c}") != 1 or q(f"value {c}") != g[c]:
+            out.append(f"{c} = {q(f'value {c}') if q(f'known value {c}') == 1 else 'unknown'} in the library, "
+                       f"{g[c]} here")
+    return out
+
+
+def _check_abi(L: ctypes.CDLL, p: Path) -> None:
+    how = "rebuild it (./dev.sh build) or reinstall clover-cpp"
+    if not hasattr(L, "clover_abi_query"):
+        raise CloverLibraryMismatch(f"libclover at {p} predates clover_abi_query (API version < 2): {how}")
+    L.clover_api_version.restype, L.clover_api_version.argtypes = c_int32, []
+    L.clover_abi_query.restype, L.clover_abi_query.argtypes = c_int64, [c_char_p]
+    bad = abi_mismatches(L)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CloverLibraryMismatch(f"libclover at {p} does not match clover_cpp's declarations of clover.h: "
+                                    f"{bad[0]}{more}; {how}")
+
+
 _lib: ctypes.CDLL | None = None
 
 
@@ -267,6 +329,7 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         L = ctypes.CDLL(str(p))
     except OSError as e:
         raise CloverLibraryNotFound(f"cannot load {p}: {e}") from e
+    _check_abi(L, p)
     _declare(L)
     if path is None:
         _lib = L

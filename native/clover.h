@@ -48,7 +48,8 @@
 extern "C" {
 #endif
 
-#define CLOVER_API_VERSION 1
+/* Raised on every change of a public struct, function or constant. */
+#define CLOVER_API_VERSION 2
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -73,6 +74,17 @@ enum clover_finish_reason {
 
 typedef struct clover_model   clover_model;
 typedef struct clover_context clover_context;
+
+/* CLOVER_API_VERSION of the library (a binding compares it with the header it was written for). */
+CLOVER_API int32_t clover_api_version(void);
+
+/* The ABI of this build, for a binding to compare with its own declarations at load:
+ * "sizeof S" / "alignof S" (S a public struct: clover_model_params, clover_context_params,
+ * clover_generate_params, clover_stats), "offsetof S.F" (F a field of S), "fields S" (how many
+ * fields S has), "value N" (N a named constant: CLOVER_OK, CLOVER_ERR_*, CLOVER_FINISH_*,
+ * CLOVER_MODE_*, CLOVER_BLOCK_SIZE_*, ...). Returns -1 for an unknown query; since a value may
+ * be -1 itself, "known Q" returns 1 when Q is a known query, else 0. */
+CLOVER_API int64_t clover_abi_query(const char * what);
 
 /* Short, static description of a status code ("ok", "invalid argument", ...). */
 CLOVER_API const char * clover_status_str(int status);
