@@ -14,12 +14,13 @@ The library is located, in order, via
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_double, c_float, c_int,
                     c_int32, c_int64, c_size_t, c_uint64, c_void_p)
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 __all__ = [
     "CloverLibraryNotFound", "CloverLibraryMismatch", "abi_mismatches", "find_library", "lib_dirs", "load_library", "lib",
@@ -207,58 +208,194 @@ def find_library() -> Path:
         "to the library file or its directory.")
 
 
+# ----------------------------------------------------------------------------- functions
+# One typed stub per function of clover.h, in its order (as llama-cpp-python's llama_cpp.py):
+# @_c(name, argtypes, restype) records the C signature, which load_library() sets on the
+# library's function; calling the stub calls it (lib().name(...) is the same function).
+_DECLS: dict[str, tuple[list[Any], Any]] = {}
+_F = TypeVar("_F", bound=Callable[..., Any])
+c_char_buf = c_char_p  # char * err / buf (a ctypes.create_string_buffer)
+
+
+def _c(name: str, argtypes: list[Any], restype: Any) -> Callable[[_F], _F]:
+    def deco(stub: _F) -> _F:
+        _DECLS[name] = (argtypes, restype)
+
+        @functools.wraps(stub)
+        def call(*args: Any) -> Any:
+            return getattr(lib(), name)(*args)
+
+        return call  # type: ignore[return-value]
+
+    return deco
+
+
+@_c("clover_api_version", [], c_int32)
+def clover_api_version() -> int: ...
+
+
+@_c("clover_abi_query", [c_char_p], c_int64)
+def clover_abi_query(what: bytes, /) -> int: ...
+
+
+@_c("clover_status_str", [c_int], c_char_p)
+def clover_status_str(status: int, /) -> bytes: ...
+
+
+@_c("clover_set_verbosity", [c_int], None)
+def clover_set_verbosity(level: int, /) -> None: ...
+
+
+@_c("clover_model_default_params", [], clover_model_params)
+def clover_model_default_params() -> clover_model_params: ...
+
+
+@_c("clover_model_load", [c_char_p, POINTER(clover_model_params), c_char_buf, c_size_t], clover_model_p)
+def clover_model_load(path: bytes, params: Any, err: Any, err_len: int, /) -> int | None: ...
+
+
+@_c("clover_model_free", [clover_model_p], None)
+def clover_model_free(model: int | None, /) -> None: ...
+
+
+@_c("clover_n_vocab", [clover_model_p], c_int32)
+def clover_n_vocab(model: int | None, /) -> int: ...
+
+
+@_c("clover_mask_token", [clover_model_p], c_int32)
+def clover_mask_token(model: int | None, /) -> int: ...
+
+
+@_c("clover_eos_token", [clover_model_p], c_int32)
+def clover_eos_token(model: int | None, /) -> int: ...
+
+
+@_c("clover_bos_token", [clover_model_p], c_int32)
+def clover_bos_token(model: int | None, /) -> int: ...
+
+
+@_c("clover_train_block_size", [clover_model_p], c_int32)
+def clover_train_block_size(model: int | None, /) -> int: ...
+
+
+@_c("clover_n_ctx_train", [clover_model_p], c_int32)
+def clover_n_ctx_train(model: int | None, /) -> int: ...
+
+
+@_c("clover_model_meta", [clover_model_p, c_char_p, c_char_buf, c_size_t], c_int32)
+def clover_model_meta(model: int | None, key: bytes, buf: Any, buf_size: int, /) -> int: ...
+
+
+@_c("clover_tokenize", [clover_model_p, c_char_p, c_int32, c_int32_p, c_int32, c_int, c_int, c_int32_p], c_int)
+def clover_tokenize(model: int | None, text: bytes, text_len: int, tokens: Any, n_max: int, add_special: int,
+                    parse_special: int, n_out: Any, /) -> int: ...
+
+
+@_c("clover_token_to_piece", [clover_model_p, c_int32, c_char_buf, c_int32, c_int, c_int32_p], c_int)
+def clover_token_to_piece(model: int | None, token: int, buf: Any, buf_size: int, special: int, n_out: Any,
+                          /) -> int: ...
+
+
+@_c("clover_detokenize", [clover_model_p, c_int32_p, c_int32, c_char_buf, c_int32, c_int, c_int, c_int32_p], c_int)
+def clover_detokenize(model: int | None, tokens: Any, n_tokens: int, buf: Any, buf_size: int, remove_special: int,
+                      unparse_special: int, n_out: Any, /) -> int: ...
+
+
+@_c("clover_context_default_params", [], clover_context_params)
+def clover_context_default_params() -> clover_context_params: ...
+
+
+@_c("clover_context_new", [clover_model_p, POINTER(clover_context_params), c_char_buf, c_size_t], clover_context_p)
+def clover_context_new(model: int | None, params: Any, err: Any, err_len: int, /) -> int | None: ...
+
+
+@_c("clover_context_free", [clover_context_p], None)
+def clover_context_free(ctx: int | None, /) -> None: ...
+
+
+@_c("clover_block_size", [clover_context_p], c_int32)
+def clover_block_size(ctx: int | None, /) -> int: ...
+
+
+@_c("clover_n_ctx", [clover_context_p], c_int32)
+def clover_n_ctx(ctx: int | None, /) -> int: ...
+
+
+@_c("clover_set_block_size", [clover_context_p, c_int32, c_char_buf, c_size_t], c_int)
+def clover_set_block_size(ctx: int | None, block_size: int, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_set_n_threads", [clover_context_p, c_int32], c_int)
+def clover_set_n_threads(ctx: int | None, n_threads: int, /) -> int: ...
+
+
+@_c("clover_block_pass", [clover_context_p, c_int32_p, c_int32, c_float_p, c_char_buf, c_size_t], c_int)
+def clover_block_pass(ctx: int | None, tokens: Any, n: int, logits_out: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_commit_logits", [clover_context_p, c_int32_p, c_int32, c_float_p, c_char_buf, c_size_t], c_int)
+def clover_commit_logits(ctx: int | None, tokens: Any, n: int, logits_out: Any, err: Any, err_len: int,
+                         /) -> int: ...
+
+
+@_c("clover_commit", [clover_context_p, c_int32_p, c_int32, c_char_buf, c_size_t], c_int)
+def clover_commit(ctx: int | None, tokens: Any, n: int, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_last_logits", [clover_context_p, c_float_p], c_int)
+def clover_last_logits(ctx: int | None, logits_out: Any, /) -> int: ...
+
+
+@_c("clover_reset", [clover_context_p], c_int)
+def clover_reset(ctx: int | None, /) -> int: ...
+
+
+@_c("clover_n_committed", [clover_context_p], c_int32)
+def clover_n_committed(ctx: int | None, /) -> int: ...
+
+
+@_c("clover_committed_tokens", [clover_context_p, c_int32_p, c_int32], c_int32)
+def clover_committed_tokens(ctx: int | None, out: Any, n_max: int, /) -> int: ...
+
+
+@_c("clover_calibrate", [clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32, c_int32_p, c_char_buf,
+                         c_size_t], c_int)
+def clover_calibrate(ctx: int | None, sizes_out: Any, ms_out: Any, ms_fused_out: Any, cap: int, n_out: Any, err: Any,
+                     err_len: int, /) -> int: ...
+
+
+@_c("clover_set_cost_curve", [clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32, c_char_buf, c_size_t],
+    c_int)
+def clover_set_cost_curve(ctx: int | None, sizes: Any, ms: Any, ms_fused: Any, n: int, err: Any, err_len: int,
+                          /) -> int: ...
+
+
+@_c("clover_generate_default_params", [], clover_generate_params)
+def clover_generate_default_params() -> clover_generate_params: ...
+
+
+@_c("clover_generate", [clover_context_p, c_int32_p, c_int32, POINTER(clover_generate_params), c_int32_p, c_int32,
+                        c_int32_p, POINTER(clover_stats), c_char_buf, c_size_t], c_int)
+def clover_generate(ctx: int | None, prompt: Any, n_prompt: int, params: Any, out: Any, out_cap: int, n_out: Any,
+                    stats: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_pick_candidate", [c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64, c_int32_p,
+                              c_double_p], c_int)
+def clover_pick_candidate(logits: Any, n_vocab: int, mask_token: int, temperature: float, top_k: int, top_p: float,
+                          seed: int, token_out: Any, confidence_out: Any, /) -> int: ...
+
+
+@_c("clover_select_unmask", [c_double_p, c_int32, c_double, c_int32, c_int32, c_int32_p], c_int32)
+def clover_select_unmask(conf: Any, n_masked: int, threshold: float, max_steps: int, step: int, order_out: Any,
+                         /) -> int: ...
+
+
 def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
-    def fn(name, restype, *argtypes):
+    """Set every recorded signature on the library's functions (AttributeError: one is missing)."""
+    for name, (argtypes, restype) in _DECLS.items():
         f = getattr(L, name)
-        f.restype = restype
-        f.argtypes = list(argtypes)
-
-    fn("clover_api_version", c_int32)
-    fn("clover_abi_query", c_int64, c_char_p)
-    fn("clover_status_str", c_char_p, c_int)
-    fn("clover_set_verbosity", None, c_int)
-
-    fn("clover_model_default_params", clover_model_params)
-    fn("clover_model_load", clover_model_p, c_char_p, POINTER(clover_model_params), c_char_p, c_size_t)
-    fn("clover_model_free", None, clover_model_p)
-    fn("clover_n_vocab", c_int32, clover_model_p)
-    fn("clover_mask_token", c_int32, clover_model_p)
-    fn("clover_eos_token", c_int32, clover_model_p)
-    fn("clover_bos_token", c_int32, clover_model_p)
-    fn("clover_train_block_size", c_int32, clover_model_p)
-    fn("clover_n_ctx_train", c_int32, clover_model_p)
-    fn("clover_model_meta", c_int32, clover_model_p, c_char_p, c_char_p, c_size_t)
-    fn("clover_tokenize", c_int, clover_model_p, c_char_p, c_int32, c_int32_p, c_int32, c_int, c_int, c_int32_p)
-    fn("clover_token_to_piece", c_int, clover_model_p, c_int32, c_char_p, c_int32, c_int, c_int32_p)
-    fn("clover_detokenize", c_int, clover_model_p, c_int32_p, c_int32, c_char_p, c_int32, c_int, c_int, c_int32_p)
-
-    fn("clover_context_default_params", clover_context_params)
-    fn("clover_context_new", clover_context_p, clover_model_p, POINTER(clover_context_params), c_char_p, c_size_t)
-    fn("clover_context_free", None, clover_context_p)
-    fn("clover_block_size", c_int32, clover_context_p)
-    fn("clover_n_ctx", c_int32, clover_context_p)
-    fn("clover_set_block_size", c_int, clover_context_p, c_int32, c_char_p, c_size_t)
-    fn("clover_set_n_threads", c_int, clover_context_p, c_int32)
-    fn("clover_calibrate", c_int, clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32, c_int32_p,
-       c_char_p, c_size_t)
-    fn("clover_set_cost_curve", c_int, clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32,
-       c_char_p, c_size_t)
-
-    fn("clover_block_pass", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
-    fn("clover_commit", c_int, clover_context_p, c_int32_p, c_int32, c_char_p, c_size_t)
-    fn("clover_commit_logits", c_int, clover_context_p, c_int32_p, c_int32, c_float_p, c_char_p, c_size_t)
-    fn("clover_last_logits", c_int, clover_context_p, c_float_p)
-    fn("clover_reset", c_int, clover_context_p)
-    fn("clover_n_committed", c_int32, clover_context_p)
-    fn("clover_committed_tokens", c_int32, clover_context_p, c_int32_p, c_int32)
-
-    fn("clover_generate_default_params", clover_generate_params)
-    fn("clover_generate", c_int, clover_context_p, c_int32_p, c_int32, POINTER(clover_generate_params),
-       c_int32_p, c_int32, c_int32_p, POINTER(clover_stats), c_char_p, c_size_t)
-
-    fn("clover_pick_candidate", c_int, c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64,
-       c_int32_p, c_double_p)
-    fn("clover_select_unmask", c_int32, c_double_p, c_int32, c_double, c_int32, c_int32, c_int32_p)
+        f.argtypes, f.restype = argtypes, restype
     return L
 
 

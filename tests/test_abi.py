@@ -89,10 +89,17 @@ def test_constants_match_the_header():
 
 
 def test_every_header_function_is_declared():
-    declared = N.load_library()
-    for name in header_functions():
-        f = getattr(declared, name)
-        assert f.argtypes is not None, f"{name} has no argtypes in _native.py"
+    """One typed stub per clover.h function (argtypes and restype set on the library), none extra."""
+    names = header_functions()
+    assert len(names) == len(set(names))
+    assert set(N._DECLS) == set(names)
+    for name in names:
+        argtypes, restype = N._DECLS[name]
+        f = getattr(L, name)
+        assert f.argtypes == argtypes and f.restype is restype, name
+        assert callable(getattr(N, name)) and getattr(N, name).__name__ == name
+    assert N.clover_api_version() == N.CLOVER_API_VERSION
+    assert N.clover_abi_query(b"sizeof clover_stats") == ctypes.sizeof(N.clover_stats)
 
 
 def _struct_like(S: type, fields: list) -> type:
