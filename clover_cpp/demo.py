@@ -10,16 +10,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _lib
-
-__all__ = ["DemoModelError", "bundled_model_dir", "default_cache_dir", "demo_model", "paired_runs"]
+__all__ = ["DemoModelError", "bundled_model_dir", "default_cache_dir", "default_model_locations", "demo_model",
+           "paired_runs"]
 
 
 class DemoModelError(ValueError):
@@ -40,6 +38,13 @@ def _is_model(d: Path) -> bool:
     return (d.is_file() and d.suffix == ".gguf") or (d / "config.json").is_file()
 
 
+def default_model_locations() -> list[Path]:
+    """Where the default checkpoint ships: models/clover-default of a source checkout (the folder
+    that holds clover_cpp/), clover_cpp/models/clover-default of an installed wheel."""
+    package = Path(__file__).resolve().parent
+    return [package.parent / "models" / "clover-default", package / "models" / "clover-default"]
+
+
 def bundled_model_dir() -> Path | None:
     """The default model: CLOVER_DEMO_MODEL (a checkpoint folder or a .gguf) when set, else the
     trained default checkpoint shipped with clover-cpp, if any."""
@@ -48,13 +53,12 @@ def bundled_model_dir() -> Path | None:
         if _is_model(Path(env)):
             return Path(env)
         raise DemoModelError(f"CLOVER_DEMO_MODEL={env}: not a .gguf file or a checkpoint folder with config.json")
-    for d in (_lib.repo_root() / "models" / "clover-default", Path(__file__).resolve().parent / "models" / "clover-default"):
-        if _is_model(d):
-            return d
-    return None
+    return next((d for d in default_model_locations() if _is_model(d)), None)
 
 
 def _folder_fingerprint(d: Path) -> str:
+    import hashlib
+
     h = hashlib.sha256()
     for p in sorted(d.iterdir()):
         if p.is_file():

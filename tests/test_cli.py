@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,14 +165,20 @@ def test_n_predict_minus_one_runs_to_the_end_of_the_context(files, block_size: s
     assert p.returncode == 1 and p.stderr.startswith("error: ") and "leaves no room" in p.stderr, p.stderr
 
 
-def _in_a_terminal(cmd: list[str], timeout: float = 120) -> bytes:
-    """cmd's stdout when it is a terminal (a pseudo-terminal; stderr stays a pipe)."""
+def _in_a_terminal(cmd: list[str], timeout: float = 120, stdin: bytes | None = None, stderr: Any = None) -> bytes:
+    """cmd's stdout when it is a terminal (a pseudo-terminal; stdin and stderr stay pipes or files:
+    stdin gets the bytes given, stderr goes to the file given)."""
     import pty
     import select
 
     master, slave = pty.openpty()
-    p = subprocess.Popen(cmd, stdout=slave, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, stdout=slave, stderr=stderr or subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)
     os.close(slave)
+    if stdin is not None:
+        assert p.stdin is not None
+        p.stdin.write(stdin)
+        p.stdin.close()
     out = b""
     try:
         while True:
@@ -212,6 +219,28 @@ def test_visual_only_on_a_terminal(files) -> None:
     # the CliRunner's stdout is not a terminal either
     res = invoke(["run", *args, "--visual"])
     assert res.exit_code == 0 and "\x1b" not in res.stdout and "\u2591" not in res.stdout
+
+
+@needs_lib
+def test_live_chat_continues_the_conversation_as_plain_chat(files, tmp_path: Path) -> None:
+    """The live view of `clover chat` (a terminal) generates through Clover.generate_chat: the
+    same replies as the plain chat (the end-of-turn stops, the same token budget) and the second
+    turn reads only its new tokens (the first exchange's are reused)."""
+    cmd = [sys.executable, "-m", "clover_cpp.cli", "chat", "-m", str(files["model"]), "-n", "12", "-t", "1",
+           "--block-size", "4", "--stats"]
+    msgs = b"hi there\nhow are you?\n"
+    with open(tmp_path / "err", "wb") as err:
+        tty = _in_a_terminal(cmd + ["--visual"], stdin=msgs, stderr=err)
+    assert "\u2591".encode() in tty and b"\x1b[" in tty  # the live view drew the blocks
+    plain = subprocess.run(cmd + ["--no-visual"], input=msgs, capture_output=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+
+    def stats(text: str) -> list[str]:
+        return [" ".join(m) for m in re.findall(r"(prompt=\d+ tok(?: \(\d+ reused\))?, generated=\d+ tok, "
+                                                r"blocks=\d+, decode passes=\d+).*?(finish=\w+)", text)]
+    live = stats((tmp_path / "err").read_text())
+    assert len(live) == 2 and live == stats(plain.stderr.decode()), (live, plain.stderr)
+    assert "reused)" in live[1]
 
 
 @needs_lib
@@ -329,8 +358,7 @@ def test_demo_without_a_default_model(tmp_path: Path, monkeypatch: pytest.Monkey
     import clover_cpp.demo as demo_mod
 
     monkeypatch.delenv("CLOVER_DEMO_MODEL", raising=False)
-    monkeypatch.setattr(demo_mod._lib, "repo_root", lambda: tmp_path / "no-repo")
-    monkeypatch.setattr(demo_mod, "__file__", str(tmp_path / "site" / "clover_cpp" / "demo.py"))
+    monkeypatch.setattr(demo_mod, "default_model_locations", lambda: [tmp_path / "models" / "clover-default"])
     assert demo_mod.bundled_model_dir() is None
     cache = tmp_path / "cache"
     res = invoke(["demo", "--cache-dir", cache, "-n", "4", "--no-visual"])
@@ -663,3 +691,48 @@ def test_a_refused_run_prints_only_its_error(files) -> None:
         p = subprocess.run(tool + args, capture_output=True, text=True, errors="replace", timeout=60)
         assert p.returncode == 1 and p.stdout == "", (tool, p.stdout)
         assert p.stderr.startswith("error: ") and "n_ctx" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return sorted(p for f in folders for p in (REPO / f).rglob("*.py"))
+
+
+def test_the_product_does_not_import_the_test_kit() -> None:
+    """The wheel's packages (clover_cpp, clover_convert) import neither clover_testkit nor
+    tokenizers (its fixture tokenizers' trainer): both stay out of the runtime install
+    (pyproject: the test extra; the wheel's packages)."""
+    import ast
+
+    found = []
+    for p in _python_files("clover_cpp", "clover_convert"):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{p.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                      if n.split(".")[0] in ("clover_testkit", "tokenizers")]
+    assert not found, found
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert not [d for d in project["project"]["dependencies"] if d.startswith("tokenizers")]
+    assert "clover_testkit" not in project["tool"]["scikit-build"]["wheel"]["packages"]
+
+
+def test_the_cli_uses_public_names_only() -> None:
+    """The front end (clover_cpp/cli/, clover_cpp/demo.py) reaches the runtime through its public
+    names: no `obj._name` on another object, no private keyword argument (`_chat_text=`) and no
+    private name imported from another module."""
+    import ast
+
+    found = []
+    for p in _python_files("clover_cpp/cli") + [REPO / "clover_cpp" / "demo.py"]:
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{p.relative_to(REPO)}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.keyword) and node.arg and node.arg.startswith("_"):
+                found.append(f"{p.relative_to(REPO)}:{node.lineno} {node.arg}=")
+            if isinstance(node, ast.ImportFrom) and node.module not in ("group", "options", "live") \
+                    and any(a.name.startswith("_") and a.name != "__future__" for a in node.names):
+                found.append(f"{p.relative_to(REPO)}:{node.lineno} from {node.module} import _...")
+    assert not found, found

@@ -45,7 +45,13 @@ def test_wheel_carries_the_native_parts(wheel: Path) -> None:
         assert f"clover_cpp/lib/{tool}" in names
     assert "clover_cpp/models/clover-default/model.safetensors" in names
     assert "clover_convert/converter.py" in names and "clover_cpp/model.py" in names
-    assert not any(n.startswith(("tests/", "train/", "third_party/", "build/")) for n in names)
+    assert "clover_cpp/cli/__init__.py" in names and "clover_cpp/demo.py" in names
+    # the product only: the test kit stays in the repository, and tokenizers (its fixture
+    # tokenizers' trainer) is no runtime dependency
+    assert not any(n.startswith(("tests/", "train/", "third_party/", "build/", "clover_testkit/")) for n in names)
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    requires = [ln for ln in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if ln.startswith("Requires-Dist:")]
+    assert all("extra ==" in ln for ln in requires if ln.split()[1].startswith("tokenizers")), requires
 
 
 def test_fresh_venv_runs_demo_and_python(wheel: Path, tmp_path: Path) -> None:
@@ -62,6 +68,7 @@ def test_fresh_venv_runs_demo_and_python(wheel: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert "generated=12 tok" in r.stderr and "models/clover-default" in r.stderr
     code = ("import clover_cpp._native as N; from clover_cpp import Clover; from clover_cpp.demo import demo_model;"
+            "import importlib.util as u; assert u.find_spec('clover_testkit') is None;"
             "import pathlib, sys; lib = N.find_library(); print(lib);"
             "path, _ = demo_model(pathlib.Path(sys.argv[1]));"
             "m = Clover(path, n_threads=1); r = m.generate('def add(a, b):', max_tokens=8, stop_at_eos=False);"
