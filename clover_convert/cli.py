@@ -49,7 +49,7 @@ def main(src: str, out: str | None, outtype: str, split_max_size: str | None, dr
     try:
         if quant:
             from .mapping import ConversionError as _CE
-            from .outputs import fmt_bytes
+            from clover_cpp._files import fmt_bytes
             from .quantize_stream import convert_quantized
 
             if split_max_size is not None:

@@ -47,7 +47,9 @@ from .mapping import (
     rule_applies,
 )
 from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, f32_to_bf16, read_header
-from .outputs import check_output, check_regular_inputs, clean_stale_temps, fmt_bytes, temp_path
+from clover_cpp._files import check_output, clean_stale_temps, fmt_bytes, temp_path
+
+from .outputs import check_regular_inputs
 from .tokenizer import TokenizerInfo, add_tokenizer, load_tokenizer
 
 __all__ = [

@@ -41,7 +41,7 @@ from .converter import (
     plan_conversion,
 )
 from .mapping import ConversionError
-from .outputs import check_output, clean_stale_temps, temp_path
+from clover_cpp._files import check_output, clean_stale_temps, temp_path
 from .safetensors_io import CheckpointReader
 
 __all__ = ["convert_quantized", "QUANT_OUTTYPES", "is_quant_outtype"]
@@ -151,7 +151,7 @@ def convert_quantized(
     plan.out, plan.shard_paths, plan.outtype = dst, [dst], name
     im = None
     if imatrix is not None:
-        from .outputs import require_regular
+        from clover_cpp._files import require_regular
 
         require_regular(Path(imatrix), ConversionError)
         try:

@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from .outputs import require_regular
+from clover_cpp._files import require_regular
 
 __all__ = [
     "CheckpointError",

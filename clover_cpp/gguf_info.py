@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clover_convert.outputs import fmt_bytes as human_bytes
+from ._files import fmt_bytes as human_bytes
 
 __all__ = ["GGUFInfoError", "GGUFInfo", "read_info", "check_clover_gguf"]
 
@@ -115,7 +115,7 @@ def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUF
         raise GGUFInfoError(f"{p}: no such file")
     if p.is_dir():
         raise GGUFInfoError(f"{p}: is a folder, not a GGUF file")
-    from clover_convert.outputs import require_regular  # a FIFO would block open() forever
+    from ._files import require_regular  # a FIFO would block open() forever
 
     require_regular(p, GGUFInfoError)
     try:

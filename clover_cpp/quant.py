@@ -76,7 +76,7 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
     data). The result is written to a temporary file next to dst, read back, and renamed
     into place; dst is replaced only with force, and never when it is not a regular file or is
     src. Returns dst."""
-    from clover_convert.outputs import check_output, clean_stale_temps, require_regular, split_gguf_files, temp_path
+    from ._files import check_output, clean_stale_temps, require_regular, split_gguf_files, temp_path
 
     src, dst = Path(src), Path(dst)
     name, ftype = parse_quant_type(qtype)
