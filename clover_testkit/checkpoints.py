@@ -292,13 +292,15 @@ PRESETS["release-tiny"] = {
     "router_aux_loss_coef": 0.001,
     "output_router_logits": False,
 }
+# the 35B-A3B widths and vocabulary, 4 layers (3 GDN + 1 attention): clover_testkit.true_dims writes it
+PRESETS["35b-a3b-slice"] = {**PRESETS["35b-a3b"], "num_hidden_layers": 4}
 
 # BPE vocabulary target (bytes + merges + specials) and config vocab rounding, per preset
 # (small also merges pairs seen once, to get a larger vocabulary out of the same text)
 _TOKENIZER_SIZE = {"tiny": 256 + 300 + len(bpe.SPECIAL_TOKENS), "small": 256 + 1000 + len(bpe.SPECIAL_TOKENS)}
 _MIN_FREQUENCY = {"tiny": 2, "small": 1}
 _VOCAB_ROUND = {"tiny": 64, "small": 256}
-_WRITABLE = ("tiny", "small", "release-tiny")
+_WRITABLE = ("tiny", "small", "release-tiny", "35b-a3b-slice")
 _TOKENIZER_OF = {"release-tiny": "tiny"}  # presets that share another's fixture tokenizer
 _FUSED_OF = {"release-tiny": True}        # presets written with fused experts unless told otherwise
 
@@ -492,6 +494,9 @@ def write_checkpoint(
     Stale weight files (``model*.safetensors``, the index) in folder are removed first.
     ``fused_experts=None``: the preset's way (fused for release-tiny, per expert otherwise).
     """
+    if preset == "35b-a3b-slice" and not (fused_experts or tied or config_overrides):
+        from .true_dims import write_true_dims  # streamed in chunks, a 248,320-entry tokenizer
+        return write_true_dims(folder, dtype, seed, shards)
     if fused_experts is None:
         fused_experts = _FUSED_OF.get(preset, False)
     if preset not in _WRITABLE:
