@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from clover_cpp.model import Clover, GenerationResult, GenerationStats
+from clover_cpp import Clover, GenerationResult, GenerationStats
 
 
 class ScriptedStream:
@@ -48,6 +48,9 @@ class ScriptedClover:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+    def generate_chat(self, text: str, **kw: Any) -> Any:
+        return self.generate(self._real.chat_tokens(text), **kw)
 
     def generate(self, prompt: Any, stream: bool = False, on_step: Any = None, **kw: Any) -> Any:
         if self.hook is not None:

@@ -238,7 +238,7 @@ def test_sigterm_ends_the_process(gguf, stuck: bool) -> None:
 
     # deaf-to-cancel: generate() blocks and never looks at its callbacks (as a native loop that
     # cannot end would); the hard deadline still ends the process
-    code = ("import threading\nimport clover_cpp.model as cm\n"
+    code = ("import threading\nimport clover_cpp as cm\n"
             "cm.Clover.generate = lambda self, *a, **k: threading.Event().wait(3600)\n") if stuck else ""
     p, url = _serve(gguf, code)
     try:

@@ -14,7 +14,7 @@ import asyncio
 import secrets
 from typing import Any
 
-from .server_types import APIError, Limits
+from .types import APIError, Limits
 
 
 class BodyTimeout(APIError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .model import GenerationResult
+from .. import GenerationResult
 
 
 def finish_reason(r: GenerationResult) -> str:

@@ -1,12 +1,13 @@
 """``clover serve``: the decoding contexts (slots), their queue and watchdog, and the metrics.
 
 A slot is one decoding context over the shared model. A request takes a free slot (the one
-whose memory holds the longest part of its prompt), waits in a bounded queue when all are
-busy, and gets 503 with ``Retry-After`` when the queue is full. While a slot generates, every
-denoising step that unmasks something is progress; a generation with no progress for
-``stuck_after`` seconds is cancelled by the watchdog, and ``/health`` answers 503 while any
-slot has been without progress that long (a generation that does not stop when cancelled
-keeps it so).
+whose memory holds the longest part of its prompt: read from the model, its committed tokens
+and, for a chat, the conversation of its last exchange; the pool keeps no copy of either),
+waits in a bounded queue when all are busy, and gets 503 with ``Retry-After`` when the queue
+is full. While a slot generates, every denoising step that unmasks something is progress; a
+generation with no progress for ``stuck_after`` seconds is cancelled by the watchdog, and
+``/health`` answers 503 while any slot has been without progress that long (a generation that
+does not stop when cancelled keeps it so).
 """
 
 from __future__ import annotations
@@ -14,19 +15,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .model import Clover, GenerationResult
-from .server_types import APIError
+from .. import Clover, GenerationResult
+from .types import APIError
 
 
 @dataclass
 class Slot:
     model: Clover
     index: int
-    memory: list[int] = field(default_factory=list)  # the committed tokens after its last request
-    chat_text: str = ""          # the chat prompt + reply text of its last request ("" = none)
     # while busy
     busy_since: float = 0.0
     last_progress: float = 0.0
@@ -34,9 +34,20 @@ class Slot:
     cancel: threading.Event | None = None
     watchdog_fired: bool = False
 
-    def token_reuse(self, prompt: list[int]) -> int:
-        n = len(self.memory)
-        return n if n and len(prompt) >= n and prompt[:n] == self.memory else 0
+    def reuse(self, prompt: Sequence[int]) -> int:
+        """How many of ``prompt``'s tokens this context's memory holds: all of its committed
+        tokens when the prompt starts with them (libclover keeps them then), else none."""
+        mem = self.model.committed_tokens
+        n = len(mem)
+        return n if n and len(prompt) >= n and list(prompt[:n]) == mem else 0
+
+    def chat_reuse(self, text: str) -> int:
+        """The same for a rendered chat prompt: the memory of the conversation it continues (the
+        model's last exchange, whose prompt and reply tokens the next turn reads again)."""
+        ex = self.model.last_exchange
+        if ex is None or not ex.continued_by(text):
+            return 0
+        return self.reuse(ex.prompt_tokens + ex.reply_tokens)
 
     def start(self, cancel: threading.Event) -> None:
         self.busy_since = self.last_progress = time.monotonic()
@@ -84,7 +95,7 @@ class Pool:
                 await self._cond.wait_for(lambda: bool(self.free))
             finally:
                 self.waiting -= 1
-            best = max(self.free, key=score)
+            best = self.free[0] if len(self.free) == 1 else max(self.free, key=score)
             self.free.remove(best)
             return best
 
@@ -157,3 +168,26 @@ class Metrics:
         for name, kind, help_, value in rows:
             out += [f"# HELP clover_{name} {help_}", f"# TYPE clover_{name} {kind}", f"clover_{name} {value}"]
         return "\n".join(out) + "\n"
+
+
+@dataclass
+class ServerState:
+    """What the app's routes share (``app.state.clover``)."""
+
+    pool: Pool | None = None
+    max_piece: int = 1 << 20          # bytes of the longest token's text (set at startup)
+    shutting_down: bool = False
+    watchdog: "asyncio.Task[Any] | None" = None
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+async def watchdog(st: ServerState, stuck_after: float) -> None:
+    """Cancels a generation that made no progress for ``stuck_after`` seconds (runs until cancelled)."""
+    period = max(0.05, min(1.0, stuck_after / 4))
+    while True:
+        await asyncio.sleep(period)
+        for s in st.pool.stuck(stuck_after) if st.pool else ():
+            if not s.watchdog_fired and s.cancel is not None:
+                s.watchdog_fired = True
+                s.cancel.set()
+                st.metrics.stuck += 1

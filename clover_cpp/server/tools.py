@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from .server_types import APIError, NamedChoice, Tool
+from .types import APIError, NamedChoice, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _XML_FN = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
@@ -80,7 +80,7 @@ def _arguments_grammar(schema: dict[str, Any] | None) -> str | None:
     """GBNF for a forced call's rest: the arguments as the tool's JSON schema says, then the
     call's end. None (the prefill alone) when the runtime has no grammar converter."""
     try:
-        from .grammar import GrammarError, json_schema_grammar  # noqa: PLC0415
+        from ..grammar import GrammarError, json_schema_grammar  # noqa: PLC0415
     except ImportError:
         return None
     try:

@@ -1,0 +1,243 @@
+"""``clover serve``: one request's generation.
+
+The endpoints (app.py) describe a request as a :class:`Job`; :class:`Generator` checks its
+arguments against the context, takes a slot from the pool, runs the generation on a worker
+thread (streamed or not) and gives the slot back. A client that disconnects cancels its
+generation at the next denoising step, streaming or not; so do shutdown and the watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from .. import _native as N
+from .. import Clover, CloverError, GenerationResult
+from . import format as fmt
+from .pool import ServerState, Slot
+from .tools import ToolPlan, ToolStream
+from .types import INT32_MAX, APIError, Limits, _Knobs
+
+
+@dataclass
+class Job:
+    """One generation request, as the endpoints hand it to :meth:`Generator.run`."""
+
+    req: _Knobs
+    score: Callable[[Slot], int]               # how many of the prompt's tokens a slot's memory holds
+    tokens_for: Callable[[Slot], list[int]]    # the prompt's tokens for that slot (on a thread)
+    chat_text: str | None                      # a chat's rendered prompt: Clover.generate_chat's
+    make_chunk: Callable[..., dict[str, Any]]
+    make_final: Callable[[GenerationResult, Any], dict[str, Any]]
+    tools: ToolPlan | None = None
+
+
+def api_error(e: CloverError, param: str | None = None) -> APIError:
+    """The runtime's error as the API answers it: a bad argument or a full context is the
+    client's (400), anything else the server's (500)."""
+    if e.status in (N.CLOVER_ERR_INVALID_ARG, N.CLOVER_ERR_CONTEXT_FULL):
+        return APIError(400, e.message, param=param)
+    return APIError(500, e.message, code="generation_failed")
+
+
+def constraint_param(req: _Knobs) -> str | None:
+    return "grammar" if req.grammar else "response_format" if req.response_format is not None else None
+
+
+def message_of(r: GenerationResult, tp: ToolPlan | None) -> tuple[dict[str, Any], str]:
+    """The chat reply's message and finish reason (tool calls parsed out of the text)."""
+    if tp is None or not tp.active:
+        return {"role": "assistant", "content": r.text}, fmt.finish_reason(r)
+    ts = ToolStream(tp)
+    ts.feed(r.text)
+    ts.finish()
+    content, calls = ts.message()
+    if not calls:
+        return {"role": "assistant", "content": content}, fmt.finish_reason(r)
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+class Generator:
+    """Runs the jobs of one app over its pool (``st.pool``) of contexts of ``model``."""
+
+    def __init__(self, model: Clover, st: ServerState, limits: Limits) -> None:
+        self.model, self.st, self.limits = model, st, limits
+
+    def constraints(self, req: _Knobs, tools: ToolPlan | None = None) -> dict[str, Any]:
+        """logprobs, response_format and grammar as Clover.generate takes them (a constrained
+        request decodes autoregressively or with draft-self: stats.grammar_mode)."""
+        req.check_neutral()
+        rf = req.response_format.for_runtime() if req.response_format is not None else None
+        if rf is not None and req.grammar:
+            raise APIError(400, "grammar and response_format: give one", param="grammar")
+        forced = tools.grammar if tools is not None else None
+        if forced and (rf is not None or req.grammar):
+            raise APIError(400, "tool_choice forces a call: grammar and response_format cannot apply too",
+                           param="tool_choice")
+        return {"logprobs": req.n_logprobs(), "grammar": req.grammar or forced, "response_format": rf}
+
+    def gen_kwargs(self, req: _Knobs, n_prompt: int, param: str, tools: ToolPlan | None) -> dict[str, Any]:
+        n_ctx = self.model.n_ctx
+        B = req.block_size
+        if isinstance(B, int):
+            top = min(self.limits.max_block_size, n_ctx)
+            if not 1 <= B <= top:
+                raise APIError(400, f"block_size must be 'auto' or in [1, {top}] (--max-block-size, n_ctx), got {B}",
+                               param="block_size")
+        B = B or "auto"
+        room = self.model.room(n_prompt, block_size=B, draft_self=req.draft_self)  # the runtime's one rule
+        if room < 1:
+            raise APIError(400, f"the prompt ({n_prompt} tokens) does not fit the context ({n_ctx} tokens)",
+                           code="context_length_exceeded", param=param)
+        mt, mct = req.max_tokens, req.max_completion_tokens
+        if mt is not None and mct is not None and mt != mct:
+            raise APIError(400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) disagree",
+                           param="max_completion_tokens")
+        max_tokens = mct if mct is not None else mt
+        which = "max_completion_tokens" if mct is not None else "max_tokens"
+        if max_tokens is None:
+            max_tokens = max(1, room - 64)
+        elif max_tokens > room:
+            raise APIError(400, f"the prompt ({n_prompt} tokens) + {which} ({max_tokens}) exceed the context "
+                                f"({n_ctx} tokens{f', in blocks of {B}' if room < n_ctx - n_prompt else ''})",
+                           code="context_length_exceeded", param=which)
+        seed = req.seed if req.seed not in (None, -1) else secrets.randbits(63)
+        return dict(max_tokens=max_tokens, block_size=B, threshold=req.threshold,
+                    max_steps=req.max_steps, temperature=req.temperature, top_k=min(req.top_k, INT32_MAX),
+                    top_p=req.top_p, seed=seed, stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos,
+                    draft_self=req.draft_self, **self.constraints(req, tools))
+
+    async def _wait_disconnect(self, request: Request, cancel: threading.Event) -> None:
+        """Sets ``cancel`` when the client goes away (the body has been read: the next ASGI
+        message is the disconnect)."""
+        while not cancel.is_set():
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                cancel.set()
+                self.st.metrics.cancelled += 1
+                return
+
+    def _shutting_down(self) -> APIError:
+        return APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+
+    async def run(self, request: Request, job: Job, param: str) -> Any:
+        """The reply to ``job``: a JSON response, or server-sent events when it streams."""
+        st, limits, metrics = self.st, self.limits, self.st.metrics
+        assert st.pool is not None
+        pool = st.pool
+        req = job.req
+        if st.shutting_down:
+            raise self._shutting_down()
+        metrics.requests += 1
+        slot = await pool.acquire(job.score)
+        cancel = threading.Event()
+        slot.start(cancel)
+        released = False
+
+        async def finish(r: GenerationResult | None, prompt: list[int]) -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            if r is not None:
+                metrics.add(r, len(prompt))
+            await pool.release(slot)  # what its memory holds now, the next request reads from the model
+
+        def failed() -> APIError | None:
+            if slot.watchdog_fired:
+                return APIError(500, f"the generation made no progress for {limits.stuck_after:g} s and was "
+                                     "stopped (--stuck-timeout)", code="generation_stuck")
+            return self._shutting_down() if st.shutting_down else None
+
+        try:
+            try:
+                prompt = await asyncio.to_thread(job.tokens_for, slot)
+            except CloverError as e:
+                raise api_error(e, param) from None
+            kw = self.gen_kwargs(req, len(prompt), param, job.tools)
+        except BaseException:
+            await finish(None, [])
+            raise
+        seed = kw["seed"]
+
+        def generate(stream: bool) -> Any:
+            call = dict(stream=stream, on_step=lambda canvas, n_masked, start: slot.step(n_masked, start),
+                        on_block=lambda text, toks: slot.block(), **kw)
+            if job.chat_text is not None:  # chat_tokens' tokens again: the conversation goes on
+                return slot.model.generate_chat(job.chat_text, **call)
+            return slot.model.generate(prompt, **call)
+
+        if not req.stream:
+            watcher = asyncio.create_task(self._wait_disconnect(request, cancel))
+            result = None
+            try:
+                result = await asyncio.to_thread(generate, False)
+            except CloverError as e:
+                raise api_error(e, constraint_param(req)) from None
+            except asyncio.CancelledError:
+                if not st.shutting_down:
+                    raise
+                # uvicorn gave up waiting at shutdown: answer (if anyone listens), do not log a traceback
+                raise APIError(503, "the server is shutting down", code="shutting_down") from None
+            finally:
+                cancel.set()
+                watcher.cancel()
+                await finish(result, prompt)
+            if (e := failed()) is not None:
+                raise e
+            return JSONResponse(job.make_final(result, seed))
+
+        try:
+            it = await asyncio.to_thread(generate, True)
+        except CloverError as e:
+            await finish(None, prompt)
+            raise api_error(e, constraint_param(req)) from None
+
+        def next_piece() -> str | None:
+            try:
+                return next(it)
+            except StopIteration:
+                return None
+
+        async def events() -> AsyncIterator[dict[str, str]]:
+            ended = False
+            ts = ToolStream(job.tools) if job.tools is not None and job.tools.active else None
+            try:
+                yield {"data": json.dumps(job.make_chunk(None))}
+                while (piece := await asyncio.to_thread(next_piece)) is not None:
+                    for ev in (ts.feed(piece) if ts else [("content", piece)]):
+                        yield {"data": json.dumps(job.make_chunk(ev))}
+                for ev in (ts.finish() if ts else []):
+                    yield {"data": json.dumps(job.make_chunk(ev))}
+                ended = True
+                if (e := failed()) is not None:
+                    metrics.errors += 1
+                    yield {"data": json.dumps(e.body())}
+                    return
+                yield {"data": json.dumps(job.make_chunk(("end", (it.result, ts, seed))))}
+                if (req.stream_options and req.stream_options.include_usage):
+                    yield {"data": json.dumps(job.make_chunk(("usage", it.result)))}
+                yield {"data": "[DONE]"}
+            except CloverError as e:
+                metrics.errors += 1
+                yield {"data": json.dumps(api_error(e).body())}
+            finally:
+                # a client that went away cancels this task: the clean-up must still run
+                with anyio.CancelScope(shield=True):
+                    if not ended:
+                        metrics.cancelled += 1
+                    cancel.set()
+                    await asyncio.to_thread(it.close)
+                    await finish(it.result, prompt)
+
+        return EventSourceResponse(events(), ping=600)
