@@ -328,7 +328,7 @@ def test_constructor_raises_only_its_own_errors(gguf, what: str) -> None:
 
 def test_flash_attn_words_mean_what_they_say(gguf) -> None:
     # flash_attn='off' turned flash attention ON (bool('off') is True)
-    from clover_cpp.model import _tristate
+    from clover_cpp._args import tristate_arg as _tristate
 
     assert [_tristate("f", v) for v in (None, "auto", False, "off", "OFF", 0, True, "on", 1)] == \
         [-1, -1, 0, 0, 0, 0, 1, 1, 1]

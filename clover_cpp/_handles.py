@@ -1,0 +1,319 @@
+"""Who owns what in libclover: the loaded model (:class:`ModelRef`, shared by the Clover objects
+of :meth:`Clover.new_context`, freed with its last user), one object's turn on its context
+(:class:`Gate`), the model's and context's creation from checked arguments (:class:`LoadArgs`,
+:class:`ContextArgs`), and the calls that negotiate an output buffer size with libclover
+(tokenize, detokenize, token_to_piece, metadata)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _native as N
+from ._args import INT32_MAX, MAX_THREADS, bool_arg, float_arg, int_arg, tristate_arg
+from .errors import CloverError, CloverTypeError, CloverValueError, check, lib
+
+if TYPE_CHECKING:
+    from .decoding import GenerationStream
+
+#: the Python spelling of "B chosen per block" (clover.h: CLOVER_BLOCK_SIZE_AUTO); None means it too
+BLOCK_SIZE_AUTO = "auto"
+
+
+def is_auto(block_size: Any) -> bool:
+    """block_size None or "auto": chosen per block."""
+    return block_size is None or (isinstance(block_size, str) and block_size == BLOCK_SIZE_AUTO)
+
+
+@dataclass(frozen=True)
+class LoadArgs:
+    """clover_model_params, checked (:meth:`of`)."""
+
+    n_gpu_layers: int = 0
+    use_mmap: bool | None = None
+    rpc_servers: str | None = None
+    tensor_split: tuple[float, ...] = ()
+    override_tensor: str | None = None
+
+    @classmethod
+    def of(cls, n_gpu_layers: Any, use_mmap: Any, rpc_servers: Any, tensor_split: Any,
+           override_tensor: Any) -> "LoadArgs":
+        n_gpu_layers = int_arg("n_gpu_layers", n_gpu_layers, -1, INT32_MAX)
+        if isinstance(rpc_servers, (list, tuple)):
+            if not all(isinstance(x, str) for x in rpc_servers):
+                raise CloverTypeError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
+            rpc_servers = ",".join(rpc_servers)
+        if rpc_servers is not None and not isinstance(rpc_servers, str):
+            raise CloverTypeError(f"rpc_servers must be 'HOST:PORT[,...]' or a list of them, got {rpc_servers!r}")
+        if tensor_split is not None and (isinstance(tensor_split, (str, bytes)) or
+                                         not isinstance(tensor_split, (Sequence, np.ndarray))):
+            raise CloverTypeError(f"tensor_split must be a list of numbers, got {tensor_split!r}")
+        split = [float_arg("tensor_split", x) for x in tensor_split] if tensor_split is not None else []
+        if any(not (0.0 <= x < math.inf) for x in split) or len(split) > 128:
+            raise CloverValueError(f"tensor_split must be at most 128 finite shares >= 0, got {split}")
+        if override_tensor is not None and not isinstance(override_tensor, str):
+            raise CloverTypeError(f"override_tensor must be 'PATTERN=BUFFER[,...]', got {override_tensor!r}")
+        for name, v in (("rpc_servers", rpc_servers), ("override_tensor", override_tensor)):
+            if v is not None and "\0" in v:
+                raise CloverValueError(f"{name} must not contain a NUL character")
+        return cls(n_gpu_layers, None if use_mmap is None else bool_arg("use_mmap", use_mmap), rpc_servers or None,
+                   tuple(split), override_tensor or None)
+
+
+@dataclass(frozen=True)
+class ContextArgs:
+    """clover_context_params as the caller gave them; :meth:`checked` checks them."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None
+    block_size: int | str | None = None
+    flash_attn: bool | str | None = None
+    kv_f32: bool = False
+
+    def checked(self) -> tuple[int, int | None, int | None, int, bool]:
+        """n_ctx, n_threads, the block size (None = auto), flash_attn (-1/0/1), kv_f32."""
+        n_ctx = int_arg("n_ctx", self.n_ctx, 3, INT32_MAX)  # (libclover: llama.cpp needs one output per sequence)
+        n_threads = None if self.n_threads is None else int_arg("n_threads", self.n_threads, 1, MAX_THREADS)
+        fa, kv = tristate_arg("flash_attn", self.flash_attn), bool_arg("kv_f32", self.kv_f32)
+        bs = None if is_auto(self.block_size) else int_arg("block_size", self.block_size, 1, n_ctx)
+        return n_ctx, n_threads, bs, fa, kv
+
+
+def check_model_path(path: Path) -> None:
+    if "\0" in str(path):
+        raise CloverValueError("model_path must not contain a NUL character")
+    if not path.exists():
+        raise CloverError(f"{path}: no such file", N.CLOVER_ERR_LOAD)
+    if path.is_dir():
+        raise CloverError(f"{path}: is a folder, not a GGUF file", N.CLOVER_ERR_LOAD)
+
+
+class ModelRef:
+    """A loaded clover_model shared by the Clover objects made with :meth:`Clover.new_context`;
+    freed when the last of them closes, once no call is using it (``use``). Its constant
+    figures are read once at load."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle: int | None = handle
+        self.users = 1
+        self.active = 0
+        self.cond = threading.Condition()
+        L = lib()
+        self.n_vocab = int(L.clover_n_vocab(handle))
+        self.mask = int(L.clover_mask_token(handle))
+        self.eos = int(L.clover_eos_token(handle))
+        self.bos = int(L.clover_bos_token(handle))
+        self.train_block = int(L.clover_train_block_size(handle))
+        self.n_ctx_train = int(L.clover_n_ctx_train(handle))
+
+    @classmethod
+    def load(cls, path: Path, a: LoadArgs) -> "ModelRef":
+        L = lib()
+        mp = L.clover_model_default_params()
+        mp.n_gpu_layers = a.n_gpu_layers
+        if a.use_mmap is not None:
+            mp.use_mmap = 1 if a.use_mmap else 0
+        if a.rpc_servers:
+            mp.rpc_servers = a.rpc_servers.encode()
+        if a.override_tensor:
+            mp.tensor_overrides = a.override_tensor.encode()
+        split = (ctypes.c_float * max(1, len(a.tensor_split)))(*a.tensor_split)
+        mp.tensor_split = split
+        mp.n_tensor_split = len(a.tensor_split)
+        err, n = N.err_buffer()
+        m = L.clover_model_load(os.fsencode(path), ctypes.byref(mp), err, n)
+        if not m:
+            check(N.CLOVER_ERR_LOAD, err)
+        return cls(m)
+
+    def acquire(self) -> int:
+        with self.cond:
+            if self.handle is None:
+                raise CloverError("the model is closed")
+            self.users += 1
+            return self.handle
+
+    def enter(self) -> int:
+        with self.cond:
+            if self.handle is None:
+                raise CloverError("the model is closed")
+            self.active += 1
+            return self.handle
+
+    def leave(self) -> None:
+        with self.cond:
+            self.active -= 1
+            if self.active == 0:
+                self.cond.notify_all()
+
+    def release(self) -> None:
+        with self.cond:
+            self.users -= 1
+            if self.users == 0 and self.handle is not None:
+                while self.active > 0:  # a tokenize (say) in another thread: it ends first
+                    self.cond.wait(0.25)
+                if N._lib is not None:
+                    N._lib.clover_model_free(self.handle)
+                self.handle = None
+
+
+def new_context(model: int, a: ContextArgs) -> int:
+    """A clover_context over ``model`` (NULL never returned: a failure raises)."""
+    n_ctx, n_threads, block_size, flash_attn, kv_f32 = a.checked()
+    L = lib()
+    err, n = N.err_buffer()
+    cp = L.clover_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_threads = n_threads if n_threads is not None else 0
+    cp.block_size = block_size or 0  # (clover_context_params: 0 = the training block size)
+    cp.flash_attn = flash_attn
+    if kv_f32:
+        if not any(f[0] == "kv_f32" for f in N.clover_context_params._fields_):
+            raise CloverError("kv_f32 needs a libclover with clover_context_params.kv_f32")
+        cp.kv_f32 = 1
+    c = L.clover_context_new(model, ctypes.byref(cp), err, n)
+    if not c:
+        check(N.CLOVER_ERR_LOAD, err)
+    return int(c)
+
+
+@dataclass(eq=False)
+class Gate:
+    """Serialises the calls on one Clover object's context (see the Clover class doc).
+
+    ``holder`` is the thread (ident) in a call, or the :class:`GenerationStream` decoding; a
+    thread may enter again while it holds it (nested calls); others wait, interruptibly. After
+    ``closed`` every entry raises "the model is closed". ``cancel`` is the event that cancels
+    the generation in flight (set by close)."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    holder: Any = None
+    depth: int = 0
+    closed: bool = False
+    cancel: threading.Event | None = None
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self.cond:
+            while True:
+                if self.closed:
+                    raise CloverError("the model is closed")
+                if self.holder is None:
+                    self.holder, self.depth = me, 1
+                    return
+                if self.holder == me:
+                    self.depth += 1
+                    return
+                self.cond.wait(0.25)  # (a timeout: Ctrl-C is seen)
+
+    def leave(self) -> None:
+        with self.cond:
+            self.depth -= 1
+            if self.depth <= 0:
+                self.holder, self.depth, self.cancel = None, 0, None
+                self.cond.notify_all()
+
+    def hand_to(self, stream: "GenerationStream") -> None:
+        """The calling thread's hold passes to a stream (released when its decoding ends)."""
+        with self.cond:
+            self.holder, self.depth, self.cancel = stream, 1, stream._cancel
+
+    def release(self, stream: "GenerationStream") -> None:
+        with self.cond:
+            if self.holder is stream:
+                self.holder, self.depth, self.cancel = None, 0, None
+                self.cond.notify_all()
+
+    def busy(self) -> bool:
+        return self.holder is not None and self.holder != threading.get_ident()
+
+    def close(self) -> None:
+        """Closed for good: cancel the call in flight, wait for it, then hold the gate (the
+        caller frees what it guards and calls :meth:`leave`)."""
+        me = threading.get_ident()
+        with self.cond:
+            self.closed = True  # new calls, and those waiting, raise "the model is closed"
+            while self.holder is not None and self.holder != me:
+                if self.cancel is not None:  # (also a call that entered just before close)
+                    self.cancel.set()
+                self.cond.wait(0.25)
+            if self.holder is None:
+                self.holder, self.depth = me, 1  # nobody enters again: closed
+            else:
+                self.depth += 1
+
+
+# ----------------------------------------------------------------------------- buffer negotiation
+
+def _negotiate(what: str, cap: int, call: Any) -> Any:
+    """call(cap) -> (status, n_out, result of n_out): once more with the size libclover asked
+    for when the first buffer was too small."""
+    for _ in range(2):
+        st, n_out, take = call(cap)
+        if st == N.CLOVER_ERR_BUFFER_TOO_SMALL:
+            cap = n_out + 1
+            continue
+        check(st, None, what)
+        return take(n_out)
+    raise CloverError(f"{what}: buffer size negotiation failed", N.CLOVER_ERR_INTERNAL)
+
+
+def tokenize(m: int, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
+    L = lib()
+
+    def call(cap: int) -> Any:
+        buf, n_out = (ctypes.c_int32 * cap)(), ctypes.c_int32(0)
+        st = L.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special), ctypes.byref(n_out))
+        return st, n_out.value, lambda k: list(buf[:k])
+    return _negotiate("tokenize", len(data) + 16, call)
+
+
+def detokenize(m: int, toks: list[int], special: bool) -> bytes:
+    L, arr = lib(), N.as_int32_array(toks)
+
+    def call(cap: int) -> Any:
+        buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
+        st = L.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
+        return st, n_out.value, lambda k: buf.raw[:k]
+    return _negotiate("detokenize", 8 * len(toks) + 16, call)
+
+
+def token_to_piece(m: int, token: int, special: bool) -> bytes:
+    L = lib()
+
+    def call(cap: int) -> Any:
+        buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
+        st = L.clover_token_to_piece(m, token, buf, cap, int(special), ctypes.byref(n_out))
+        # clover.h documents "returns the number of bytes written"; the implementation returns
+        # CLOVER_OK and reports the count through n_out - accept both
+        return (N.CLOVER_OK if st > 0 else st), (st if st > 0 else n_out.value), lambda k: buf.raw[:k]
+    return _negotiate("token_to_piece", 64, call)
+
+
+def metadata(m: int, key: bytes) -> str | None:
+    L, size = lib(), 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = L.clover_model_meta(m, key, buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n + 1
+
+
+def committed_tokens(c: int) -> list[int]:
+    """The tokens the context's memory holds (clover_committed_tokens)."""
+    L = lib()
+    n = int(L.clover_committed_tokens(c, None, 0))
+    buf = (ctypes.c_int32 * max(n, 1))()
+    n = min(n, int(L.clover_committed_tokens(c, buf, n)))
+    return list(buf[:n])

@@ -1,0 +1,228 @@
+"""llama-cpp-python's calls on :class:`Clover` (``create_completion``, ``create_chat_completion``,
+``__call__``): the same arguments and defaults, OpenAI-shaped dicts. Every argument is honoured
+or refused: a knob Clover's sampler does not have is accepted only at its neutral value."""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _native as N
+from ._args import bool_arg, int_arg, strings_arg
+from .errors import CloverError, CloverTypeError, CloverValueError
+
+if TYPE_CHECKING:
+    from .decoding import GenerationResult
+
+
+def finish_reason(r: "GenerationResult", max_tokens: int) -> str:
+    """OpenAI's finish_reason of a result: "length" (the budget ran out) or "stop"."""
+    return "length" if r.finish_reason == "max_tokens" or (
+        r.finish_reason not in ("eos", "stop") and len(r.tokens) >= max_tokens) else "stop"
+
+
+class LlamaCompat:
+    """The llama-cpp-python-compatible methods of :class:`Clover` (a mixin over its generate,
+    generate_chat, tokenizer and room)."""
+
+    generate: Any
+    generate_chat: Any
+    format_chat: Any
+    chat_tokens: Any
+    tokenize: Any
+    detokenize: Any
+    token_to_piece: Any
+    room: Any
+    _tokens: Any
+    model_path: Any
+    n_ctx: Any
+
+    def _llama_kwargs(self, where: str, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any,
+                      stop: Any, logprobs: Any, grammar: Any, response_format: Any, stream: Any,
+                      neutral: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+        """generate() keyword arguments for create_completion / create_chat_completion."""
+        for name, (value, ok) in neutral.items():
+            if value is not None and not (value == ok if not isinstance(ok, tuple) else value in ok):
+                raise CloverValueError(f"{where}: {name}={value!r} is not supported by Clover; leave it at "
+                                       f"{ok if not isinstance(ok, tuple) else ok[0]!r}"[:300])
+        kw: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                  stop=strings_arg("stop", stop), stream=bool_arg("stream", stream))
+        if max_tokens is not None:
+            kw["max_tokens"] = int_arg("max_tokens", max_tokens)
+        extra = {"logprobs": logprobs, "grammar": grammar, "response_format": response_format}
+        accepts = inspect.signature(self.generate).parameters
+        for name, value in extra.items():
+            if value is None or value is False:
+                continue
+            if name not in accepts:
+                raise CloverValueError(f"{where}: {name} is not supported by this build of clover_cpp")
+            if name == "grammar" and not isinstance(value, str):  # llama_cpp.LlamaGrammar
+                value = getattr(value, "_grammar", None) or getattr(value, "grammar", None)
+                if not isinstance(value, str):
+                    raise CloverTypeError(f"{where}: grammar must be GBNF text or a llama_cpp.LlamaGrammar")
+            kw[name] = value
+        if kw.get("logprobs") is not None and kw["stream"]:
+            raise CloverValueError(f"{where}: logprobs with stream=True is not supported; use stream=False")
+        return kw
+
+    def _budget(self, kw: dict[str, Any], n_prompt: int, gen_kwargs: Mapping[str, Any]) -> None:
+        """max_tokens None or <= 0 (llama-cpp-python): until EOS or the context's end."""
+        if kw.get("max_tokens") is None or kw["max_tokens"] <= 0:
+            room = self.room(n_prompt, gen_kwargs.get("block_size", "default"), gen_kwargs.get("draft_self", False))
+            if room <= 0:
+                raise CloverError(f"the prompt ({n_prompt} tokens) leaves no room in n_ctx={self.n_ctx}",
+                                  N.CLOVER_ERR_CONTEXT_FULL)
+            kw["max_tokens"] = room
+
+    def _piece(self, t: int) -> str:
+        return self.token_to_piece(t).decode("utf-8", "replace")
+
+    def _completion_logprobs(self, r: "GenerationResult", offset: int) -> dict[str, Any] | None:
+        if getattr(r, "logprobs", None) is None:
+            return None
+        pieces = [self._piece(t) for t in r.tokens]
+        offsets, pos = [], offset
+        for p in pieces:
+            offsets.append(pos)
+            pos += len(p)
+        tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
+        return {"tokens": pieces, "token_logprobs": list(r.logprobs), "text_offset": offsets,
+                "top_logprobs": [{self._piece(t): lp for t, lp in row} for row in tops]}
+
+    def _chat_logprobs(self, r: "GenerationResult") -> dict[str, Any] | None:
+        if getattr(r, "logprobs", None) is None:
+            return None
+        tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            b = self.token_to_piece(t)
+            return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in row]}
+                            for t, lp, row in zip(r.tokens, r.logprobs, tops)]}
+
+    def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float | None = None,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | Sequence[str] | None = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                          stopping_criteria: Any = None, logits_processor: Any = None, grammar: Any = None,
+                          logit_bias: Mapping[int, float] | None = None, **gen_kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.create_completion``: the same arguments and defaults
+        (temperature 0.8, top_p 0.95, top_k 40, max_tokens 16; None or <= 0 = until EOS or the
+        context's end) and an OpenAI-shaped ``text_completion`` dict, or with ``stream=True`` an
+        iterator of ``text_completion`` chunks (the last one carries ``finish_reason``).
+        Arguments Clover's sampler lacks (min_p, typical_p, penalties, mirostat, tfs_z,
+        logit_bias, suffix, stopping_criteria, logits_processor) are refused unless left at
+        their neutral values; ``logprobs`` / ``grammar`` need a build whose generate() has them.
+        Extra keyword arguments go to :meth:`generate` (block_size, threshold, ...)."""
+        where = "create_completion"
+        kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, grammar, None,
+                                stream, {"suffix": (suffix, None), "min_p": (min_p, (0.0, None)),
+                                         "typical_p": (typical_p, 1.0), "frequency_penalty": (frequency_penalty, 0.0),
+                                         "presence_penalty": (presence_penalty, 0.0),
+                                         "repeat_penalty": (repeat_penalty, 1.0), "tfs_z": (tfs_z, 1.0),
+                                         "mirostat_mode": (mirostat_mode, 0),
+                                         "stopping_criteria": (stopping_criteria, None),
+                                         "logits_processor": (logits_processor, None),
+                                         "logit_bias": (logit_bias or None, None)})
+        if isinstance(prompt, str):
+            prompt_text, toks = prompt, self.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            toks = self._tokens(prompt)
+            prompt_text = self.detokenize(toks)
+        self._budget(kw, len(toks), gen_kwargs)
+        echo = bool_arg("echo", echo)
+        head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+                "model": model if isinstance(model, str) else str(self.model_path)}
+        if kw["stream"]:
+            s = self.generate(toks, **kw, **gen_kwargs)
+
+            def chunks() -> Iterator[dict[str, Any]]:
+                with s:
+                    if echo and prompt_text:
+                        yield {**head, "choices": [{"text": prompt_text, "index": 0, "logprobs": None,
+                                                    "finish_reason": None}]}
+                    for piece in s:
+                        yield {**head, "choices": [{"text": piece, "index": 0, "logprobs": None,
+                                                    "finish_reason": None}]}
+                assert s.result is not None
+                yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None,
+                                            "finish_reason": finish_reason(s.result, kw["max_tokens"])}]}
+            return chunks()
+        r = self.generate(toks, **kw, **gen_kwargs)
+        text = (prompt_text if echo else "") + r.text
+        return {**head, "choices": [{"text": text, "index": 0,
+                                     "logprobs": self._completion_logprobs(r, len(prompt_text) if echo else 0),
+                                     "finish_reason": finish_reason(r, kw["max_tokens"])}],
+                "usage": {"prompt_tokens": len(toks), "completion_tokens": len(r.tokens),
+                          "total_tokens": len(toks) + len(r.tokens)}}
+
+    def __call__(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """``create_completion`` (as ``Llama.__call__``)."""
+        return self.create_completion(prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], functions: Any = None,
+                               function_call: Any = None, tools: Any = None, tool_choice: Any = None,
+                               temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
+                               min_p: float | None = None, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | Sequence[str] | None = None, seed: int | None = None,
+                               response_format: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                               mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                               logits_processor: Any = None, grammar: Any = None,
+                               logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
+                               top_logprobs: int | None = None, **gen_kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.create_chat_completion``: the messages rendered with the
+        model's chat template (:meth:`chat`), the same arguments and defaults (temperature 0.2,
+        top_p 0.95, top_k 40, max_tokens None = until the end of the turn or of the context), and
+        an OpenAI-shaped ``chat.completion`` dict, or with ``stream=True`` an iterator of
+        ``chat.completion.chunk`` dicts (first delta: the role; last: ``finish_reason``).
+        Tool / function calling is refused (``clover serve`` has it); arguments Clover's sampler
+        lacks are refused unless neutral (see :meth:`create_completion`)."""
+        where = "create_chat_completion"
+        if logprobs is not None:
+            logprobs = bool_arg("logprobs", logprobs)
+        if top_logprobs is not None and not logprobs:
+            raise CloverValueError(f"{where}: top_logprobs needs logprobs=True")
+        n_lp = (int_arg("top_logprobs", top_logprobs, 0, 20) if top_logprobs is not None else 0) if logprobs else None
+        kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, n_lp, grammar,
+                                response_format, stream,
+                                {"functions": (functions, None), "function_call": (function_call, None),
+                                 "tools": (tools or None, None), "tool_choice": (tool_choice, (None, "none", "auto")),
+                                 "min_p": (min_p, (0.0, None)), "typical_p": (typical_p, 1.0),
+                                 "frequency_penalty": (frequency_penalty, 0.0),
+                                 "presence_penalty": (presence_penalty, 0.0), "repeat_penalty": (repeat_penalty, 1.0),
+                                 "tfs_z": (tfs_z, 1.0), "mirostat_mode": (mirostat_mode, 0),
+                                 "logits_processor": (logits_processor, None), "logit_bias": (logit_bias or None, None)})
+        prompt = self.format_chat(messages)
+        self._budget(kw, len(self.chat_tokens(prompt)), gen_kwargs)
+        head = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()),
+                "model": model if isinstance(model, str) else str(self.model_path)}
+        if kw["stream"]:
+            s = self.generate_chat(prompt, **kw, **gen_kwargs)
+
+            def chunks() -> Iterator[dict[str, Any]]:
+                obj = {**head, "object": "chat.completion.chunk"}
+                with s:
+                    yield {**obj, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                               "finish_reason": None}]}
+                    for piece in s:
+                        yield {**obj, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
+                                                   "finish_reason": None}]}
+                assert s.result is not None
+                yield {**obj, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                           "finish_reason": finish_reason(s.result, kw["max_tokens"])}]}
+            return chunks()
+        r = self.generate_chat(prompt, **kw, **gen_kwargs)
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                             "logprobs": self._chat_logprobs(r), "finish_reason": finish_reason(r, kw["max_tokens"])}],
+                "usage": {"prompt_tokens": r.stats.n_prompt, "completion_tokens": len(r.tokens),
+                          "total_tokens": r.stats.n_prompt + len(r.tokens)}}

@@ -1,0 +1,536 @@
+"""Decoding: the thread decoding runs on (:class:`DecodeThread`), the parameters of one call
+(:class:`GenParams`, checked once), the glue between libclover's decode loop and Python
+(:class:`Generation`: callbacks, output following, the result), the stream iterator and the
+result types. "Does it fit in n_ctx" is :func:`room` / :func:`fits` (libclover's rule)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import math
+import queue
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _native as N
+from ._args import INT32_MAX, bool_arg, float_arg, int_arg, strings_arg, tristate_arg
+from ._handles import BLOCK_SIZE_AUTO, is_auto
+from .errors import CloverValueError, check, lib
+from .output import OutputFollower
+
+if TYPE_CHECKING:
+    from ._handles import Gate
+
+#: on_step(canvas_tokens, n_masked, block_start) -> True to cancel
+StepCallback = Callable[[list[int], int, int], Any]
+#: on_block(text_piece, tokens) -> True to cancel
+BlockCallback = Callable[[str, list[int]], Any]
+
+
+# ----------------------------------------------------------------------------- results
+
+@dataclass
+class GenerationStats:
+    """Numbers of one generation (libclover's clover_stats)."""
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_forward: int = 0          # llama_decode calls: prompt, block passes, commits that rode on no pass
+    n_decode_passes: int = 0    # block passes while decoding (= denoising steps)
+    n_steps: int = 0
+    n_commits: int = 0          # decode blocks committed
+    n_blocks: int = 0           # decode blocks started
+    finish_reason: str = ""     # "eos", "stop", "max_tokens", "cancelled" or ""
+    tokens_per_forward: float = 0.0
+    t_prefill_ms: float = 0.0
+    t_decode_ms: float = 0.0
+    tokens_per_second: float = 0.0
+    block_size: int = 0         # B of the last block
+    n_block_switches: int = 0   # B changes (block_size="auto")
+    calibration: str = ""       # block_size="auto": "measured" or "cached" when this call set the cost curve
+    n_reused: int = 0           # prompt tokens kept committed from the previous call (prefix reuse)
+    n_verifications: int = 0    # draft-self: causal commits that verified a draft
+    n_drafted: int = 0          # draft-self: drafted tokens verified
+    n_accepted: int = 0         # draft-self: drafted tokens accepted
+    n_decode_forwards: int = 0  # llama_decode calls after the prompt's (passes + commits on no pass)
+    grammar_mode: str = ""      # a grammar: "ar" (decoded at block_size=1) or "draft-self"; "" = none
+    seed: int | None = None     # the sampler's seed this call used (a fresh random one unless given)
+    mode: str = ""              # the last block's: "autoregressive" (B = 1), "diffusion" or "draft-self"
+    n_blocks_ar: int = 0        # blocks per mode (block_size="auto" says what it chose)
+    n_blocks_diffusion: int = 0
+    n_blocks_draft_self: int = 0
+
+    @classmethod
+    def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
+        return cls(n_prompt=s.n_prompt, n_generated=s.n_generated, n_forward=s.n_forward,
+                   n_decode_passes=s.n_decode_passes, n_steps=s.n_steps, n_commits=s.n_commits,
+                   n_blocks=s.n_blocks, finish_reason=N.FINISH_REASONS.get(s.finish_reason, ""),
+                   tokens_per_forward=s.tokens_per_forward, t_prefill_ms=s.t_prefill_ms,
+                   t_decode_ms=s.t_decode_ms, tokens_per_second=s.tokens_per_second, block_size=block_size,
+                   n_block_switches=s.n_block_switches,
+                   calibration={1: "measured", 2: "cached"}.get(s.calibration, ""), n_reused=s.n_reused,
+                   n_verifications=s.n_verifications, n_drafted=s.n_drafted, n_accepted=s.n_accepted,
+                   n_decode_forwards=s.n_decode_forwards, mode=N.DECODE_MODES.get(s.mode, ""),
+                   grammar_mode={1: "ar", 2: "draft-self"}.get(int(s.grammar_mode), ""),
+                   n_blocks_ar=s.n_blocks_ar, n_blocks_diffusion=s.n_blocks_diffusion,
+                   n_blocks_draft_self=s.n_blocks_draft_self)
+
+    def _cut_at_stop_string(self, n_tokens: int) -> None:
+        """The output ended at a stop string after n_tokens (libclover saw a cancel): the same
+        forwards and time, fewer tokens (libclover's formulas, clover_stats)."""
+        self.finish_reason, self.n_generated = "stop", n_tokens
+        if self.n_decode_forwards:
+            self.tokens_per_forward = n_tokens / self.n_decode_forwards
+        if self.t_decode_ms > 0:
+            self.tokens_per_second = n_tokens / (self.t_decode_ms / 1000.0)
+
+    def format(self) -> str:
+        """One line for humans (what `clover run` prints after the text)."""
+        sw = f" ({self.n_block_switches} switches)" if self.n_block_switches else ""
+        reused = f" ({self.n_reused} reused)" if self.n_reused else ""
+        mode = f" {self.mode}" if self.mode else ""
+        if sum(x > 0 for x in (self.n_blocks_ar, self.n_blocks_diffusion, self.n_blocks_draft_self)) > 1:
+            mode += (f" (blocks: {self.n_blocks_ar} autoregressive, {self.n_blocks_diffusion} diffusion, "
+                     f"{self.n_blocks_draft_self} draft-self)")
+        return (f"[clover] B={self.block_size}{mode}{sw} prompt={self.n_prompt} tok{reused}, generated={self.n_generated} tok, "
+                f"blocks={self.n_blocks}, decode passes={self.n_decode_passes} "
+                f"({self.tokens_per_forward:.2f} tok/forward), forward passes={self.n_forward}, "
+                f"prefill={self.t_prefill_ms:.1f} ms, decode={self.t_decode_ms:.1f} ms "
+                f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
+                + (f", cost curve {self.calibration}" if self.calibration else "")
+                + (f", draft-self: {self.n_accepted}/{self.n_drafted} drafted tokens accepted, "
+                   f"{(self.n_accepted + self.n_verifications) / self.n_verifications:.2f} tok/verification, "
+                   f"{self.n_decode_passes / max(self.n_generated, 1):.2f} draft passes/tok"
+                   if self.n_verifications else ""))
+
+
+@dataclass
+class Perplexity:
+    """Clover.perplexity's figure: exp of the mean next-token negative log-likelihood."""
+
+    ppl: float
+    n_tokens: int   # positions scored
+    n_chunks: int
+    n_ctx: int
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    #: generate(logprobs=N): per token of ``tokens``, its log-probability under the distribution it
+    #: was chosen from (clover.h, clover_generate_params.logprobs), and the N most probable
+    #: (token id, log-probability) pairs of that distribution, most probable first
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    @property
+    def seed(self) -> int | None:
+        """The sampler's seed the call used: pass it as ``seed`` to reproduce the output."""
+        return self.stats.seed
+
+
+# ----------------------------------------------------------------------------- fits in n_ctx
+
+def _free(n_ctx: int, n_prompt: int, block_size: int | str | None, draft_self: Any) -> int:
+    free = n_ctx - n_prompt
+    if is_auto(block_size) or tristate_arg("draft_self", draft_self) == 1:
+        return free  # auto starts at B = 1 and only picks blocks that fit; draft-self needs no whole blocks
+    B = max(int(block_size), 1)  # type: ignore[arg-type]
+    return free // B * B
+
+
+def room(n_ctx: int, n_prompt: int, block_size: int | str | None = BLOCK_SIZE_AUTO, draft_self: Any = False) -> int:
+    """The largest max_tokens a generation after n_prompt prompt tokens may ask for in a
+    context of n_ctx (libclover's rule, clover.h clover_generate: prompt + max_tokens rounded up
+    to whole blocks of a fixed B; auto and draft-self need no whole blocks); 0 when none fits."""
+    return max(_free(n_ctx, n_prompt, block_size, draft_self), 0)
+
+
+def fits(n_ctx: int, n_prompt: int, max_tokens: int, block_size: int | str | None = BLOCK_SIZE_AUTO,
+         draft_self: Any = False) -> bool:
+    """Whether prompt + max_tokens fit the context (see :func:`room`)."""
+    return max_tokens <= _free(n_ctx, n_prompt, block_size, draft_self)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+@dataclass
+class GenParams:
+    """One generate() call's parameters, checked (:meth:`of`), and their clover_generate_params."""
+
+    max_tokens: int
+    block_size: int | str       # B, or "auto"
+    threshold: float
+    max_steps: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_at_eos: bool = True
+    stop_tokens: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    reuse_prefix: bool = True
+    draft_self: int = 0         # -1 auto, 0 off, 1 on (clover_generate_params.draft_self)
+    draft_steps: int = 1
+    grammar: str | None = None
+    logprobs: int | None = None  # top log-probabilities per token; None = off
+
+    @classmethod
+    def of(cls, max_tokens: Any, block_size: Any, threshold: Any, max_steps: Any, temperature: Any, top_k: Any,
+           top_p: Any, seed: Any, **rest: Any) -> "GenParams":
+        if seed is None or (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed == -1):
+            seed = secrets.randbits(63)  # a fresh seed per call, reported in the result
+        # the ranges libclover accepts (it is the authority and normalises the degenerate values:
+        # tiny temperature / top_p = greedy, top_k >= n_vocab = off), checked here before waiting
+        th, t, p = float_arg("threshold", threshold), float_arg("temperature", temperature), float_arg("top_p", top_p)
+        if not 0.0 <= th <= 1.0:
+            raise CloverValueError(f"threshold must be in [0, 1], got {th}")
+        if not 0.0 <= t < math.inf:
+            raise CloverValueError(f"temperature must be finite and >= 0, got {t}")
+        if not 0.0 <= p <= 1.0:
+            raise CloverValueError(f"top_p must be in [0, 1], got {p}")
+        return cls(max_tokens=int_arg("max_tokens", max_tokens, 0, INT32_MAX),
+                   block_size=BLOCK_SIZE_AUTO if is_auto(block_size) else int_arg("block_size", block_size, 1, INT32_MAX),
+                   threshold=th, max_steps=int_arg("max_steps", max_steps, 0, INT32_MAX), temperature=t,
+                   top_k=int_arg("top_k", top_k, 0, INT32_MAX), top_p=p,
+                   seed=int_arg("seed (None or -1 = random)", seed, 0, 2**64 - 1), **rest)
+
+    @staticmethod
+    def constraints(grammar: Any, logprobs: Any, response_format: Any) -> dict[str, Any]:
+        """grammar / response_format (-> GBNF text, clover_cpp.grammar) and logprobs."""
+        from .grammar import GrammarError, grammar_for  # noqa: PLC0415
+
+        try:
+            text = grammar_for(grammar, response_format)
+        except GrammarError as e:
+            raise CloverValueError(str(e)) from None
+        if isinstance(logprobs, bool):
+            logprobs = 0 if logprobs else None
+        n_top = None if logprobs is None else int_arg("logprobs", logprobs, 0, N.CLOVER_MAX_TOP_LOGPROBS)
+        return {"grammar": text, "logprobs": n_top}
+
+    @staticmethod
+    def options(stop: Any, reuse_prefix: Any, draft_self: Any, draft_steps: Any) -> dict[str, Any]:
+        return dict(stop_strings=strings_arg("stop", stop), reuse_prefix=bool_arg("reuse_prefix", reuse_prefix),
+                    draft_self=tristate_arg("draft_self", draft_self),
+                    draft_steps=int_arg("draft_steps", draft_steps, 0, INT32_MAX))
+
+
+# ----------------------------------------------------------------------------- one generation
+
+class Generation:
+    """One clover_generate call and its Python side: the step and block callbacks (the
+    caller's, the output follower's, cancellation), the output buffers, the result.
+
+    ``native`` is a context manager factory entered around the native call (the Clover object
+    marks its callbacks' thread with it); ``push`` (streams) gets each new piece of final text:
+    after every denoising step, the contiguous unmasked prefix of the block that is new."""
+
+    def __init__(self, ctx: int, prompt: list[int], p: GenParams, *, mask: int, eos: int,
+                 detokenize: Callable[[list[int]], bytes], on_step: StepCallback | None = None,
+                 on_block: BlockCallback | None = None, push: Callable[[str, list[int]], bool] | None = None,
+                 cancel: threading.Event | None = None,
+                 native: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+        self.ctx, self.prompt, self.p = ctx, prompt, p
+        self.mask = mask
+        self.on_step, self.on_block, self.push, self.cancel = on_step, on_block, push, cancel
+        self.native = native
+        self._detokenize = detokenize
+        ends = set(p.stop_tokens) | ({eos} if p.stop_at_eos and eos >= 0 else set())
+        self.out = OutputFollower(p.stop_strings, stop_tokens=ends, detokenize=detokenize, push=push)
+        # track the canvas's final prefix every step (a draft-self canvas is only a draft: its
+        # tokens are final once the block's verification has kept them)
+        self.follow = (push is not None or bool(self.out.stops)) and p.draft_self != 1
+        self.exc: BaseException | None = None  # raised by a callback: re-raised after the native call
+        self.ran = False  # the native call was made (not a stream closed before its turn)
+
+    def _cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def _step(self, block_start: int, canvas: Any, bsz: int, n_masked: int, _ud: Any) -> int:
+        try:
+            if self._cancelled():
+                return 1
+            if self.on_step is not None and self.on_step(list(canvas[:bsz]), int(n_masked), int(block_start)):
+                return 1
+            if self.follow and self.out.step(canvas, max(0, len(self.prompt) - block_start), bsz, self.mask,
+                                             self.p.max_tokens):
+                return 1
+            return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised after the native call returns
+            self.exc = e
+            return 1
+
+    def _block(self, block_start: int, tokens: Any, n_tokens: int, _ud: Any) -> int:
+        try:
+            bt = list(tokens[:n_tokens])
+            stop, text = self.out.block(bt)
+            want_stop = False
+            if self.on_block is not None:
+                want_stop = bool(self.on_block(text, bt[:len(self.out.tokens)]))
+            return 1 if (stop or want_stop or self._cancelled()) else 0
+        except BaseException as e:  # noqa: BLE001
+            self.exc = e
+            return 1
+
+    def _native_params(self, L: ctypes.CDLL, keep: list[Any]) -> N.clover_generate_params:
+        p, gp = self.p, L.clover_generate_default_params()
+        gp.block_size = N.CLOVER_BLOCK_SIZE_AUTO if is_auto(p.block_size) else p.block_size
+        gp.threshold, gp.max_steps, gp.temperature = p.threshold, p.max_steps, p.temperature
+        gp.top_k, gp.top_p, gp.seed, gp.max_tokens = p.top_k, p.top_p, p.seed, p.max_tokens
+        gp.stop_at_eos = 1 if p.stop_at_eos else 0
+        gp.reuse_prefix = 1 if p.reuse_prefix else 0
+        gp.draft_self, gp.draft_steps = p.draft_self, p.draft_steps
+        if p.stop_tokens:
+            keep.append(N.as_int32_array(p.stop_tokens))
+            gp.stop_tokens, gp.n_stop_tokens = keep[-1], len(p.stop_tokens)
+        if p.grammar:
+            keep.append(p.grammar.encode("utf-8"))
+            gp.grammar = keep[-1]
+        keep += [N.clover_step_callback(self._step), N.clover_block_callback(self._block)]
+        gp.step_callback, gp.block_callback = keep[-2], keep[-1]
+        return gp
+
+    def run(self) -> GenerationResult:
+        p, n_prompt = self.p, len(self.prompt)
+        if self._cancelled():  # (a stream closed before its turn came)
+            return GenerationResult(text="", tokens=[], stats=GenerationStats(n_prompt=n_prompt,
+                                                                             finish_reason="cancelled", seed=p.seed))
+        L, keep = lib(), []
+        gp = self._native_params(L, keep)
+        cap, n_top = max(p.max_tokens, 1), p.logprobs
+        if n_top is not None:  # logprobs: clover.h, clover_generate_params
+            lp_buf, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * max(cap * n_top, 1))(),
+                                       (ctypes.c_float * max(cap * n_top, 1))())
+            gp.logprobs, gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = lp_buf, n_top, top_tok, top_lp
+        out, n_out, st = (ctypes.c_int32 * cap)(), ctypes.c_int32(0), N.clover_stats()
+        err, n = N.err_buffer()
+        arr = N.as_int32_array(self.prompt)
+        self.ran = True
+        with self.native():
+            rc = L.clover_generate(self.ctx, arr, n_prompt, ctypes.byref(gp), out, cap, ctypes.byref(n_out),
+                                   ctypes.byref(st), err, n)
+        B = int(st.block_size) or int(L.clover_block_size(self.ctx))
+        if self.exc is not None:
+            raise self.exc
+        if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):
+            check(rc, err)
+        tokens = list(out[: n_out.value])
+        stats = GenerationStats._from_native(st, B)
+        stats.seed = p.seed
+        tail = self.out.finish()
+        if self.out.hit:  # a stop string: the output ends at the token that completed it
+            tokens = self.out.tokens
+            stats._cut_at_stop_string(len(tokens))
+        if tail and self.on_block is not None:
+            self.on_block(tail, [])
+        follower = self.out
+        text = follower.text if (tokens == follower.tokens or follower.stops) else \
+            self._detokenize(tokens).decode("utf-8", "replace")
+        result = GenerationResult(text=text, tokens=tokens, stats=stats)
+        if n_top is not None:  # (tokens is a prefix of the native output)
+            result.logprobs = [float(x) for x in lp_buf[:len(tokens)]]
+            result.top_logprobs = [[(int(top_tok[i * n_top + j]), float(top_lp[i * n_top + j])) for j in range(n_top)]
+                                   for i in range(len(tokens))]
+        return result
+
+
+# ----------------------------------------------------------------------------- threads and streams
+
+class DecodeThread:
+    """A thread that runs decoding calls.
+
+    ggml's CPU backend runs its threads with OpenMP, which keeps one thread team per calling
+    thread. Decoding from several threads (a new one per call, the caller's, a server's pool,
+    one per object) leaves several teams alive, more threads than cores, and libgomp then makes
+    its threads sleep instead of spin between graph nodes: decoding ran up to 10x slower
+    (measured: B = 1 on the default model, 1,500 -> 150-250 tok/s). So every Clover object
+    decodes on one process-wide thread, except contexts made to run in parallel
+    (:meth:`Clover.new_context`), which get a thread each (give them n_threads that add up to
+    at most the cores).
+    The caller waits interruptibly: Ctrl-C sets ``cancel`` (the decode stops at the next step),
+    waits for the thread and is raised."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="clover-decode", daemon=True)
+        self.thread.start()
+        _DECODERS.add(self)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def call(self, fn: Callable[[], Any], cancel: threading.Event | None = None) -> Any:
+        if threading.current_thread() is self.thread:
+            return fn()
+        outcome: list[tuple[bool, Any]] = []  # (ok, result or exception)
+        done = threading.Event()  # (not a join: a wait cut short by Ctrl-C can misreport the end)
+
+        def job() -> None:
+            try:
+                outcome.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                outcome.append((False, e))
+            finally:
+                done.set()
+
+        self.submit(job)
+        try:
+            while not done.wait(0.25):
+                pass
+        except BaseException:
+            if cancel is not None:
+                cancel.set()
+            while not done.wait(0.25):
+                pass
+            raise
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self._jobs.put(None)
+            self.thread.join()
+
+
+_DECODERS: "weakref.WeakSet[DecodeThread]" = weakref.WeakSet()
+_SHARED_DECODER: DecodeThread | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_decoder() -> DecodeThread:
+    global _SHARED_DECODER
+    with _SHARED_LOCK:
+        if _SHARED_DECODER is None or not _SHARED_DECODER.thread.is_alive():
+            _SHARED_DECODER = DecodeThread()
+        return _SHARED_DECODER
+
+
+class GenerationStream:
+    """Iterator over the output text as it becomes final (after every denoising step: the
+    new contiguous unmasked prefix of the block), produced while generation runs in a
+    worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
+    ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation.
+    It holds its Clover object's turn until its decoding ends (see the Clover class doc)."""
+
+    def __init__(self, run: Callable[[Callable[[str, list[int]], bool], threading.Event], GenerationResult],
+                 decoder: DecodeThread | None = None, gate: "Gate | None" = None) -> None:
+        self.result: GenerationResult | None = None
+        self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._cancel = threading.Event()
+        self._done = False
+        self._reader = threading.get_ident()  # the thread reading it (the last to call next)
+
+        def on_piece(piece: str, toks: list[int]) -> bool:
+            self._q.put(("piece", piece))
+            return self._cancel.is_set()
+
+        self._finished = threading.Event()
+
+        def worker() -> None:
+            try:
+                res = run(on_piece, self._cancel)
+                item: tuple[str, Any] = ("done", res)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                item = ("error", e)
+            if gate is not None:  # the object is free before the reader sees the end
+                gate.release(self)
+            self._q.put(item)
+            self._finished.set()
+
+        if gate is not None:
+            gate.hand_to(self)
+        _LIVE_STREAMS.add(self)
+        if decoder is not None:
+            self._thread = decoder.thread
+            decoder.submit(worker)
+        else:
+            self._thread = threading.Thread(target=worker, name="clover-generate", daemon=True)
+            self._thread.start()
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        self._reader = threading.get_ident()
+        while not self._done:
+            try:
+                kind, val = self._q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "piece":
+                if val:
+                    return val
+                continue
+            self._done = True
+            if kind == "error":
+                raise val
+            self.result = val
+        raise StopIteration
+
+    def close(self) -> None:
+        """Cancel (if still running) and wait for the worker thread."""
+        self._cancel.set()
+        if self._thread is not threading.current_thread():
+            while not self._finished.wait(0.25):  # (an Event: see DecodeThread.call)
+                pass
+        if not self._done:
+            self._done = True
+            while True:
+                try:
+                    kind, val = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "done":
+                    self.result = val
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._cancel.set()
+        except Exception:  # noqa: BLE001
+            pass
+
+    @property
+    def text(self) -> str:
+        """Consume what is left and return the whole text."""
+        for _ in self:
+            pass
+        return self.result.text if self.result else ""
+
+
+_LIVE_STREAMS: "weakref.WeakSet[GenerationStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _join_streams_at_exit() -> None:
+    # a worker thread still inside libclover when the interpreter finalizes would be torn down
+    # mid-C++ (abort: "exception not rethrown"): cancel and join every live stream first
+    for st in list(_LIVE_STREAMS):
+        st.close()
+    for d in list(_DECODERS):
+        d.stop()
