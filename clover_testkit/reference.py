@@ -17,6 +17,11 @@ API::
     ppl = perplexity(model, tokens)
     res = generate(model, prompt_tokens, max_tokens=..., block_size=...)
 
+The module is cut by job: the numeric primitives (reference_math), the forward model
+(here: config, memory, commit, block pass, causal logits, perplexity) and the decoding
+loop (reference_decode: generate, its result, the candidate rule); every name stays
+importable from here.
+
 Project decisions (beyond the spec):
 
 * Next-token shift: the logits row of position t predicts the token at position t+1,
@@ -61,49 +66,6 @@ the weights: bd_softmax_* instead of in_proj_m / block_calib; docs/release-check
   ``conv_right_weight`` as the look-ahead taps inside the canvas), full attention (bidirectional
   inside the canvas), MoE, norms, logits and the next-token shift are as above, so a canvas of
   one token is exactly the causal step.
-
-Decoding (``generate``, spec "Decoding"):
-
-* The prompt must not be empty (ValueError). It is committed whole; L_last = the
-  logits row of its last token. (max_tokens <= 0: nothing runs, all counters 0.)
-* Decode block k has size B_k = ``block_schedule[k]`` (the last entry repeats) or
-  ``block_size``, and starts at p = n_committed (right after the committed text). Its
-  canvas is B_k mask tokens; n_cand = min(B_k, max_tokens - generated); the candidate
-  positions are 0..n_cand-1 (positions past the budget are never candidates and stay
-  masked).
-* Each step: if some masked position i > 0 exists, ONE block pass over the whole canvas
-  (all B_k tokens) gives the pass logits (n_steps += 1); otherwise no pass runs. The
-  candidate logits of masked position i are L_last for i = 0 (fixed for the block), else
-  pass row i-1.
-* The mask token is never a candidate: its logit is set to -inf first.
-  temperature 0: candidate = argmax (ties: lowest id), confidence = softmax prob.
-  temperature > 0: logits / T, top-k (0 = off; ties keep lower ids), top-p (1.0 = off;
-  smallest prefix of the prob-sorted tokens whose cumulative prob >= top_p, at least
-  one), renormalise, sample. One ``np.random.default_rng(seed)`` for the whole
-  generation; every step, the masked positions (position 0 included) are sampled in
-  increasing position order, each with one ``rng.random()`` draw u, token = first index
-  whose cumulative prob > u. Confidence = the sampled token's prob in that distribution.
-* Unmask every masked position with confidence >= threshold; if none, the single most
-  confident (ties: lowest position). With max_steps S > 0, at step s (0-based within
-  the block, steps without a pass included) at least ceil(masked / (S - s)) of the most
-  confident are unmasked (ties: lowest position), so a block never takes more than S steps.
-* ``step_callback(block_start, canvas_tokens_list, n_masked)`` is called after every step
-  (also steps without a pass); if it returns True, generation stops: the output holds
-  the completed blocks only (the current block counts as completed if it has no
-  candidate masked any more), finish_reason "cancelled".
-* A finished block appends canvas[:n_cand] to the output. Stop when it holds EOS (any of
-  ``config.eos_token_ids``, when stop_at_eos; finish_reason "eos") or the budget is
-  reached ("max_tokens"); otherwise commit the block's B_k tokens (L_last = the last row
-  of that commit). The final block is not committed. The output ends before the first
-  EOS and is cut to max_tokens.
-* Counters (as the native engine counts them): ``n_steps`` = block passes;
-  ``n_commits`` = decode blocks committed (the prompt's commit not counted);
-  ``n_forward`` = prompt forwards ceil(len(prompt) / ubatch_tokens(B_0)) + n_steps + the
-  block commits that cannot ride on a pass (a block commit rides on the next block's
-  first step iff that step runs a pass, i.e. iff the next block's n_cand > 1; else it is
-  a forward of its own); ``tokens_per_forward`` = len(tokens) / (n_forward - prompt
-  forwards), 0.0 when that is 0. B = 1 is plain autoregressive decoding: one 1-token
-  commit per generated token after the first, no block pass ever.
 """
 
 from __future__ import annotations
@@ -111,93 +73,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from clover_convert import mapping
+from clover_testkit.reference_decode import GenerateResult, _candidates, generate, ubatch_tokens  # noqa: F401
+from clover_testkit.reference_math import (QK_NORM_EPS, bidirectional_conv, block_tau, l2_norm,  # noqa: F401
+                                           rms_norm_1p, rope_neox, sigmoid, silu, softmax, softplus)
 
 __all__ = ["CloverConfig", "CloverReference", "Memory", "generate", "GenerateResult",
            "causal_logits", "perplexity", "ubatch_tokens", "bidirectional_conv", "block_tau",
            "rms_norm_1p"]
 
-QK_NORM_EPS = 1e-6
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
 # ----------------------------------------------------------------------------- config
 
 CloverConfig = mapping.CloverConfig  # the project's one config class (validated by parse_config)
-
-
-# ----------------------------------------------------------------------------- math
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
-def softplus(x: np.ndarray) -> np.ndarray:
-    return np.logaddexp(0.0, x)
-
-
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
-
-
-def rms_norm_1p(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * (1 + w), over the last axis."""
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
-
-
-def l2_norm(x: np.ndarray) -> np.ndarray:
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)
-
-
-def block_tau(block_calib: np.ndarray, block_size: int, train_block_size: int) -> np.ndarray:
-    """tau_j = exp(theta_j + phi_j * ln(B / B0)); block_calib is [2, Hv] (theta, phi)."""
-    theta, phi = block_calib[0], block_calib[1]
-    return np.exp(theta + phi * math.log(block_size / train_block_size))
-
-
-def bidirectional_conv(tail: np.ndarray, u: np.ndarray, w_conv: np.ndarray,
-                       w_look: np.ndarray) -> np.ndarray:
-    """Pre-activation conv output c [n, C] (apply silu after).
-
-    tail [K-1, C] (committed rows), u [n, C] (this block's rows), w_conv [C, K] (last tap =
-    current token), w_look [C, R] (tap j multiplies u[t+1+j], zero past row n-1).
-    """
-    n, C = u.shape
-    K, R = w_conv.shape[1], w_look.shape[1]
-    U = np.concatenate([tail, u], axis=0)                     # row t+K-1 is token t
-    ahead = np.concatenate([u, np.zeros((R, C))], axis=0)     # zeros past the block end
-    c = np.zeros((n, C))
-    for j in range(K):                                        # all rows t at once, tap by tap
-        c += w_conv[:, j] * U[j:j + n]                        # U[t + j]
-    for j in range(R):
-        c += w_look[:, j] * ahead[1 + j:1 + j + n]            # ahead[t + 1 + j]
-    return c
-
-
-def rope_neox(x: np.ndarray, positions: np.ndarray, rot: int, theta: float) -> np.ndarray:
-    """x [..., n, dh]; rotate the first `rot` dims (rotate_half pairing i, i + rot/2)."""
-    if rot == 0:
-        return x
-    half = rot // 2
-    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rot)
-    ang = positions[:, None].astype(np.float64) * inv_freq[None, :]   # [n, half]
-    cos, sin = np.cos(ang), np.sin(ang)
-    x1, x2 = x[..., :half], x[..., half:rot]
-    out = x.copy()
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:rot] = x2 * cos + x1 * sin
-    return out
 
 
 # ----------------------------------------------------------------------------- memory
@@ -490,136 +386,3 @@ def perplexity(model: CloverReference, tokens: Sequence[int]) -> float:
     nll = logz - logits[np.arange(len(toks) - 1), toks[1:]]
     return float(np.exp(nll.mean()))
 
-
-# ----------------------------------------------------------------------------- decoding
-
-@dataclass
-class GenerateResult:
-    tokens: list[int]
-    n_forward: int            # prompt forwards + block passes + block commits that ride on no pass
-    n_steps: int              # block passes
-    tokens_per_forward: float # len(tokens) / (n_forward - prompt forwards), 0.0 when that is 0
-    n_commits: int = 0        # decode blocks committed (the prompt's commit not counted)
-    finish_reason: str = ""   # "eos", "max_tokens" or "cancelled"
-
-
-def _candidates(logits: np.ndarray, mask_id: int | None, temperature: float, top_k: int,
-                top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of logits [m, V]: candidate token and its confidence."""
-    l = logits.astype(np.float64).copy()
-    if mask_id is not None:  # (None: a config without one, B = 1 only)
-        l[:, mask_id] = -np.inf
-    toks, conf = np.zeros(len(l), np.int64), np.zeros(len(l))
-    for row in range(len(l)):
-        if temperature == 0.0:
-            p = softmax(l[row])
-            toks[row] = int(np.argmax(p))
-        else:
-            z = l[row] / temperature
-            order = np.argsort(-z, kind="stable")
-            if top_k > 0:
-                z[order[top_k:]] = -np.inf
-            p = softmax(z)
-            if top_p < 1.0:
-                order = np.argsort(-p, kind="stable")
-                cum = np.cumsum(p[order])
-                keep = int(np.searchsorted(cum, top_p, side="left")) + 1   # first cum >= top_p
-                p[order[min(keep, len(p)):]] = 0.0
-                p = p / p.sum()
-            cdf = np.cumsum(p)
-            idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-            toks[row] = min(idx, len(p) - 1)
-        conf[row] = p[toks[row]]
-    return toks, conf
-
-
-def ubatch_tokens(block_size: int) -> int:
-    """Tokens per llama_decode in libclover for block size B (room for a commit of B fused with
-    the next pass of B; at least 512): the prompt's commit takes ceil(n / this) forwards."""
-    return max(512, 2 * block_size)
-
-
-def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens: int,
-             block_size: int, threshold: float = 0.9, max_steps: int = 0,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop_at_eos: bool = True,
-             step_callback: Callable[[int, list[int], int], Any] | None = None,
-             block_schedule: Sequence[int] | None = None) -> GenerateResult:
-    """Block-diffusion decoding (module docstring, "Decoding"). block_schedule: the B of
-    each decode block in turn (the last one repeats), as chosen by block_size="auto";
-    overrides block_size."""
-    schedule = [int(b) for b in block_schedule] if block_schedule else [block_size]
-    cfg = model.cfg
-    if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in schedule):
-        raise ValueError(f"block sizes must be positive integers, got {schedule!r}")
-    prompt = [int(t) for t in prompt_tokens]
-    if not prompt:
-        raise ValueError("the prompt must not be empty")
-    if cfg.mask_token_id is None and any(b > 1 for b in schedule):  # (B = 1 needs none: causal decoding)
-        raise ValueError("config has no mask_token_id (a block size > 1 needs one)")
-    if temperature < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or max_steps < 0:
-        raise ValueError("bad sampling parameters")
-    mask, eos = cfg.mask_token_id, set(cfg.eos_token_ids) if stop_at_eos else set()
-    block_of = lambda k: schedule[min(k, len(schedule) - 1)]  # noqa: E731
-    rng = np.random.default_rng(seed)
-    out: list[int] = []
-    n_steps = n_commits = n_solo_commits = n_prompt_forwards = 0
-    reason = "max_tokens"
-    if max_tokens > 0:
-        mem = model.new_memory()
-        L_last = model.commit(mem, prompt)[-1]
-        n_prompt_forwards = -(-len(prompt) // ubatch_tokens(schedule[0]))
-        k = 0
-        while True:
-            B, start = block_of(k), mem.n_committed
-            canvas = [mask] * B
-            # positions at or past the token budget are never candidates: they stay masked
-            n_cand = min(B, max_tokens - len(out))
-            masked = list(range(n_cand))
-            step, cancelled, pass_logits = 0, False, None
-            while masked:
-                if any(i > 0 for i in masked):
-                    pass_logits = model.block_pass(mem, canvas, B)
-                    n_steps += 1
-                rows = np.stack([L_last if i == 0 else pass_logits[i - 1] for i in masked])
-                cand, conf = _candidates(rows, mask, temperature, top_k, top_p, rng)
-                if np.any(cand == mask):             # would never terminate
-                    raise RuntimeError("the mask token was chosen as a candidate")
-                ranked = sorted(range(len(masked)), key=lambda j: (-conf[j], masked[j]))
-                n_unmask = max(1, int(np.sum(conf >= threshold)))
-                if max_steps > 0:
-                    left = max_steps - step
-                    n_unmask = max(n_unmask, len(masked) if left <= 0 else -(-len(masked) // left))
-                for j in ranked[:n_unmask]:
-                    canvas[masked[j]] = int(cand[j])
-                masked = [i for i in masked if canvas[i] == mask]
-                step += 1
-                if step_callback is not None and step_callback(start, list(canvas), len(masked)):
-                    cancelled = True
-                    break
-            if not masked:
-                out.extend(canvas[:n_cand])
-            if cancelled:
-                reason = "cancelled"
-                break
-            if any(t in eos for t in canvas[:n_cand]):
-                reason = "eos"
-                break
-            if len(out) >= max_tokens:
-                break
-            L_last = model.commit(mem, canvas)[-1]
-            n_commits += 1
-            k += 1
-            # the commit rides on the next block's first step iff that step runs a pass
-            if min(block_of(k), max_tokens - len(out)) <= 1:
-                n_solo_commits += 1
-    for idx, t in enumerate(out):
-        if t in eos:
-            out = out[:idx]
-            break
-    out = out[:max(max_tokens, 0)]
-    n_decode_forwards = n_steps + n_solo_commits
-    return GenerateResult(tokens=out, n_forward=n_prompt_forwards + n_decode_forwards,
-                          n_steps=n_steps,
-                          tokens_per_forward=len(out) / n_decode_forwards if n_decode_forwards else 0.0,
-                          n_commits=n_commits, finish_reason=reason)

@@ -108,17 +108,17 @@ def reference_block_run(ref, monkeypatch, **kw):
     """reference.generate, and for each output token the logits row it was chosen from (the
     reference's candidates are recorded per denoising step and matched to the positions the
     step unmasked)."""
-    import clover_testkit.reference as R
+    import clover_testkit.reference_decode as D
 
     calls, steps = [], []
-    orig = R._candidates
+    orig = D._candidates
 
     def spy(logits, *a, **k):
         calls.append(np.array(logits, dtype=np.float64))
         return orig(logits, *a, **k)
 
-    monkeypatch.setattr(R, "_candidates", spy)
-    res = R.generate(ref, PROMPT, step_callback=lambda start, canvas, n_masked: steps.append((start, canvas)) and False,
+    monkeypatch.setattr(D, "_candidates", spy)  # (the module whose generate calls it)
+    res = D.generate(ref, PROMPT, step_callback=lambda start, canvas, n_masked: steps.append((start, canvas)) and False,
                      **kw)
     monkeypatch.undo()
     mask = ref.cfg.mask_token_id
