@@ -70,17 +70,34 @@ def test_convert(files, tmp_path: Path) -> None:
     assert invoke(["convert", files["ck"], out, "--force", "--outtype", "q8_0"]).exit_code == 0
 
 
-def test_inspect(files) -> None:
+def _gguf_tensor_count(cfg: dict) -> int:
+    """The GGUF tensors of a checkpoint with this config: its HF tensors (hf_tensor_shapes) with
+    each layer's experts stacked into one."""
+    from clover_testkit.reference import CloverConfig, hf_tensor_shapes
+
+    c = CloverConfig.from_dict(cfg)
+    return len({re.sub(r"experts\.\d+\.", "experts.", n) for n in hf_tensor_shapes(c, c.tie_word_embeddings)})
+
+
+def test_inspect(files, tiny_artifacts) -> None:
+    from tokenizers import Tokenizer
+
+    from clover_testkit import bpe
+
+    cfg = tiny_artifacts["cfg"]
+    n_tensors = _gguf_tensor_count(cfg)
+    mask = Tokenizer.from_file(str(files["ck"] / "tokenizer.json")).token_to_id(bpe.MASK_TOKEN)
     res = invoke(["inspect", files["model"]])
     assert res.exit_code == 0, res.output
-    for needle in ("architecture:  clover", "diffusion.block_size", "85", "token_embd.weight",
-                   "tokenizer:", "mask 559", "chat template: yes"):
+    for needle in ("architecture:  clover", "diffusion.block_size", "token_embd.weight",
+                   "tokenizer:", f"mask {mask}", "chat template: yes"):
         assert needle in res.output
+    assert re.search(rf"^tensors:\s+{n_tensors} \(", res.output, re.M), res.output
     res = invoke(["inspect", files["model"], "--json"])
     d = json.loads(res.output)
-    assert d["architecture"] == "clover" and d["n_tensors"] == 85
-    assert d["hyperparameters"]["block_count"] == 4
-    assert len(invoke(["inspect", files["model"], "--tensors"]).output.splitlines()) > 85
+    assert d["architecture"] == "clover" and d["n_tensors"] == n_tensors
+    assert d["hyperparameters"]["block_count"] == cfg["num_hidden_layers"]
+    assert len(invoke(["inspect", files["model"], "--tensors"]).output.splitlines()) > n_tensors
 
 
 @needs_lib
