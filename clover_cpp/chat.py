@@ -1,18 +1,22 @@
 """Chat: templates (:func:`render_chat`: the GGUF's ``tokenizer.chat_template`` rendered with
 jinja2 in a sandbox, as Hugging Face's ``apply_chat_template`` does; ChatML when the model has
-none) and the continuation of a conversation (:class:`ChatExchange`: the last prompt and reply
-as their tokens, so the next turn reads the reply's own tokens again and the memory is reused)."""
+none), the continuation of a conversation (:class:`ChatExchange`: the last prompt and reply as
+their tokens, so the next turn reads the reply's own tokens again and the memory is reused),
+and :class:`Clover`'s chat calls (:class:`ChatCalls`: chat, generate_chat, chat_tokens,
+format_chat, end_of_turn_tokens, last_exchange) that the CLI and the server use."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._args import str_arg
 from .errors import CloverError, CloverTypeError
 
-__all__ = ["CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "ChatExchange", "render_chat"]
+__all__ = ["CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "ChatCalls", "ChatExchange", "render_chat"]
 
 #: used when the GGUF has no template (the format the default model is trained on)
 CHATML_TEMPLATE = (
@@ -106,3 +110,94 @@ class ChatExchange:
         if not self.continued_by(prompt) or detokenize(list(self.reply_tokens)) != self.reply:
             return None
         return list(self.prompt_tokens) + list(self.reply_tokens) + tokenize(prompt[len(self.text):])
+
+
+class ChatCalls:
+    """The chat calls of :class:`Clover` (a mixin over its tokenizer, metadata and generate)."""
+
+    _eot_cache: list[int] | None
+    _last: ChatExchange | None
+    tokenize: Any
+    detokenize: Any
+    token_to_piece: Any
+    metadata: Any
+    mask_token: Any
+    chat_template: Any
+    generate: Any
+    _generate: Any
+    _tokens: Any
+    _c: Any
+
+    @property
+    def end_of_turn_tokens(self) -> list[int]:
+        """The chat end-of-turn token ids (besides EOS) that :meth:`chat` and
+        :meth:`generate_chat` stop on: those of ``<|im_end|>``, ``<|eot_id|>`` and ``<|end|>``
+        that are single tokens of this model's vocabulary."""
+        if self._eot_cache is None:
+            ids: list[int] = []
+            for txt in END_OF_TURN_TEXTS:
+                try:
+                    t = self.tokenize(txt, add_special=False, parse_special=True)
+                except CloverError:
+                    continue
+                if len(t) == 1 and t[0] != self.mask_token:
+                    ids.append(t[0])
+            self._eot_cache = ids
+        return list(self._eot_cache)
+
+    _stop_tokens = end_of_turn_tokens.fget  # (the CLI's and server's name until they use the public one)
+
+    # -- chat
+    def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
+        """Format messages with the model's chat template (see the module doc) and generate the
+        assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
+        of :meth:`generate` (stream=True works). The conversation's earlier turns are not
+        re-read when the context still holds them (prefix reuse)."""
+        return self.generate_chat(self.format_chat(messages), **gen_kwargs)
+
+    def generate_chat(self, text: str, **gen_kwargs: Any) -> Any:
+        """Generate the reply to an already rendered chat prompt (:meth:`format_chat`'s text):
+        its tokens are :meth:`chat_tokens`'s (the last exchange's own tokens when ``text``
+        continues it, so the memory is reused), and the output stops at EOS or an
+        :attr:`end_of_turn_tokens` token (besides any ``stop_tokens`` given). Keyword arguments
+        are those of :meth:`generate` (stream=True works); the reply is remembered as this
+        object's :attr:`last_exchange`."""
+        text = str_arg("text", text)
+        stops = self._tokens(gen_kwargs.pop("stop_tokens", None) or ()) + self.end_of_turn_tokens
+        bound = inspect.signature(self.generate).bind(self.chat_tokens(text), stop_tokens=stops, **gen_kwargs)
+        bound.apply_defaults()
+        args = dict(bound.arguments)
+        del args["_chat_text"]
+        return self._generate(args, text)
+
+    @property
+    def last_exchange(self) -> ChatExchange | None:
+        """This object's last generation (its chat prompt, if any, the prompt's tokens, the reply):
+        the conversation a chat prompt that starts with ``last_exchange.text`` continues."""
+        self._c()
+        return self._last
+
+    def chat_tokens(self, prompt: str) -> list[int]:
+        """The tokens of a rendered chat prompt. When it continues the last chat exchange (that
+        prompt, then the reply as generated), they are that exchange's tokens followed by the
+        new text's: the model reads its own reply's tokens again (as llama.cpp's conversation
+        mode does) rather than a re-tokenization that may differ, so the memory is reused."""
+        prompt = str_arg("prompt", prompt)
+        last = getattr(self, "_last", None)
+        toks = None if last is None else \
+            last.tokens_for(prompt, lambda s: self.tokenize(s, add_special=False), self.detokenize)
+        return toks if toks is not None else self.tokenize(prompt, add_special=True, parse_special=True)
+
+    def _special_text(self, key: str) -> str:
+        tid = self.metadata(key)
+        try:
+            return self.token_to_piece(int(tid), special=True).decode("utf-8", "replace") if tid else ""
+        except (CloverError, ValueError):
+            return ""
+
+    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The prompt text of messages under the model's chat template (see :func:`render_chat`)."""
+        return render_chat(messages, self.chat_template, add_generation_prompt,
+                           bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
+                           eos_token=self._special_text("tokenizer.ggml.eos_token_id"), **template_kwargs)

@@ -28,9 +28,6 @@ and context ownership), :mod:`.decoding` (decode thread, generation glue, stream
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import inspect
-import math
 import os
 import threading
 import weakref
@@ -42,16 +39,17 @@ from typing import Any, Union
 import numpy as np
 
 from . import _handles as H
-from . import decoding as D
 from . import _native as N
-from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, float_arg, int_arg, str_arg, text_bytes, \
-    token_id, token_ids, tristate_arg
-from .chat import CHATML_TEMPLATE, END_OF_TURN_TEXTS, ChatExchange, render_chat
+from . import decoding as D
+from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int_arg, str_arg, text_bytes, token_id, \
+    token_ids, tristate_arg
+from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat
 from .compat import LlamaCompat
 from .decoding import BlockCallback, DecodeThread, Generation, GenerationResult, GenerationStats, \
-    GenerationStream, GenParams, Perplexity, StepCallback, fits, room, shared_decoder
+    GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
 from .errors import CloverError, CloverTypeError, CloverValueError, check, current_verbosity, lib, set_verbosity
 from .output import OutputFollower
+from .passes import ContextPasses
 
 __all__ = [
     "Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats", "GenerationStream",
@@ -65,7 +63,7 @@ StopMatcher = OutputFollower
 _current_verbosity = current_verbosity
 _tristate = tristate_arg
 __all__ += ["CHATML_TEMPLATE", "StopMatcher", "INT32_MAX", "MAX_THREADS"]
-class Clover(LlamaCompat):
+class Clover(ChatCalls, ContextPasses, LlamaCompat):
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
     ``n_threads=None`` lets libclover choose from the hardware. ``block_size``: the default B
@@ -360,47 +358,6 @@ class Clover(LlamaCompat):
 
     def _block_size_arg(self, block_size: Any) -> Any:
         return self._default_block_size if isinstance(block_size, str) and block_size == "default" else block_size
-    def calibrate(self, fused: bool = False) -> dict[int, float] | dict[int, tuple[float, float]]:
-        """Measure the cost curve used by block_size="auto" (bypassing the disk cache):
-        {B: ms per block pass} for B = 1, 2, 4, ...; with fused=True {B: (pass ms, ms of a
-        commit fused with a pass)}. Clears the memory."""
-        fused = bool_arg("fused", fused)
-        with self._op() as c:
-            L, err, n = lib(), *N.err_buffer()
-            sizes, cnt = (ctypes.c_int32 * 32)(), ctypes.c_int32(0)
-            ms, msf = (ctypes.c_double * 32)(), (ctypes.c_double * 32)()
-            check(self._decoder.call(lambda: L.clover_calibrate(c, sizes, ms, msf, 32, ctypes.byref(cnt), err, n)),
-                   err)
-            k = min(cnt.value, 32)
-            if fused:
-                return {int(sizes[i]): (float(ms[i]), float(msf[i])) for i in range(k)}
-            return {int(sizes[i]): float(ms[i]) for i in range(k)}
-
-    def set_cost_curve(self, curve: Mapping[int, float], fused: Mapping[int, float] | None = None) -> None:
-        """Set the cost curve for block_size="auto" ({1: ms, 2: ms, 4: ms, ...}; fused: the
-        cost of a commit fused with a pass, by default that of a pass of 2B, else with the
-        same keys) instead of measuring it, e.g. from an earlier :meth:`calibrate`. Costs must
-        be in (0, 1e9] ms (libclover's check). Resets the running tokens per pass."""
-        if not isinstance(curve, Mapping) or not curve:
-            raise CloverTypeError(f"curve must be a non-empty mapping {{block size: ms}}, got {curve!r}"[:200])
-        if fused is not None and not isinstance(fused, Mapping):
-            raise CloverTypeError(f"fused must be a mapping {{block size: ms}} or None, got {fused!r}"[:200])
-        items = sorted((int_arg("cost curve block size", b, 1, INT32_MAX), float_arg("cost curve ms", v))
-                       for b, v in curve.items())
-        msf_items: list[float] | None = None
-        if fused is not None:
-            fk = {int_arg("fused block size", b, 1, INT32_MAX): float_arg("fused ms", v) for b, v in fused.items()}
-            if set(fk) != {b for b, _ in items}:
-                raise CloverValueError(f"fused must have the block sizes of curve ({sorted(b for b, _ in items)}), "
-                                       f"got {sorted(fk)}")
-            msf_items = [fk[b] for b, _ in items]
-        with self._op() as c:
-            err, n = N.err_buffer()
-            sizes = N.as_int32_array([b for b, _ in items])
-            ms = (ctypes.c_double * len(items))(*[v for _, v in items])
-            msf = None if msf_items is None else (ctypes.c_double * len(items))(*msf_items)
-            check(lib().clover_set_cost_curve(c, sizes, ms, msf, len(items), err, n), err)
-
     def set_n_threads(self, n_threads: int) -> None:
         n_threads = int_arg("n_threads", n_threads, 1, MAX_THREADS)
         with self._op() as c:
@@ -458,101 +415,7 @@ class Clover(LlamaCompat):
             return self.tokenize(prompt, add_special=True, parse_special=True)
         return self._tokens(prompt)
 
-    # -- low level passes
-    def reset(self) -> None:
-        """Clear the memory (no committed tokens)."""
-        with self._op() as c:
-            check(lib().clover_reset(c), None, "reset")
-
-    def commit(self, tokens: Sequence[int], logits: bool = False) -> np.ndarray | None:
-        """Commit tokens (n >= 1) causally at the end of the memory. With ``logits``, returns the
-        logits [n, n_vocab] (float32) of the committed positions: row t predicts token t + 1, as
-        llama.cpp's causal decoding of the same text gives them."""
-        toks = self._tokens(tokens)
-        logits = bool_arg("logits", logits)
-        with self._op() as c:
-            err, n = N.err_buffer()
-            arr = N.as_int32_array(toks)
-            out = np.empty((max(len(toks), 1), self.n_vocab), dtype=np.float32) if logits else None
-            ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if out is not None else None
-            check(self._decoder.call(lambda: lib().clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
-            return out[: len(toks)] if out is not None else None
-
-    def last_logits(self) -> np.ndarray:
-        """The logits [n_vocab] of the last committed position: the prediction of the next one."""
-        with self._op() as c:
-            out = np.empty(self.n_vocab, dtype=np.float32)
-            if lib().clover_last_logits(c, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
-                raise CloverError("nothing is committed")
-            return out
-
-    def block_logits(self, tokens: Sequence[int], commit_before: Sequence[int] | None = None) -> np.ndarray:
-        """Logits [n, n_vocab] (float32) of a block pass of tokens (1 <= n <= B) against the memory,
-        which is left unchanged; row t predicts token t + 1. With ``commit_before``, the memory is
-        first reset and those tokens are committed."""
-        toks = self._tokens(tokens)
-        before = self._tokens(commit_before) if commit_before is not None else None
-        with self._op() as c:
-            if before is not None:
-                self.reset()
-                if before:
-                    self.commit(before)
-            nv = self.n_vocab
-            out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
-            err, n = N.err_buffer()
-            arr, ptr = N.as_int32_array(toks), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            st = self._decoder.call(lambda: lib().clover_block_pass(c, arr, len(toks), ptr, err, n))
-            check(st, err)
-            return out[: len(toks)]
-
-    def perplexity(self, text: str | Sequence[int], n_ctx: int = 512) -> "Perplexity":
-        """Perplexity of the causal model over a text, computed as llama-perplexity computes it:
-        the tokens (with BOS when the model adds one) in chunks of n_ctx, each on an empty
-        memory with its first token replaced by BOS, scoring the second half of every chunk
-        (each position predicted from the one before it). Leaves the memory empty."""
-        toks = self.tokenize(text, add_special=True) if isinstance(text, str) else self._tokens(text)
-        n_ctx = int_arg("n_ctx", n_ctx, 2, self.n_ctx)
-        n_chunk = len(toks) // n_ctx
-        if n_chunk < 2:
-            raise CloverValueError(f"perplexity needs at least {2 * n_ctx} tokens (2 chunks of n_ctx={n_ctx}), "
-                                   f"the text has {len(toks)}")
-        bos = self.bos_token
-        first, nll, count = n_ctx // 2, 0.0, 0
-        with self._op():
-            for i in range(n_chunk):
-                chunk = toks[i * n_ctx:(i + 1) * n_ctx]
-                if bos >= 0 and isinstance(text, str):
-                    chunk[0] = bos
-                self.reset()
-                logits = self.commit(chunk, logits=True).astype(np.float64)
-                rows = logits[first:n_ctx - 1]
-                m = rows.max(axis=1, keepdims=True)
-                logp = rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
-                nll -= float(logp[np.arange(len(rows)), chunk[first + 1:]].sum())
-                count += len(rows)
-            self.reset()
-        return Perplexity(ppl=math.exp(nll / count), n_tokens=count, n_chunks=n_chunk, n_ctx=n_ctx)
-
     # -- generation
-    @property
-    def end_of_turn_tokens(self) -> list[int]:
-        """The chat end-of-turn token ids (besides EOS) that :meth:`chat` and
-        :meth:`generate_chat` stop on: those of ``<|im_end|>``, ``<|eot_id|>`` and ``<|end|>``
-        that are single tokens of this model's vocabulary."""
-        if self._eot_cache is None:
-            ids: list[int] = []
-            for txt in END_OF_TURN_TEXTS:
-                try:
-                    t = self.tokenize(txt, add_special=False, parse_special=True)
-                except CloverError:
-                    continue
-                if len(t) == 1 and t[0] != self.mask_token:
-                    ids.append(t[0])
-            self._eot_cache = ids
-        return list(self._eot_cache)
-
-    _stop_tokens = end_of_turn_tokens.fget  # (the CLI's and server's name until they use the public one)
-
     def generate(self, prompt: Prompt, max_tokens: int = 256, block_size: int | str | None = "default",
                  threshold: float = 0.9, max_steps: int = 0, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, stream: bool = False,
@@ -666,58 +529,3 @@ class Clover(LlamaCompat):
         if g.ran:
             self._last = ChatExchange(chat_text, tuple(toks), tuple(r.tokens), r.text)
         return r
-
-    # -- chat
-    def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
-        """Format messages with the model's chat template (see the module doc) and generate the
-        assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
-        of :meth:`generate` (stream=True works). The conversation's earlier turns are not
-        re-read when the context still holds them (prefix reuse)."""
-        return self.generate_chat(self.format_chat(messages), **gen_kwargs)
-
-    def generate_chat(self, text: str, **gen_kwargs: Any) -> Any:
-        """Generate the reply to an already rendered chat prompt (:meth:`format_chat`'s text):
-        its tokens are :meth:`chat_tokens`'s (the last exchange's own tokens when ``text``
-        continues it, so the memory is reused), and the output stops at EOS or an
-        :attr:`end_of_turn_tokens` token (besides any ``stop_tokens`` given). Keyword arguments
-        are those of :meth:`generate` (stream=True works); the reply is remembered as this
-        object's :attr:`last_exchange`."""
-        text = str_arg("text", text)
-        stops = self._tokens(gen_kwargs.pop("stop_tokens", None) or ()) + self.end_of_turn_tokens
-        bound = inspect.signature(self.generate).bind(self.chat_tokens(text), stop_tokens=stops, **gen_kwargs)
-        bound.apply_defaults()
-        args = dict(bound.arguments)
-        del args["_chat_text"]
-        return self._generate(args, text)
-
-    @property
-    def last_exchange(self) -> ChatExchange | None:
-        """This object's last generation (its chat prompt, if any, the prompt's tokens, the reply):
-        the conversation a chat prompt that starts with ``last_exchange.text`` continues."""
-        self._c()
-        return self._last
-
-    def chat_tokens(self, prompt: str) -> list[int]:
-        """The tokens of a rendered chat prompt. When it continues the last chat exchange (that
-        prompt, then the reply as generated), they are that exchange's tokens followed by the
-        new text's: the model reads its own reply's tokens again (as llama.cpp's conversation
-        mode does) rather than a re-tokenization that may differ, so the memory is reused."""
-        prompt = str_arg("prompt", prompt)
-        last = getattr(self, "_last", None)
-        toks = None if last is None else \
-            last.tokens_for(prompt, lambda s: self.tokenize(s, add_special=False), self.detokenize)
-        return toks if toks is not None else self.tokenize(prompt, add_special=True, parse_special=True)
-
-    def _special_text(self, key: str) -> str:
-        tid = self.metadata(key)
-        try:
-            return self.token_to_piece(int(tid), special=True).decode("utf-8", "replace") if tid else ""
-        except (CloverError, ValueError):
-            return ""
-
-    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
-        """The prompt text of messages under the model's chat template (see :func:`render_chat`)."""
-        return render_chat(messages, self.chat_template, add_generation_prompt,
-                           bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
-                           eos_token=self._special_text("tokenizer.ggml.eos_token_id"), **template_kwargs)
