@@ -228,6 +228,59 @@ def test_concurrent_clients_parallel_2(server) -> None:
     assert server.rss_kb() <= 1.10 * rss0
 
 
+def test_prefix_reuse_picks_the_context_holding_the_prompt(gguf, local) -> None:
+    """--parallel 2: a request takes the context whose memory its prompt continues (read from the
+    model: its committed tokens; for a chat, the conversation of its last exchange), also when
+    the other free context comes first; the reused tokens are the runtime's (stats.n_reused of
+    the same calls on one local context), in the reply (usage.prompt_tokens_details.cached_tokens,
+    clover.reused_prompt_tokens) and in clover_prompt_tokens_reused_total."""
+    kw = dict(max_tokens=8, temperature=0)
+    local_kw = dict(kw, block_size=4)
+    s = Server(gguf, "--parallel", "2", "-t", "1")
+    try:
+        c = s.client()
+        before = s.metrics()
+
+        def complete(ids: list[int]):
+            return c.completions.create(model="x", prompt=ids, extra_body={"block_size": 4, "ignore_eos": True}, **kw)
+
+        def cached(r) -> int:
+            assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["clover"]["reused_prompt_tokens"]
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        def expected(first: list[int], then: list[int]) -> int:
+            local.generate(first, stop_at_eos=False, reuse_prefix=False, **local_kw)
+            return local.generate(then, stop_at_eos=False, **local_kw).stats.n_reused
+
+        a, b = (local.tokenize(t, add_special=True) for t in ("def alpha(x):\n", "class Beta:\n"))
+        assert cached(complete(a)) == 0 and cached(complete(b)) == 0  # one context each
+        more = local.tokenize("    return x\n", add_special=False)
+        got = {}
+        for name, first in (("b", b), ("a", a)):  # b's context is not the first free one
+            local.generate(first, stop_at_eos=False, reuse_prefix=False, **local_kw)
+            then = local.committed_tokens + more
+            want = expected(first, then)
+            assert want > len(first)  # the prompt and the reply's finished blocks
+            got[name] = cached(complete(then))
+            assert got[name] == want, name
+        # a chat's next turn: its context holds the first turn's prompt and reply tokens
+        m1 = [{"role": "user", "content": "def gamma(n):"}]
+        r1 = c.chat.completions.create(model="x", messages=m1, extra_body={"block_size": 4}, **kw)
+        assert cached(r1) == 0
+        want1 = local.chat(m1, reuse_prefix=False, **local_kw)
+        assert want1.text == r1.choices[0].message.content
+        m2 = m1 + [{"role": "assistant", "content": want1.text}, {"role": "user", "content": "and delta?"}]
+        want2 = local.chat(m2, **local_kw).stats.n_reused
+        assert want2 > 0
+        r2 = c.chat.completions.create(model="x", messages=m2, extra_body={"block_size": 4}, **kw)
+        assert cached(r2) == want2
+        after = s.metrics()
+        assert after["clover_prompt_tokens_reused_total"] - before["clover_prompt_tokens_reused_total"] == \
+            got["a"] + got["b"] + want2
+    finally:
+        s.stop()
+
+
 def test_api_key_and_queue_full(gguf) -> None:
     s = Server(gguf, "--api-key", "sekret", "--parallel", "1", "--queue-size", "0", "-t", "1")
     try:
