@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(converter, name)
     if name == "ConversionError":
-        from .mapping import ConversionError
+        from .config import ConversionError
 
         return ConversionError
     raise AttributeError(f"module 'clover_convert' has no attribute {name!r}")

@@ -7,9 +7,9 @@ import sys
 
 import click
 
+from .config import ConversionError
 from .converter import OUTTYPES, convert
 from .quantize_stream import QUANT_OUTTYPES
-from .mapping import ConversionError
 from .safetensors_io import CheckpointError
 
 
@@ -48,12 +48,11 @@ def main(src: str, out: str | None, outtype: str, split_max_size: str | None, dr
     quant = outtype.upper() in QUANT_OUTTYPES and outtype.lower() not in OUTTYPES
     try:
         if quant:
-            from .mapping import ConversionError as _CE
             from clover_cpp._files import fmt_bytes
             from .quantize_stream import convert_quantized
 
             if split_max_size is not None:
-                raise _CE(f"--split-max-size is not supported with --outtype {outtype} (quantize writes one file)")
+                raise ConversionError(f"--split-max-size is not supported with --outtype {outtype} (quantize writes one file)")
             plan = convert_quantized(src, out, outtype.upper(), imatrix=imatrix, n_threads=threads, force=force,
                                      dry_run=dry_run, progress=not no_progress and sys.stderr.isatty())
             if not dry_run:

@@ -32,16 +32,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .converter import (
-    ConversionPlan,
-    TensorPlan,
-    _build_writer,
-    _default_out_name,
-    _Filler,
-    plan_conversion,
-)
-from .mapping import ConversionError
 from clover_cpp._files import check_output, clean_stale_temps, temp_path
+
+from .config import ConversionError
+from .filler import Filler
+from .plan import ConversionPlan, TensorPlan, out_path, plan_conversion
 from .safetensors_io import CheckpointReader
 
 __all__ = ["convert_quantized", "QUANT_OUTTYPES", "is_quant_outtype"]
@@ -72,7 +67,7 @@ def is_quant_outtype(name: str) -> bool:
     return name.upper().replace("-", "_") in QUANT_OUTTYPES
 
 
-class _MemFiller(_Filler):
+class _MemFiller(Filler):
     """The converter's filler, writing each converted chunk into a memory target (a uint8 array
     given as the ``fd`` of its jobs) instead of a file."""
 
@@ -101,16 +96,6 @@ class _MemFiller(_Filler):
         self.wait(t, jobs)
         if not aligned:
             dst[:] = target[offs - g0 * row_bytes:offs - g0 * row_bytes + size]
-
-
-def _out_path(plan: ConversionPlan, out: str | os.PathLike | None, name: str) -> Path:
-    fname = _default_out_name(plan.folder, plan.src, name.lower())
-    if out is None:
-        return Path.cwd() / fname
-    p = Path(out).expanduser()
-    if str(out).endswith(("/", os.sep)) and not p.is_dir():
-        raise ConversionError(f"{out}: output folder does not exist")
-    return p / fname if p.is_dir() else p
 
 
 def convert_quantized(
@@ -147,7 +132,7 @@ def convert_quantized(
     if isinstance(n_threads, bool) or not isinstance(n_threads, int) or n_threads < 0:
         raise ConversionError(f"threads must be 0 (all cores) or more, got {n_threads!r}")
     plan = plan_conversion(src, None, "bf16", None, dry_run=dry_run)
-    dst = _out_path(plan, out, name)
+    dst = out_path(plan.source, out, name.lower())
     plan.out, plan.shard_paths, plan.outtype = dst, [dst], name
     im = None
     if imatrix is not None:
@@ -163,7 +148,7 @@ def convert_quantized(
     if dry_run:
         return plan
 
-    inputs = [p for p in plan.folder.rglob("*") if p.is_file()] if plan.folder.is_dir() else []
+    inputs = plan.source.files()
     check_output(dst, inputs + ([Path(imatrix)] if imatrix is not None else []), force, ConversionError)
     clean_stale_temps(dst)
     from clover_cpp._lib import import_llama_cpp, llama_lib_path
@@ -191,14 +176,8 @@ def convert_quantized(
     total = plan.total_bytes
     try:
         # the bf16 file's header, its tensor data a hole (ftruncate: no blocks written)
-        w = _build_writer(plan.tensors, plan.config, plan.tokenizer, "bf16",
-                          plan.src if not Path(plan.src).exists() else plan.folder.resolve().name, None, plan.folder)
-        w.temps = {dst: header}
-        w.open_output_file(dst)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        w.lay_out_tensor_data()
+        w = plan.writer  # the plan's (bf16, one file), written under the header's temporary name
+        w.write_header(dst, {dst: header})
         w.close()
         if progress:
             from tqdm import tqdm

@@ -30,7 +30,7 @@ from typing import Any
 
 from gguf import GGUFWriter, TokenType
 
-from .mapping import CloverConfig, ConversionError
+from .config import CloverConfig, ConversionError
 from clover_cpp._files import require_regular
 
 __all__ = ["TokenizerInfo", "load_tokenizer", "add_tokenizer"]

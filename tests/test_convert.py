@@ -25,6 +25,8 @@ from gguf import GGUFReader
 
 from clover_convert import ConversionError, convert
 from clover_convert import converter as conv_mod
+from clover_convert import filler as filler_mod
+from clover_convert import gguf_writer as writer_mod
 from clover_convert.cli import main as cli_main
 from clover_convert.safetensors_io import CheckpointReader, write_safetensors
 from clover_testkit.checkpoints import preset_config, tensor_plan, write_checkpoint
@@ -280,8 +282,8 @@ def test_chunked_partial_reads_give_the_same_file(fx, tmp_path, monkeypatch, var
             partial.append(index)
         return real_view(self, name, index)
 
-    monkeypatch.setattr(conv_mod, "CHUNK_ELEMS", 40 * 64)
-    monkeypatch.setattr(conv_mod, "RELEASE_BYTES", 4096)
+    monkeypatch.setattr(filler_mod, "CHUNK_ELEMS", 40 * 64)
+    monkeypatch.setattr(filler_mod, "RELEASE_BYTES", 4096)
     monkeypatch.setattr(CheckpointReader, "view", spy)
     out = tmp_path / "chunked.gguf"
     convert(fx.ckpt(variant), out, outtype=outtype, progress=False)
@@ -305,8 +307,8 @@ def test_write_back_started_as_the_output_grows(fx, tmp_path, monkeypatch):
         calls.append((offset, offset + length))
         return real(fd, offset, length, advice)
 
-    monkeypatch.setattr(conv_mod, "WRITEBACK_BYTES", 8192)
-    monkeypatch.setattr(conv_mod.os, "posix_fadvise", spy)
+    monkeypatch.setattr(writer_mod, "WRITEBACK_BYTES", 8192)
+    monkeypatch.setattr(os, "posix_fadvise", spy)
     out = tmp_path / "m.gguf"
     convert(fx.ckpt("bf16"), out, outtype="f16", progress=False)
     assert out.read_bytes() == want.read_bytes()
@@ -339,11 +341,11 @@ def test_tensor_data_laid_out_as_gguf_writer_writes_it(tmp_path, split):
     for a in tensors.values():
         theirs.write_tensor_data(a)
     theirs.close()
-    ours = writer(conv_mod._TempShardWriter, tmp_path / "ours.gguf")
+    ours = writer(writer_mod.ShardWriter, tmp_path / "ours.gguf")
     where = ours.lay_out_tensor_data()
     for name in reversed(tensors):  # any order
         fd, offset = where[name]
-        conv_mod._pwrite_all(fd, tensors[name], offset)
+        filler_mod._pwrite_all(fd, tensors[name], offset)
     ours.close()
     shards = sorted(tmp_path.glob("theirs*"))
     assert len(shards) == 1 if split == 0 else len(shards) > 1
@@ -360,7 +362,7 @@ def test_same_file_without_pwrite(fx, tmp_path, monkeypatch):
         d.mkdir()
         with monkeypatch.context() as m:
             if not pwrite:
-                m.delattr(conv_mod.os, "pwrite")
+                m.delattr(os, "pwrite")
             convert(fx.ckpt("bf16"), d / "m.gguf", outtype="f16", split_max_size="100K", progress=False)
         shards[pwrite] = [p.read_bytes() for p in sorted(d.glob("m-*.gguf"))]
     assert len(shards[True]) > 1 and shards[False] == shards[True]
@@ -370,10 +372,10 @@ def test_chunks_shrink_with_the_cores(fx, monkeypatch):
     """Every worker holds its chunk's output (and temporaries of several times a chunk when it
     is not a plain cast), so chunks are 1/workers of CHUNK_ELEMS: 16 cores hold what 1 does."""
     for cores in (1, 2, 16):
-        monkeypatch.setattr(conv_mod.os, "cpu_count", lambda: cores)
-        filler = conv_mod._Filler(CheckpointReader(fx.ckpt("bf16")))
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        filler = filler_mod.Filler(CheckpointReader(fx.ckpt("bf16")))
         try:
-            assert filler._chunk_elems() == conv_mod.CHUNK_ELEMS // cores
+            assert filler._chunk_elems() == filler_mod.CHUNK_ELEMS // cores
         finally:
             filler.close()
 
@@ -650,7 +652,7 @@ def test_interrupted_run_leaves_nothing(fx, tmp_path, monkeypatch):
     src = fx.ckpt("bf16")
     out_dir = tmp_path / "o"
     out_dir.mkdir()
-    real = conv_mod._Filler.submit
+    real = filler_mod.Filler.submit
     calls = {"n": 0}
 
     def boom(self, t, fd, offset):
@@ -659,7 +661,7 @@ def test_interrupted_run_leaves_nothing(fx, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, t, fd, offset)
 
-    monkeypatch.setattr(conv_mod._Filler, "submit", boom)
+    monkeypatch.setattr(filler_mod.Filler, "submit", boom)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out_dir / "m.gguf", outtype="f16", split_max_size="100K", progress=False)
     assert _leftovers(out_dir) == []
@@ -667,7 +669,7 @@ def test_interrupted_run_leaves_nothing(fx, tmp_path, monkeypatch):
 
 def test_not_enough_disk_space(fx, tmp_path, monkeypatch):
     src = fx.ckpt("bf16")
-    monkeypatch.setattr(conv_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(ConversionError, match="not enough free disk space"):
         convert(src, tmp_path / "m.gguf", progress=False)
     assert _leftovers(tmp_path) == []
