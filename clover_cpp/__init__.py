@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 from . import _lib  # noqa: F401  - sets LLAMA_CPP_LIB_PATH before anyone imports llama_cpp
 
-__all__ = ["Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
-           "set_verbosity", "render_chat", "quantize", "QUANT_TYPES"]
+__all__ = ["Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats",
+           "GenerationStream", "Perplexity", "ChatExchange", "set_verbosity", "render_chat", "quantize", "QUANT_TYPES"]
 
 if TYPE_CHECKING:
-    from .model import (Clover, CloverError, GenerationResult, GenerationStats, GenerationStream,
-                        render_chat, set_verbosity)
+    from .model import (ChatExchange, Clover, CloverError, CloverTypeError, CloverValueError, GenerationResult,
+                        GenerationStats, GenerationStream, Perplexity, render_chat, set_verbosity)
     from .quant import QUANT_TYPES, quantize
 
-_MODEL = {"Clover", "CloverError", "GenerationResult", "GenerationStats", "GenerationStream",
-          "set_verbosity", "render_chat"}
+_MODEL = {"Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats",
+          "GenerationStream", "Perplexity", "ChatExchange", "set_verbosity", "render_chat"}
 
 
 def __getattr__(name: str) -> Any:
