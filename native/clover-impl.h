@@ -3,12 +3,12 @@
 //   clover-log.cpp       llama.cpp/ggml log capture, error strings, status names
 //   clover-model.cpp     GGUF pre-checks, RPC devices, model loading, tokenizer calls
 //   clover-context.cpp   the llama.cpp context and the committed-memory protocol (seq 0/1/2)
-//   clover-sampling.cpp  candidates and confidences, unmask selection
+//   clover-sampling.cpp  candidates and confidences, unmask selection, draft acceptance
+//   clover-extras.cpp    grammar-constrained decoding and log-probabilities (gen_extras)
 //   clover-planner.cpp   block size auto: the cost curve, its disk cache, the per-block pick
 //   clover.cpp           the decode loop (clover_generate)
+//   clover-abi.cpp       clover_api_version, clover_abi_query (what bindings check at load)
 #pragma once
-
-#include "clover.h"
 
 #include "clover.h"
 
@@ -181,7 +181,7 @@ double ms_since(std::chrono::steady_clock::time_point t0);
 
 } // namespace clover_impl
 
-// ---- sampling (clover-sampling.cpp)
+// ---- sampling (clover-sampling.cpp) and a call's grammar / log-probabilities (clover-extras.cpp)
 namespace clover_detail {
 
 struct pick_work {
