@@ -145,8 +145,6 @@ class ChatCalls:
             self._eot_cache = ids
         return list(self._eot_cache)
 
-    _stop_tokens = end_of_turn_tokens.fget  # (the CLI's and server's name until they use the public one)
-
     # -- chat
     def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
         """Format messages with the model's chat template (see the module doc) and generate the
@@ -166,9 +164,7 @@ class ChatCalls:
         stops = self._tokens(gen_kwargs.pop("stop_tokens", None) or ()) + self.end_of_turn_tokens
         bound = inspect.signature(self.generate).bind(self.chat_tokens(text), stop_tokens=stops, **gen_kwargs)
         bound.apply_defaults()
-        args = dict(bound.arguments)
-        del args["_chat_text"]
-        return self._generate(args, text)
+        return self._generate(bound.arguments, text)
 
     @property
     def last_exchange(self) -> ChatExchange | None:

@@ -423,7 +423,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
                  draft_self: bool | str | None = False, draft_steps: int = 1, grammar: str | None = None,
                  logprobs: int | None = None,
-                 response_format: Mapping[str, Any] | None = None, _chat_text: str | None = None) -> Any:
+                 response_format: Mapping[str, Any] | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -473,8 +473,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         yielding the text as it becomes final: after every denoising step, the new part of the
         block's contiguous unmasked prefix."""
         args = dict(locals())
-        del args["self"], args["_chat_text"]
-        return self._generate(args, _chat_text)  # (_chat_text: the server's, until it uses generate_chat)
+        del args["self"]
+        return self._generate(args, None)
 
     def _generate(self, a: Mapping[str, Any], chat_text: str | None) -> Any:
         """generate() with its arguments ``a``; ``chat_text``: the rendered chat prompt of the
