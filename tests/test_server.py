@@ -176,6 +176,25 @@ def test_errors_are_openai_shaped(server, body, param) -> None:
         assert param in (err["param"] or "") or param in err["message"]
 
 
+def test_the_budget_fits_by_the_runtimes_rule(server, local) -> None:
+    """prompt + max_tokens must fit n_ctx as Clover.room says: with a fixed block size, in whole
+    blocks (a budget that fits only token by token is a 400 context_length_exceeded naming
+    max_tokens); the room itself is granted; auto needs no whole blocks."""
+    ids = (local.tokenize("def f(x):\n    return x\n" * 200, add_special=True))[:950]
+    assert len(ids) == 950
+    room = local.room(950, block_size=32)
+    assert room == (1024 - 950) // 32 * 32 < 1024 - 950
+    body = {"prompt": ids, "block_size": 32, "temperature": 0, "ignore_eos": True}
+    r = _post(server, "/v1/completions", {**body, "max_tokens": 1024 - 950})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens", r.text
+    assert "blocks of 32" in err["message"]
+    r = _post(server, "/v1/completions", {**body, "max_tokens": room})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == room, r.text
+    r = _post(server, "/v1/completions", {**body, "block_size": "auto", "max_tokens": 1024 - 950})
+    assert r.status_code == 200, r.text
+
+
 def test_chat_errors(server) -> None:
     assert _post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
     assert _post(server, "/v1/chat/completions", {"messages": [{"content": "no role"}]}).status_code == 400

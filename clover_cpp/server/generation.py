@@ -26,14 +26,14 @@ from .. import Clover, CloverError, GenerationResult
 from . import format as fmt
 from .pool import ServerState, Slot
 from .tools import ToolPlan, ToolStream
-from .types import INT32_MAX, APIError, Limits, _Knobs
+from .types import INT32_MAX, APIError, Knobs, Limits
 
 
 @dataclass
 class Job:
     """One generation request, as the endpoints hand it to :meth:`Generator.run`."""
 
-    req: _Knobs
+    req: Knobs
     score: Callable[[Slot], int]               # how many of the prompt's tokens a slot's memory holds
     tokens_for: Callable[[Slot], list[int]]    # the prompt's tokens for that slot (on a thread)
     chat_text: str | None                      # a chat's rendered prompt: Clover.generate_chat's
@@ -50,7 +50,7 @@ def api_error(e: CloverError, param: str | None = None) -> APIError:
     return APIError(500, e.message, code="generation_failed")
 
 
-def constraint_param(req: _Knobs) -> str | None:
+def constraint_param(req: Knobs) -> str | None:
     return "grammar" if req.grammar else "response_format" if req.response_format is not None else None
 
 
@@ -73,7 +73,7 @@ class Generator:
     def __init__(self, model: Clover, st: ServerState, limits: Limits) -> None:
         self.model, self.st, self.limits = model, st, limits
 
-    def constraints(self, req: _Knobs, tools: ToolPlan | None = None) -> dict[str, Any]:
+    def constraints(self, req: Knobs, tools: ToolPlan | None = None) -> dict[str, Any]:
         """logprobs, response_format and grammar as Clover.generate takes them (a constrained
         request decodes autoregressively or with draft-self: stats.grammar_mode)."""
         req.check_neutral()
@@ -86,7 +86,7 @@ class Generator:
                            param="tool_choice")
         return {"logprobs": req.n_logprobs(), "grammar": req.grammar or forced, "response_format": rf}
 
-    def gen_kwargs(self, req: _Knobs, n_prompt: int, param: str, tools: ToolPlan | None) -> dict[str, Any]:
+    def gen_kwargs(self, req: Knobs, n_prompt: int, param: str, tools: ToolPlan | None) -> dict[str, Any]:
         n_ctx = self.model.n_ctx
         B = req.block_size
         if isinstance(B, int):

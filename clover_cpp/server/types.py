@@ -143,7 +143,7 @@ class ResponseFormat(BaseModel):
         return {"type": "json_object"}
 
 
-class _Knobs(BaseModel):
+class Knobs(BaseModel):
     """Fields both endpoints share: OpenAI's names, then Clover's own knobs."""
 
     model_config = _STRICT
@@ -281,7 +281,7 @@ class NamedChoice(BaseModel):
     function: _Name
 
 
-class ChatRequest(_Knobs):
+class ChatRequest(Knobs):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
@@ -295,7 +295,7 @@ class ChatRequest(_Knobs):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_Knobs):
+class CompletionRequest(Knobs):
     prompt: Union[str, list[str], list[int]]
     echo: bool = False
     suffix: str | None = None
