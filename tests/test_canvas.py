@@ -32,12 +32,18 @@ from clover_cpp._lib import import_llama_cpp
 llama_cpp = import_llama_cpp()
 from llama_cpp import Llama
 path, toks, B, out = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-llm = Llama(model_path=path, n_ctx=256, n_threads=1, n_batch=128, type_k=0, type_v=0, verbose=True, logits_all=True)
+llm = Llama(model_path=path, n_ctx=256, n_threads=1, n_batch=128, type_k=0, type_v=0, verbose=False, logits_all=True)
 lib = llama_cpp.llama_cpp._lib
 lib.llama_set_canvas.argtypes, lib.llama_set_canvas.restype = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32
+LOG_CB = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+lines = []
+cb = LOG_CB(lambda level, text, user: lines.append((text or b"").decode(errors="replace")))
+lib.llama_log_set.argtypes, lib.llama_log_set.restype = [ctypes.c_void_p, ctypes.c_void_p], None
 llm.eval(toks)
 plain = np.array(llm.scores[: len(toks)])
+lib.llama_log_set(ctypes.cast(cb, ctypes.c_void_p), None)  # what llama_set_canvas logs, whoever logged before
 rc_set = lib.llama_set_canvas(llm._ctx.ctx, B, B)
+print("".join(lines), file=sys.stderr)
 llm.reset()
 llm.eval(toks)
 after = np.array(llm.scores[: len(toks)])
