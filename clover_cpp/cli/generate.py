@@ -77,7 +77,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
                     tensor_split, override_tensor) as m:
         if n_predict == -1:
             n_prompt = len(m.tokenize(text, add_special=True, parse_special=True))
-            kw["max_tokens"] = until_context_end(m, n_prompt, block_size)
+            kw["max_tokens"] = until_context_end(m, n_prompt, block_size, draft_self)
         r = generate_to_terminal(m, text, visual, prefix=text if echo and not no_display_prompt else "", **kw)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -160,7 +160,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
                 continue
             history.append({"role": "user", "content": line})
             try:
-                msgs, budget = _fit_history(m, base, history, n_predict, kw["block_size"])
+                msgs, budget = _fit_history(m, base, history, n_predict, block_size, draft_self)
             except UserError as e:  # this message does not fit: say so, keep the session and its history
                 history.pop()
                 click.echo(f"error: {e.format_message()}", err=True)
@@ -177,20 +177,21 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
 
 
 def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str]],
-                 max_tokens: int, block_size: Any) -> tuple[list[dict[str, str]], int]:
-    """Drop the oldest turns until the prompt plus the budget fits the context: decode blocks of
-    B start right after the prompt, so they need the budget rounded up to whole blocks
-    (clover_generate's rule; with block size auto, B is only ever one whose blocks fit).
+                 max_tokens: int, block_size: Any, draft_self: str) -> tuple[list[dict[str, str]], int]:
+    """Drop the oldest turns until the prompt plus the budget fits the context (Clover.fits:
+    decode blocks of B start right after the prompt, so the budget counts in whole blocks).
     max_tokens -1: at least one block must fit, and the budget is the rest of the context.
     Returns the messages and the token budget."""
-    B = 1 if block_size == "auto" else block_size
     while True:
         msgs = base + history
         n = len(m.tokenize(m.format_chat(msgs), add_special=True, parse_special=True))
-        need = n + (B if max_tokens == -1 else -(-max_tokens // B) * B)
-        if need <= m.n_ctx or len(history) <= 1:
-            if need > m.n_ctx:
+        if max_tokens == -1:
+            ok = m.room(n, block_size, draft_self) >= 1
+        else:
+            ok = m.fits(n, max_tokens, block_size, draft_self)
+        if ok or len(history) <= 1:
+            if not ok:
                 raise UserError(f"the message ({n} tokens) and -n {max_tokens} do not fit the context "
                                 f"({m.n_ctx}); raise -c or lower -n")
-            return msgs, (until_context_end(m, n, block_size) if max_tokens == -1 else max_tokens)
+            return msgs, (until_context_end(m, n, block_size, draft_self) if max_tokens == -1 else max_tokens)
         del history[:2]

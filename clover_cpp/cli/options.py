@@ -55,11 +55,6 @@ def _parse_split(value: str | None) -> list[float] | None:
     return split
 
 
-def flash_attn_flag(value: str) -> bool | None:
-    """-fa on/off/auto as Clover's flash_attn (True, False, None = llama.cpp decides)."""
-    return {"on": True, "off": False}.get(value)
-
-
 class BlockSizeType(click.ParamType):
     """A block size: an integer >= 1, or "auto" (chosen per block, see clover.h)."""
     name = "N|auto"
@@ -150,10 +145,9 @@ def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int,
     if verbose:
         set_verbose()
     try:
-        return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers,
-                      block_size=None if block_size == "auto" else block_size,
-                      flash_attn=flash_attn_flag(flash_attn), rpc_servers=rpc,
-                      tensor_split=tensor_split, override_tensor=override_tensor)
+        return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers, block_size=block_size,
+                      flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
+                      override_tensor=override_tensor)
     except CloverError as e:
         raise UserError(e.message) from None
 
@@ -161,23 +155,22 @@ def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int,
 def gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
                top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = (),
                draft_self: bool | str = False) -> dict[str, Any]:
-    """The sampling flags as Clover.generate's keyword arguments."""
+    """The sampling flags as Clover.generate's keyword arguments (their values as the flags spell
+    them: Clover reads block_size "auto" and draft_self "on"/"off"/"auto" itself)."""
     if seed == -1:  # as in llama.cpp: a random seed
         import secrets
         seed = secrets.randbits(63)
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
-                stop=list(reverse_prompt),
-                draft_self={"on": True, "off": False}.get(draft_self, draft_self) if isinstance(draft_self, str)
-                else draft_self)
+                stop=list(reverse_prompt), draft_self=draft_self)
 
 
-def until_context_end(m: Any, n_prompt: int, block_size: Any) -> int:
-    """The budget of -n -1: the rest of the context, in whole blocks of a fixed B (decode blocks
-    start right after the prompt; block size auto only picks blocks that fit)."""
-    B = 1 if block_size == "auto" else int(block_size)
-    budget = (m.n_ctx - n_prompt) // B * B
+def until_context_end(m: Any, n_prompt: int, block_size: Any, draft_self: bool | str = False) -> int:
+    """The budget of -n -1: the rest of the context (Clover.room: in whole blocks of a fixed B,
+    as decode blocks start right after the prompt)."""
+    budget = m.room(n_prompt, block_size, draft_self)
     if budget < 1:
+        B = 1 if block_size == "auto" or draft_self == "on" else int(block_size)  # (draft-self: no whole blocks)
         raise UserError(f"the prompt ({n_prompt} tokens) leaves no room for a block of {B} in the context "
                         f"({m.n_ctx}); raise -c")
     return budget

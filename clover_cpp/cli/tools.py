@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
-from .options import flash_attn_flag, model_option, runtime_options, set_verbose
+from .options import model_option, runtime_options, set_verbose
 
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
@@ -122,7 +122,7 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
     click.echo(f"clover serve: http://{host}:{port}/v1 ({parallel} context(s)); Ctrl-C to stop", err=True)
     run_server(model, host=host, port=port, parallel=parallel, api_key=api_key, n_ctx=ctx_size, n_threads=threads,
                n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
-               flash_attn=flash_attn_flag(flash_attn), rpc_servers=rpc, tensor_split=tensor_split,
+               flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
                override_tensor=override_tensor,
                limits=Limits(max_body_bytes=max_body, max_messages=max_messages, body_timeout=body_timeout,
                              max_block_size=max_block_size, stuck_after=stuck_timeout))
