@@ -11,6 +11,19 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from clover_cpp.gguf_keys import (  # re-exported: the GGUF names of our own (one owner)
+    ARCH,
+    BLOCK_OPERATOR_CLOVER,
+    BLOCK_OPERATOR_RELEASE,
+    BLOCK_OPERATORS,
+    KEY_BLOCK_OPERATOR,
+    KEY_CONV_LOOKAHEAD,
+    KEY_DIFFUSION_BLOCK_SIZE,
+    KEY_RECURRENT_LAYERS,
+    KEY_SEMANTICS,
+    SEMANTICS,
+)
+
 __all__ = [
     "ConversionError",
     "CloverConfig",
@@ -40,39 +53,11 @@ class ConversionError(ValueError):
 
 
 # ---------------------------------------------------------------------------
-# GGUF metadata keys of our own (spec/gguf-layout.md); the standard ones are written with
-# gguf-py's typed GGUFWriter.add_* helpers (add_block_count, add_ssm_group_count, ...)
+# config.json's identity keys (the GGUF's own keys are clover_cpp.gguf_keys', re-exported here)
 
-ARCH = "clover"
-KEY_RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # bool per layer: GDN (linear_attention)
-KEY_CONV_LOOKAHEAD = "{arch}.ssm.conv_lookahead"            # R, the lookahead conv taps
-KEY_DIFFUSION_BLOCK_SIZE = "{arch}.diffusion.block_size"    # B0, the training block size
-KEY_SEMANTICS = "{arch}.semantics"                          # string: SEMANTICS, what the weights were trained for
-
-# Which semantics the weights were trained for (spec/model.md): config.json's CONFIG_SEMANTICS key
-# and the GGUF's KEY_SEMANTICS. "causal-shift" (spec v2) is the only current one: a causal
-# committed prefix, logits at t predict the token at t+1. Weights of the retired in-place
-# semantics (spec v1: logits at t for the token at t, bidirectional commits) have no such key.
+# config.json's key saying which semantics the weights were trained for (gguf_keys.SEMANTICS,
+# written as KEY_SEMANTICS); weights of the retired in-place semantics (spec v1) have no such key
 CONFIG_SEMANTICS = "clover_semantics"
-SEMANTICS = "causal-shift"
-
-# Which block operator the GGUF carries (docs/release-checkpoint.md, spec/gguf-layout.md), written
-# as KEY_BLOCK_OPERATOR; a file without the key is Clover's (every GGUF made before the key existed):
-# * BLOCK_OPERATOR_CLOVER: ours, the mixing gate in_proj_m and the calibrated block softmax
-#   block_calib (spec/model.md); the GDN output of a committed token is
-#   lambda * (memory read of the state before it) + (1 - lambda) * v. Runs B = 1, block
-#   diffusion and draft-self.
-# * BLOCK_OPERATOR_RELEASE: the released checkpoint's (CloverMoeModelLM), whose block softmax
-#   (linear_attn.bd_softmax_logit_scale / history_bias / history_c) is not public. The tensors are
-#   kept (blk.{i}.ssm_bd_*), never run. The trunk is Qwen3.5-MoE's: the GDN output of a committed
-#   token is the gated delta rule's read of the state AFTER the token's write; a block pass runs
-#   the trunk with the block softmax left out (the delta rule continued causally over the canvas,
-#   not written back; look-ahead taps and full attention bidirectional inside the canvas). Runs
-#   B = 1 and draft-self; block diffusion is refused.
-KEY_BLOCK_OPERATOR = "{arch}.block_operator"
-BLOCK_OPERATOR_CLOVER = "clover-mix-calib"
-BLOCK_OPERATOR_RELEASE = "release-bd-softmax"
-BLOCK_OPERATORS = (BLOCK_OPERATOR_CLOVER, BLOCK_OPERATOR_RELEASE)
 # the release's identity in config.json (its trunk config keys are Qwen3.5-MoE's, which we read)
 RELEASE_MODEL_TYPE = "clover_moe"
 RELEASE_ARCHITECTURE = "CloverMoeModelLM"

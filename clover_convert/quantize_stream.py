@@ -10,7 +10,7 @@ followed by ``clover quantize ... Q4_K_M`` gives, byte for byte, without the bf1
   its per-tensor type rule for the file type (plus our keep-f32 rules, patch 0002), its f32
   conversion, ggml's quantization functions and its output writer, all unchanged. Whenever it
   needs a byte range of a tensor, it calls back here, and the converter's chunked, threaded
-  filler (``_Filler``: read, permute, transform, round to bf16) makes exactly those bytes in
+  filler (``filler.Filler``: read, permute, transform, round to bf16) makes exactly those bytes in
   memory, from the memory-mapped safetensors.
 
 Memory: the quantizer's slabs are capped (``MAX_BUF_BYTES`` of source, f32 and output rows

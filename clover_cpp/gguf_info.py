@@ -10,12 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from ._files import fmt_bytes as human_bytes
+from .gguf_keys import ARCH, BLOCK_OPERATOR_CLOVER, BLOCK_OPERATOR_RELEASE, KEY_BLOCK_OPERATOR, KEY_SEMANTICS, SEMANTICS
 
 __all__ = ["GGUFInfoError", "GGUFInfo", "read_info", "check_clover_gguf"]
 
-ARCH = "clover"
-BLOCK_OPERATOR_CLOVER = "clover-mix-calib"     # clover_convert.mapping's (not imported: no numpy needed here)
-BLOCK_OPERATOR_RELEASE = "release-bd-softmax"
 
 
 class GGUFInfoError(ValueError):
@@ -51,7 +49,7 @@ class GGUFInfo:
     def layout(self) -> tuple[str, str]:
         """(layout, block operator): which checkpoint layout the file was converted from, by its
         ``clover.block_operator`` (none: a file of ours made before the key existed)."""
-        op = self.metadata.get(f"{self.architecture}.block_operator") or BLOCK_OPERATOR_CLOVER
+        op = self.metadata.get(KEY_BLOCK_OPERATOR.format(arch=self.architecture)) or BLOCK_OPERATOR_CLOVER
         if op == BLOCK_OPERATOR_RELEASE:
             return "release (CloverMoeModelLM / clover_moe)", op
         if op == BLOCK_OPERATOR_CLOVER:
@@ -61,9 +59,9 @@ class GGUFInfo:
     def capabilities(self) -> dict[str, str]:
         """What libclover runs on this file: causal (B = 1), draft-self, block diffusion; "yes" or
         "no: why" (the loader's and check_block_diffusion's rules)."""
-        sem = self.metadata.get(f"{self.architecture}.semantics")
+        sem = self.metadata.get(KEY_SEMANTICS.format(arch=self.architecture))
         _, op = self.layout()
-        if sem != "causal-shift":
+        if sem != SEMANTICS:
             no = "no: weights of the retired in-place semantics (no clover.semantics = causal-shift); reconvert"
             return {"causal (B = 1)": no, "draft-self": no, "block diffusion": no}
         if op == BLOCK_OPERATOR_RELEASE:
