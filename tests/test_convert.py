@@ -8,6 +8,7 @@ value-head reorder is done the way upstream's ``_reorder_v_heads`` does it (resh
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from clover_convert import ConversionError, convert
 from clover_convert import converter as conv_mod
 from clover_convert import filler as filler_mod
 from clover_convert import gguf_writer as writer_mod
+from clover_convert import plan as plan_mod
 from clover_convert.cli import main as cli_main
 from clover_convert.safetensors_io import CheckpointReader, write_safetensors
 from clover_testkit.checkpoints import preset_config, tensor_plan, write_checkpoint
@@ -378,6 +380,44 @@ def test_chunks_shrink_with_the_cores(fx, monkeypatch):
             assert filler._chunk_elems() == filler_mod.CHUNK_ELEMS // cores
         finally:
             filler.close()
+
+
+def test_writer_built_once_per_conversion(fx, tmp_path, monkeypatch):
+    """The plan builds the GGUF writer (keys, tokenizer, tensor infos) once; convert opens that
+    writer rather than building another: one build per conversion, split or not, same bytes."""
+    want, _ = fx.gguf("bf16", "f16")
+    built = []
+    real = plan_mod.build_writer
+
+    def spy(*args, **kwargs):
+        built.append(args[3])  # the outtype
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plan_mod, "build_writer", spy)
+    plan = convert(fx.ckpt("bf16"), tmp_path / "m.gguf", outtype="f16", progress=False)
+    assert built == ["f16"] and plan.out.read_bytes() == want.read_bytes()
+    plan = convert(fx.ckpt("bf16"), tmp_path / "s.gguf", outtype="f16", split_max_size="100K", progress=False)
+    assert built == ["f16", "f16"] and len(plan.shard_paths) > 1
+
+
+def test_runtime_imports_no_converter():
+    """Layering: no module of clover_cpp (the runtime) imports clover_convert or clover_testkit at
+    module level (the converter imports the shared helpers from clover_cpp._files and
+    clover_cpp.gguf_keys, never the other way round), and importing the runtime's file tools
+    (inspect, quantize, imatrix, kld) loads no converter module."""
+    root = Path(__file__).resolve().parents[1] / "clover_cpp"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:  # module level only
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("clover_convert", "clover_testkit")]
+    assert found == []
+    code = ("import sys, clover_cpp.gguf_info, clover_cpp.quant, clover_cpp.imatrix, clover_cpp.kld; "
+            "print(sorted(m for m in sys.modules if m.startswith(('clover_convert', 'clover_testkit'))))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
 
 
 def test_q8_0_falls_back_to_f16_for_odd_rows(tmp_path):
