@@ -58,7 +58,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .config import (  # noqa: F401 - the config half of the mapping, re-exported (one import for both halves)
+from .config import (  # noqa: F401 - the config half of the mapping, re-exported (one import for both)
     ARCH,
     BLOCK_OPERATOR_CLOVER,
     BLOCK_OPERATOR_RELEASE,
@@ -69,7 +69,6 @@ from .config import (  # noqa: F401 - the config half of the mapping, re-exporte
     KEY_DIFFUSION_BLOCK_SIZE,
     KEY_RECURRENT_LAYERS,
     KEY_SEMANTICS,
-    LAYER_TYPES,
     RELEASE_ARCHITECTURE,
     RELEASE_MODEL_TYPE,
     SEMANTICS,
