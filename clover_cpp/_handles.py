@@ -175,10 +175,7 @@ def new_context(model: int, a: ContextArgs) -> int:
     cp.n_threads = n_threads if n_threads is not None else 0
     cp.block_size = block_size or 0  # (clover_context_params: 0 = the training block size)
     cp.flash_attn = flash_attn
-    if kv_f32:
-        if not any(f[0] == "kv_f32" for f in N.clover_context_params._fields_):
-            raise CloverError("kv_f32 needs a libclover with clover_context_params.kv_f32")
-        cp.kv_f32 = 1
+    cp.kv_f32 = 1 if kv_f32 else 0  # (the struct matches clover.h: _native checks it at load)
     c = L.clover_context_new(model, ctypes.byref(cp), err, n)
     if not c:
         check(N.CLOVER_ERR_LOAD, err)

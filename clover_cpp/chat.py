@@ -126,7 +126,7 @@ class ChatCalls:
     generate: Any
     _generate: Any
     _tokens: Any
-    _c: Any
+    _m: Any
 
     @property
     def end_of_turn_tokens(self) -> list[int]:
@@ -170,7 +170,7 @@ class ChatCalls:
     def last_exchange(self) -> ChatExchange | None:
         """This object's last generation (its chat prompt, if any, the prompt's tokens, the reply):
         the conversation a chat prompt that starts with ``last_exchange.text`` continues."""
-        self._c()
+        self._m()
         return self._last
 
     def chat_tokens(self, prompt: str) -> list[int]:

@@ -225,10 +225,15 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             state = f"block_size={self.block_size}, n_ctx={self._n_ctx}"
         return f"Clover({str(self.model_path)!r}, {state})"
 
-    def _c(self) -> int:
+    def _m(self) -> int:
         if self._model is None or self._ctx is None:
             raise CloverError("the model is closed")
+        return self._model
+
+    def _c(self) -> int:
+        self._m()
         self._not_in_callback()
+        assert self._ctx is not None
         return self._ctx
 
     @contextlib.contextmanager
@@ -312,7 +317,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
     @property
     def n_ctx(self) -> int:
-        self._c()
+        self._m()
         return self._n_ctx
 
     @property
@@ -430,7 +435,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         block_size: B for this call; by default the one given to the constructor, else "auto":
         chosen per block from the cost curve (from the disk cache, else measured on the first
         auto call, see :meth:`calibrate`) and the running tokens per pass (rules in clover.h).
-        None = "auto" too.
+        None = "auto" too, as in the constructor (to keep the context's current B, pass
+        ``self.block_size``). Does it fit: :meth:`room` / :meth:`fits` (libclover's rule).
         threshold: unmask every masked position whose confidence >= threshold (in [0, 1]).
         max_steps: per-block step cap (0 = none). temperature 0 = greedy (libclover also decodes
         greedily below CLOVER_MIN_TEMPERATURE = 1e-6 and for top_p below 1 / n_vocab, 0 included;
@@ -440,7 +446,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         on_step(canvas_tokens, n_masked, block_start): called after every denoising step with
         the block's B tokens (masked ones = the mask token); returning True cancels.
         on_block(text, tokens): called with each committed block's text; True cancels.
-        stop_tokens: extra token ids that end the output like EOS (the output stops before them).
+        stop_tokens: extra token ids that end the output like EOS (the output stops before them;
+        libclover stops on them: ``finish_reason`` "stop", the stats of the cut output).
         stop: strings that end the output (matched across token boundaries; the text stops
         before the first one, ``finish_reason`` "stop"; ``tokens`` then run to the token that
         completed it).
