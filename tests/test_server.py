@@ -542,3 +542,33 @@ def test_disconnect_cancels_non_streaming(gguf) -> None:
         assert after["clover_completion_tokens_total"] - before["clover_completion_tokens_total"] < 2 * 900
     finally:
         s.stop()
+
+
+def test_the_server_uses_public_names_only() -> None:
+    """clover_cpp/server/ reaches the runtime through its public names (as the CLI does): no
+    `obj._name` on another object, no private keyword argument (`_chat_text=`), no private name
+    imported from outside the package (the one exception: `_native`, whose CLOVER_ERR_* are the
+    values CloverError.status documents), no file over 600 lines, and no copy of a context's
+    memory (the pool asks the model)."""
+    import ast
+
+    folder = Path(__file__).resolve().parent.parent / "clover_cpp" / "server"
+    files = sorted(folder.glob("*.py"))
+    assert {p.name for p in files} >= {"__init__.py", "app.py", "generation.py", "pool.py", "types.py", "tools.py"}
+    found = []
+    for p in files:
+        text = p.read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 600, p.name
+        for node in ast.walk(ast.parse(text)):
+            where = f"{p.name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os")):
+                found.append(f"{where} .{node.attr}")
+            if isinstance(node, ast.keyword) and node.arg and node.arg.startswith("_"):
+                found.append(f"{where} {node.arg}=")
+            if isinstance(node, ast.ImportFrom) and node.level != 1:  # outside the package
+                found += [f"{where} import {a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name not in ("__future__", "_native")]
+            if isinstance(node, ast.Attribute) and node.attr in ("memory", "chat_text"):
+                found.append(f"{where} .{node.attr} (a copy of what the model holds)")
+    assert not found, found

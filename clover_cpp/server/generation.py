@@ -36,7 +36,7 @@ class Job:
     req: Knobs
     score: Callable[[Slot], int]               # how many of the prompt's tokens a slot's memory holds
     tokens_for: Callable[[Slot], list[int]]    # the prompt's tokens for that slot (on a thread)
-    chat_text: str | None                      # a chat's rendered prompt: Clover.generate_chat's
+    chat_prompt: str | None                    # a chat's rendered prompt: Clover.generate_chat's
     make_chunk: Callable[..., dict[str, Any]]
     make_final: Callable[[GenerationResult, Any], dict[str, Any]]
     tools: ToolPlan | None = None
@@ -173,8 +173,8 @@ class Generator:
         def generate(stream: bool) -> Any:
             call = dict(stream=stream, on_step=lambda canvas, n_masked, start: slot.step(n_masked, start),
                         on_block=lambda text, toks: slot.block(), **kw)
-            if job.chat_text is not None:  # chat_tokens' tokens again: the conversation goes on
-                return slot.model.generate_chat(job.chat_text, **call)
+            if job.chat_prompt is not None:  # chat_tokens' tokens again: the conversation goes on
+                return slot.model.generate_chat(job.chat_prompt, **call)
             return slot.model.generate(prompt, **call)
 
         if not req.stream:
