@@ -447,6 +447,13 @@ def test_max_completion_tokens_is_max_tokens(server) -> None:
     seeds = {c.completions.create(model="x", prompt="x", max_tokens=1, seed=-1).model_extra["clover"]["seed"]
              for _ in range(3)}
     assert len(seeds) == 3
+    # the reported seed is the one the runtime drew: given again, it reproduces a sampled reply
+    sampled = dict(model="x", prompt="def", max_tokens=12, temperature=1.0,
+                   extra_body={"block_size": 4, "ignore_eos": True})
+    r = c.completions.create(**sampled)
+    again = c.completions.create(**sampled, seed=r.model_extra["clover"]["seed"])
+    assert again.choices[0].text == r.choices[0].text
+    assert again.model_extra["clover"]["seed"] == r.model_extra["clover"]["seed"]
 
 
 def test_draft_self_auto_and_the_mode_reported(server, local) -> None:

@@ -60,7 +60,7 @@ class ScriptedClover:
         text = self.script(text_in)
         toks = self._real.tokenize(text)
         stats = GenerationStats(n_prompt=len(prompt), n_generated=len(toks), finish_reason="eos", block_size=1,
-                                tokens_per_forward=1.0, n_decode_forwards=len(toks))
+                                tokens_per_forward=1.0, n_decode_forwards=len(toks), seed=kw.get("seed"))
         result = GenerationResult(text=text, tokens=toks, stats=stats)
         if not stream:
             return result

@@ -242,17 +242,17 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 return choice({"tool_calls": [{"index": i, **call}]})
             if kind == "usage":
                 return {**base, "choices": [], "usage": fmt.usage(v)}
-            r, ts, seed = v
+            r, ts = v
             finish = "tool_calls" if ts is not None and ts.calls else fmt.finish_reason(r)
             end = choice({}, finish)
             end["choices"][0]["logprobs"] = chat_logprobs(r)  # streamed: all of them with the last chunk
-            return {**end, "clover": fmt.clover_stats(r, seed)}
+            return {**end, "clover": fmt.clover_stats(r)}
 
-        def final(r: GenerationResult, seed: int) -> dict[str, Any]:
+        def final(r: GenerationResult) -> dict[str, Any]:
             msg, finish = message_of(r, tp)
             return {"id": cid, "object": "chat.completion", "created": now, "model": name,
                     "choices": [{"index": 0, "message": msg, "logprobs": chat_logprobs(r), "finish_reason": finish}],
-                    "usage": fmt.usage(r), "clover": fmt.clover_stats(r, seed)}
+                    "usage": fmt.usage(r), "clover": fmt.clover_stats(r)}
 
         job = Job(req, lambda slot: slot.chat_reuse(text), lambda slot: slot.model.chat_tokens(text), text, chunk,
                   final, tp)
@@ -293,15 +293,15 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 return choice(v)
             if kind == "usage":
                 return {**base, "choices": [], "usage": fmt.usage(v)}
-            r, _, seed = v
+            r, _ = v
             end = choice("", fmt.finish_reason(r))
             end["choices"][0]["logprobs"] = completion_logprobs(r, len(echo))
-            return {**end, "clover": fmt.clover_stats(r, seed)}
+            return {**end, "clover": fmt.clover_stats(r)}
 
-        def final(r: GenerationResult, seed: int) -> dict[str, Any]:
+        def final(r: GenerationResult) -> dict[str, Any]:
             out = choice(echo + r.text, fmt.finish_reason(r))
             out["choices"][0]["logprobs"] = completion_logprobs(r, len(echo))
-            return {**out, "usage": fmt.usage(r), "clover": fmt.clover_stats(r, seed)}
+            return {**out, "usage": fmt.usage(r), "clover": fmt.clover_stats(r)}
 
         job = Job(req, lambda slot: slot.reuse(prompt), lambda slot: prompt, None, chunk, final)
         return await gen.run(request, job, "prompt")

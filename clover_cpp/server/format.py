@@ -18,11 +18,12 @@ def usage(r: GenerationResult) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": r.stats.n_reused}}
 
 
-def clover_stats(r: GenerationResult, seed: int) -> dict[str, Any]:
+def clover_stats(r: GenerationResult) -> dict[str, Any]:
+    """Clover's own figures of a reply (the ``clover`` object), with the seed the call used."""
     s = r.stats
     out = {"block_size": s.block_size, "tokens_per_forward": round(s.tokens_per_forward, 4),
            "decode_passes": s.n_decode_passes, "reused_prompt_tokens": s.n_reused,
-           "tokens_per_second": round(s.tokens_per_second, 2), "seed": seed}
+           "tokens_per_second": round(s.tokens_per_second, 2), "seed": r.seed}
     if getattr(s, "mode", ""):
         # the last block's mode ("autoregressive", "diffusion" or "draft-self": what block_size /
         # draft_self "auto" chose) and the blocks per mode

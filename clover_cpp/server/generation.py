@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ class Job:
     tokens_for: Callable[[Slot], list[int]]    # the prompt's tokens for that slot (on a thread)
     chat_prompt: str | None                    # a chat's rendered prompt: Clover.generate_chat's
     make_chunk: Callable[..., dict[str, Any]]
-    make_final: Callable[[GenerationResult, Any], dict[str, Any]]
+    make_final: Callable[[GenerationResult], dict[str, Any]]
     tools: ToolPlan | None = None
 
 
@@ -97,7 +96,8 @@ class Generator:
         B = B or "auto"
         room = self.model.room(n_prompt, block_size=B, draft_self=req.draft_self)  # the runtime's one rule
         if room < 1:
-            raise APIError(400, f"the prompt ({n_prompt} tokens) does not fit the context ({n_ctx} tokens)",
+            raise APIError(400, f"the prompt ({n_prompt} tokens) does not fit the context ({n_ctx} tokens"
+                                f"{f', in blocks of {B}' if n_ctx > n_prompt else ''})",
                            code="context_length_exceeded", param=param)
         mt, mct = req.max_tokens, req.max_completion_tokens
         if mt is not None and mct is not None and mt != mct:
@@ -111,10 +111,9 @@ class Generator:
             raise APIError(400, f"the prompt ({n_prompt} tokens) + {which} ({max_tokens}) exceed the context "
                                 f"({n_ctx} tokens{f', in blocks of {B}' if room < n_ctx - n_prompt else ''})",
                            code="context_length_exceeded", param=which)
-        seed = req.seed if req.seed not in (None, -1) else secrets.randbits(63)
         return dict(max_tokens=max_tokens, block_size=B, threshold=req.threshold,
                     max_steps=req.max_steps, temperature=req.temperature, top_k=min(req.top_k, INT32_MAX),
-                    top_p=req.top_p, seed=seed, stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos,
+                    top_p=req.top_p, seed=req.seed, stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos,
                     draft_self=req.draft_self, **self.constraints(req, tools))
 
     async def _wait_disconnect(self, request: Request, cancel: threading.Event) -> None:
@@ -168,7 +167,6 @@ class Generator:
         except BaseException:
             await finish(None, [])
             raise
-        seed = kw["seed"]
 
         def generate(stream: bool) -> Any:
             call = dict(stream=stream, on_step=lambda canvas, n_masked, start: slot.step(n_masked, start),
@@ -195,7 +193,7 @@ class Generator:
                 await finish(result, prompt)
             if (e := failed()) is not None:
                 raise e
-            return JSONResponse(job.make_final(result, seed))
+            return JSONResponse(job.make_final(result))
 
         try:
             it = await asyncio.to_thread(generate, True)
@@ -224,7 +222,7 @@ class Generator:
                     metrics.errors += 1
                     yield {"data": json.dumps(e.body())}
                     return
-                yield {"data": json.dumps(job.make_chunk(("end", (it.result, ts, seed))))}
+                yield {"data": json.dumps(job.make_chunk(("end", (it.result, ts))))}
                 if (req.stream_options and req.stream_options.include_usage):
                     yield {"data": json.dumps(job.make_chunk(("usage", it.result)))}
                 yield {"data": "[DONE]"}
