@@ -753,3 +753,23 @@ def test_the_cli_uses_public_names_only() -> None:
                     and any(a.name.startswith("_") and a.name != "__future__" for a in node.names):
                 found.append(f"{p.relative_to(REPO)}:{node.lineno} from {node.module} import _...")
     assert not found, found
+
+
+@needs_lib
+def test_chat_with_draft_self_needs_no_whole_blocks(files) -> None:
+    """--draft-self verifies each block by its causal commit, so a turn needs only prompt + -n
+    (Clover.fits, libclover's rule): -c of exactly that is answered. (The CLI's own copy of the
+    rule rounded -n up to whole blocks and refused it.)"""
+    from clover_cpp import Clover
+
+    msg, B, n_predict = "hi there", 5, 7
+    with Clover(files["model"], n_threads=1) as m:
+        n = len(m.tokenize(m.format_chat([{"role": "user", "content": msg}]), add_special=True, parse_special=True))
+    args = ["chat", "-m", files["model"], "-n", n_predict, "--block-size", B, "--draft-self", "-t", "1",
+            "--no-visual", "--stats", "--ignore-eos"]
+    res = invoke(args + ["-c", n + n_predict], input=msg + "\n")
+    assert res.exit_code == 0 and "error" not in res.stderr, res.output
+    assert f"generated={n_predict} tok" in res.stderr, res.stderr
+    res = invoke(args + ["-c", n + n_predict - 1], input=msg + "\n")
+    assert res.stderr.splitlines() == [f"error: the message ({n} tokens) and -n {n_predict} do not fit the context "
+                                       f"({n + n_predict - 1}); raise -c or lower -n"], res.stderr
