@@ -171,7 +171,7 @@ class Generator:
         def generate(stream: bool) -> Any:
             call = dict(stream=stream, on_step=lambda canvas, n_masked, start: slot.step(n_masked, start),
                         on_block=lambda text, toks: slot.block(), **kw)
-            if job.chat_prompt is not None:  # chat_tokens' tokens again: the conversation goes on
+            if job.chat_prompt is not None:  # it reads the same tokens (chat_tokens) and keeps the exchange
                 return slot.model.generate_chat(job.chat_prompt, **call)
             return slot.model.generate(prompt, **call)
 
