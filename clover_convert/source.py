@@ -187,8 +187,9 @@ def _read_header(path: Path) -> dict[str, TensorHeader] | None:
     read = read_header(path)
     if read is None:
         return None
+    _data_start, header = read
     out = {}
-    for name, info in read[1].items():
+    for name, info in header.items():
         if name == "__metadata__":  # the format's own key: not a tensor
             continue
         if not isinstance(info, dict) or not isinstance(info.get("shape"), list) or not isinstance(info.get("dtype"), str):
