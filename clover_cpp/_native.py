@@ -40,7 +40,11 @@ CLOVER_ERR_CONTEXT_FULL = -5
 CLOVER_ERR_BUFFER_TOO_SMALL = -6
 CLOVER_ERR_INTERNAL = -7
 
+# block_size values besides a B >= 1 (clover.h: one meaning each)
+CLOVER_BLOCK_SIZE_TRAIN = 0
 CLOVER_BLOCK_SIZE_AUTO = -1
+CLOVER_BLOCK_SIZE_CONTEXT = -2
+CLOVER_DEFAULT_MAX_TOKENS = 256
 CLOVER_DRAFT_SELF_AUTO = -1
 # clover_stats.mode
 DECODE_MODES = {1: "autoregressive", 2: "diffusion", 3: "draft-self"}
@@ -374,10 +378,18 @@ def clover_set_cost_curve(ctx: int | None, sizes: Any, ms: Any, ms_fused: Any, n
 def clover_generate_default_params() -> clover_generate_params: ...
 
 
+@_c("clover_generate_params_check", [POINTER(clover_generate_params), c_char_buf, c_size_t], c_int)
+def clover_generate_params_check(params: Any, err: Any, err_len: int, /) -> int: ...
+
+
 @_c("clover_generate", [clover_context_p, c_int32_p, c_int32, POINTER(clover_generate_params), c_int32_p, c_int32,
                         c_int32_p, POINTER(clover_stats), c_char_buf, c_size_t], c_int)
 def clover_generate(ctx: int | None, prompt: Any, n_prompt: int, params: Any, out: Any, out_cap: int, n_out: Any,
                     stats: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_generate_room", [clover_context_p, POINTER(clover_generate_params), c_int32], c_int32)
+def clover_generate_room(ctx: int | None, params: Any, n_prompt: int, /) -> int: ...
 
 
 @_c("clover_pick_candidate", [c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64, c_int32_p,
@@ -405,7 +417,8 @@ STRUCTS = (clover_model_params, clover_context_params, clover_generate_params, c
 CONSTANTS = ("CLOVER_API_VERSION", "CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE",
              "CLOVER_ERR_CANCELLED", "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL",
              "CLOVER_FINISH_NONE", "CLOVER_FINISH_EOS", "CLOVER_FINISH_MAX_TOKENS", "CLOVER_FINISH_CANCELLED",
-             "CLOVER_FINISH_STOP_TOKEN", "CLOVER_BLOCK_SIZE_AUTO", "CLOVER_DRAFT_SELF_AUTO", "CLOVER_MAX_TOP_LOGPROBS")
+             "CLOVER_FINISH_STOP_TOKEN", "CLOVER_BLOCK_SIZE_TRAIN", "CLOVER_BLOCK_SIZE_AUTO", "CLOVER_BLOCK_SIZE_CONTEXT",
+             "CLOVER_DRAFT_SELF_AUTO", "CLOVER_MAX_TOP_LOGPROBS", "CLOVER_DEFAULT_MAX_TOKENS")
 
 
 def abi_mismatches(L: ctypes.CDLL, structs: Sequence[type] | None = None,
@@ -480,6 +493,15 @@ def lib() -> ctypes.CDLL:
 def err_buffer(size: int = 1024):
     """A buffer for the `err, err_len` arguments: (buffer, length)."""
     return ctypes.create_string_buffer(size), size
+
+
+def generate_params_problem(gp: clover_generate_params) -> str | None:
+    """libclover's rules for generate parameters (clover_generate_params_check, the one owner of
+    the ranges): None when gp keeps all of them, else the one-line message of the first broken one."""
+    err, n = err_buffer(256)
+    if lib().clover_generate_params_check(ctypes.byref(gp), err, n) == CLOVER_OK:
+        return None
+    return err.value.decode("utf-8", "replace")
 
 
 def as_int32_array(tokens) -> "ctypes.Array[c_int32]":

@@ -274,6 +274,8 @@ int main(int argc, char ** argv) {
     std::string            overrides; // -ot, repeatable
     std::vector<float>     split;
     cp.n_threads = 0; // from the hardware, as `clover run` does
+    gp.max_tokens = 128; // -n's default on the command lines (README, "Command-line defaults"; clover run's
+                         // DEFAULT_N_PREDICT), not the library's CLOVER_DEFAULT_MAX_TOKENS
     // as `clover run`: greedy by default (the same command prints the same text; README,
     // "Command-line defaults"), the prompt echoed as llama-cli does, -n -1 = until EOS or the
     // end of the context
@@ -335,7 +337,7 @@ int main(int argc, char ** argv) {
         } else if (a == "--block-size") {
             const std::string v = val();
             auto_block        = v == "auto";
-            cp.block_size     = auto_block ? 0 : (int32_t) parse_int(a, v.c_str(), 1, 1 << 20);
+            cp.block_size     = auto_block ? CLOVER_BLOCK_SIZE_TRAIN : (int32_t) parse_int(a, v.c_str(), 1, 1 << 20);
         } else if (a == "--draft-self" || a.rfind("--draft-self=", 0) == 0) {
             // an optional value, as clover run's: --draft-self alone = on; --draft-self auto |
             // --draft-self=auto = CLOVER_DRAFT_SELF_AUTO (the mode chosen per block with auto B)
@@ -360,22 +362,16 @@ int main(int argc, char ** argv) {
         } else if (a == "--grammar-file") {
             grammar_file = val();
         } else if (a == "--threshold") {
-            gp.threshold = parse_double(a, val());
-            if (gp.threshold < 0.0 || gp.threshold > 1.0) {
-                die("--threshold must be in [0, 1]");
-            }
+            gp.threshold = parse_double(a, val()); // (its range: clover_generate_params_check below)
         } else if (a == "--step-cap" || a == "--max-steps") {
             gp.max_steps = (int32_t) parse_int(a, val(), 0, 1 << 20);
         } else if (a == "--temp") {
             gp.temperature = parse_double(a, val());
-            if (gp.temperature < 0.0) {
-                die("--temp must be >= 0");
-            }
         } else if (a == "--top-k") {
             gp.top_k = (int32_t) parse_int(a, val(), 0, 1 << 30);
         } else if (a == "--top-p") {
             gp.top_p = parse_double(a, val());
-            if (!(gp.top_p > 0.0 && gp.top_p <= 1.0)) {
+            if (gp.top_p == 0.0) { // (libclover takes 0 as top-k 1; the command lines refuse it, as clover run)
                 die("--top-p must be in (0, 1]");
             }
         } else if (a == "-s" || a == "--seed") {
@@ -414,6 +410,14 @@ int main(int argc, char ** argv) {
     }
     if (model_path.empty()) {
         die("no model given (-m MODEL.gguf)");
+    }
+    {   // libclover's rules for the generation options, before anything is loaded (-n -1 is resolved later)
+        clover_generate_params chk = gp;
+        chk.max_tokens             = std::max<int32_t>(chk.max_tokens, 0);
+        char perr[256];
+        if (clover_generate_params_check(&chk, perr, sizeof(perr)) != CLOVER_OK) {
+            die(perr);
+        }
     }
     if (!prompt_file.empty()) {
         if (have_prompt) {
@@ -473,10 +477,6 @@ int main(int argc, char ** argv) {
         die(err);
     }
     st.mask = clover_mask_token(st.model);
-    if (cp.block_size == 0) {
-        const int32_t b0 = clover_train_block_size(st.model);
-        cp.block_size    = std::min(b0 > 0 ? b0 : 32, cp.n_ctx); // auto starts here; the first call re-plans
-    }
     if (cp.block_size > cp.n_ctx) {
         clover_model_free(st.model);
         die("block size " + std::to_string(cp.block_size) + " exceeds the context size " + std::to_string(cp.n_ctx));
@@ -510,10 +510,13 @@ int main(int argc, char ** argv) {
     st.n_prompt = n_tok;
     st.tty      = isatty(fileno(stdout)) != 0;
 
-    if (gp.max_tokens == -1) { // the rest of the context, in whole blocks of a fixed B
-        const int32_t B = auto_block ? 1 : cp.block_size;
-        gp.max_tokens   = (cp.n_ctx - n_tok) / B * B;
+    // auto starts at the context's B (the training B); the first call re-plans
+    gp.block_size = auto_block ? CLOVER_BLOCK_SIZE_AUTO : CLOVER_BLOCK_SIZE_CONTEXT;
+    gp.grammar    = grammar.empty() ? nullptr : grammar.c_str();
+    if (gp.max_tokens == -1) { // the rest of the context (libclover's rule: whole blocks of a fixed B)
+        gp.max_tokens = clover_generate_room(ctx, &gp, n_tok);
         if (gp.max_tokens < 1) {
+            const int32_t B = auto_block ? 1 : clover_block_size(ctx);
             clover_context_free(ctx);
             clover_model_free(st.model);
             die("the prompt (" + std::to_string(n_tok) + " tokens) leaves no room for a block of " +
@@ -523,11 +526,9 @@ int main(int argc, char ** argv) {
     if (echo) {
         st.echo = prompt;
     }
-    gp.block_size     = auto_block ? CLOVER_BLOCK_SIZE_AUTO : cp.block_size;
     gp.step_callback  = on_step;
     gp.block_callback = on_block;
     gp.user_data      = &st;
-    gp.grammar        = grammar.empty() ? nullptr : grammar.c_str();
 
     std::vector<int32_t> out((size_t) std::max<int32_t>(gp.max_tokens, 1));
     int32_t              n_out = 0;

@@ -388,7 +388,7 @@ clover_context_params clover_context_default_params(void) {
     clover_context_params p;
     p.n_ctx      = 4096;
     p.n_threads  = 4;
-    p.block_size = 0;
+    p.block_size = CLOVER_BLOCK_SIZE_TRAIN;
     p.flash_attn = -1;
     p.kv_f32     = 0;
     p.calib_cache = 1;
@@ -416,11 +416,7 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         if (cp.n_ctx < 3) { // (llama.cpp caps its batch at n_ctx and needs one output per sequence: 3)
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 3, got " + std::to_string(cp.n_ctx));
         }
-        int32_t B = cp.block_size;
-        if (B == 0) { // (no mask token: causal only, B = 1)
-            B = model->mask < 0 ? 1 : model->train_block > 0 ? model->train_block : 32;
-            B = std::min(B, cp.n_ctx);
-        }
+        const int32_t B = cp.block_size == CLOVER_BLOCK_SIZE_TRAIN ? training_block_size(model, cp.n_ctx) : cp.block_size;
         if (B < 1 || B > cp.n_ctx) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
                            "block size must be in [1, n_ctx=" + std::to_string(cp.n_ctx) + "], got " +

@@ -69,19 +69,7 @@ bool gen_extras::forces_ar(const clover_generate_params & gp) {
 int gen_extras::init(const clover_model * m, const clover_generate_params & gp, std::string & msg) {
     model      = m;
     draft_self = gp.draft_self == 1;
-    if (gp.n_top_logprobs < 0 || gp.n_top_logprobs > CLOVER_MAX_TOP_LOGPROBS) {
-        msg = "n_top_logprobs must be in [0, " + std::to_string(CLOVER_MAX_TOP_LOGPROBS) + "], got " +
-              std::to_string(gp.n_top_logprobs);
-        return CLOVER_ERR_INVALID_ARG;
-    }
-    if (gp.n_top_logprobs > 0 && (!gp.top_tokens || !gp.top_logprobs)) {
-        msg = "n_top_logprobs > 0 needs the top_tokens and top_logprobs buffers";
-        return CLOVER_ERR_INVALID_ARG;
-    }
-    if (gp.block_size < CLOVER_BLOCK_SIZE_AUTO) {
-        msg = "block size must be >= 1 (or CLOVER_BLOCK_SIZE_AUTO), got " + std::to_string(gp.block_size);
-        return CLOVER_ERR_INVALID_ARG;
-    }
+    // (the ranges of n_top_logprobs and block_size: clover_impl::check_params, checked first)
     n_top   = gp.n_top_logprobs;
     want_lp = gp.logprobs != nullptr || n_top > 0;
     if (gp.grammar && gp.grammar[0]) {

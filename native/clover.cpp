@@ -7,81 +7,6 @@ using namespace clover_impl;
 
 namespace {
 
-// The arguments of clover_generate, checked before anything is touched. B: the block size the
-// call starts with (1 for auto until the planner picks).
-int check_generate_args(const clover_context * ctx, const clover_generate_params & gp, int32_t B,
-                        const int32_t * prompt, int32_t n_prompt, const int32_t * out, int32_t out_cap,
-                        std::string & msg) {
-    auto bad = [&](int code, std::string what) {
-        msg = std::move(what);
-        return code;
-    };
-    if (B < 1 || B > ctx->n_ctx) {
-        return bad(CLOVER_ERR_INVALID_ARG, "block size must be in [1, n_ctx=" + std::to_string(ctx->n_ctx) +
-                                               "], got " + std::to_string(gp.block_size));
-    }
-    if (!(gp.threshold >= 0.0 && gp.threshold <= 1.0)) {
-        return bad(CLOVER_ERR_INVALID_ARG, "threshold must be in [0, 1], got " + std::to_string(gp.threshold));
-    }
-    if (!(gp.temperature >= 0.0) || std::isinf(gp.temperature)) {
-        return bad(CLOVER_ERR_INVALID_ARG,
-                   "temperature must be finite and >= 0, got " + std::to_string(gp.temperature));
-    }
-    if (!(gp.top_p >= 0.0 && gp.top_p <= 1.0)) {
-        return bad(CLOVER_ERR_INVALID_ARG, "top_p must be in [0, 1], got " + std::to_string(gp.top_p));
-    }
-    if (gp.top_k < 0) {
-        return bad(CLOVER_ERR_INVALID_ARG, "top_k must be >= 0");
-    }
-    if (gp.max_steps < 0) {
-        return bad(CLOVER_ERR_INVALID_ARG, "max_steps must be >= 0");
-    }
-    if (gp.draft_self != 0 && gp.draft_self != 1 && gp.draft_self != CLOVER_DRAFT_SELF_AUTO) {
-        return bad(CLOVER_ERR_INVALID_ARG, "draft_self must be 0, 1 or -1 (auto)");
-    }
-    if (gp.draft_steps < 0) {
-        return bad(CLOVER_ERR_INVALID_ARG, "draft_steps must be >= 0");
-    }
-    if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
-        return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
-    }
-    if (n_prompt == 0 && gp.max_tokens > 0) {
-        return bad(CLOVER_ERR_INVALID_ARG, "empty prompt: the first block is predicted from the prompt's last token");
-    }
-    if (gp.draft_self == 1 && check_mask_token(ctx->model, "draft-self", msg) != CLOVER_OK) {
-        return CLOVER_ERR_INVALID_ARG;
-    }
-    if (B > 1 && check_mask_token(ctx->model, "block size " + std::to_string(B), msg) != CLOVER_OK) {
-        return CLOVER_ERR_INVALID_ARG;
-    }
-    if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
-        return bad(CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
-    }
-    if (gp.n_stop_tokens < 0 || (gp.n_stop_tokens > 0 && !gp.stop_tokens)) {
-        return bad(CLOVER_ERR_INVALID_ARG, "bad stop_tokens (NULL or negative count)");
-    }
-    if (check_tokens(ctx, gp.stop_tokens, gp.n_stop_tokens, msg) != CLOVER_OK) {
-        return bad(CLOVER_ERR_INVALID_ARG, "stop_tokens: " + msg);
-    }
-    if (gp.max_tokens <= 0) {
-        return CLOVER_OK;
-    }
-    if (!out || out_cap < gp.max_tokens) {
-        return bad(CLOVER_ERR_INVALID_ARG, "output buffer too small: out_cap=" + std::to_string(out_cap) +
-                                               " < max_tokens=" + std::to_string(gp.max_tokens));
-    }
-    // (draft-self cuts its canvases at n_ctx: it needs no whole blocks)
-    const int64_t need = gp.draft_self == 1 ? (int64_t) n_prompt + gp.max_tokens
-                                            : (int64_t) n_prompt + ((int64_t) gp.max_tokens + B - 1) / B * B;
-    if (need > ctx->n_ctx) {
-        return bad(CLOVER_ERR_CONTEXT_FULL,
-                   "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" + std::to_string(gp.max_tokens) +
-                       ") in blocks of " + std::to_string(B) + " needs " + std::to_string(need) +
-                       " positions > n_ctx=" + std::to_string(ctx->n_ctx));
-    }
-    return CLOVER_OK;
-}
-
 // One generation (spec/decoding.md): the prompt is committed causally, then decode blocks are
 // denoised one by one, each finished block committed by the next block's first pass. Every
 // method returns a status; on failure `msg` says why and run() clears the memory.
@@ -528,34 +453,6 @@ struct decode_run {
 
 extern "C" {
 
-clover_generate_params clover_generate_default_params(void) {
-    clover_generate_params p;
-    p.block_size     = 0;
-    p.threshold      = 0.9;
-    p.max_steps      = 0;
-    p.temperature    = 0.0;
-    p.top_k          = 0;
-    p.top_p          = 1.0;
-    p.seed           = 0;
-    p.max_tokens     = 128;
-    p.stop_at_eos    = 1;
-    p.step_callback  = nullptr;
-    p.block_callback = nullptr;
-    p.user_data      = nullptr;
-    p.reuse_prefix   = 1;
-    p.draft_self     = 0;
-    p.draft_steps    = 1;
-    p.grammar        = nullptr;
-    p.grammar_root   = nullptr;
-    p.logprobs       = nullptr;
-    p.n_top_logprobs = 0;
-    p.top_tokens     = nullptr;
-    p.top_logprobs   = nullptr;
-    p.stop_tokens    = nullptr;
-    p.n_stop_tokens  = 0;
-    return p;
-}
-
 int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prompt,
                     const clover_generate_params * params, int32_t * out, int32_t out_cap, int32_t * n_out,
                     clover_stats * stats, char * err, size_t err_len) {
@@ -572,32 +469,14 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
         }
         clover_generate_params gp = params ? *params : clover_generate_default_params();
-        clover_detail::normalise_sampling(gp.temperature, gp.top_k, gp.top_p, ctx->model->n_vocab);
-        // draft_self = auto: with block_size = auto the mode too is chosen per block, unless a
-        // grammar or log-probabilities ask for one mode's records; else block diffusion, or
-        // draft-self on a model without a block operator
-        if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO && ctx->model->mask < 0) {
-            gp.draft_self = 0; // no mask token: causal only (auto stays at B = 1, check_mask_token)
+        std::string            msg;
+        if (check_params(gp, msg) != CLOVER_OK) { // the rules that need no context (clover-params.cpp)
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, msg);
         }
-        if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO &&
-            (gp.block_size != CLOVER_BLOCK_SIZE_AUTO || (gp.grammar && gp.grammar[0]) || gp.logprobs ||
-             gp.n_top_logprobs != 0)) {
-            gp.draft_self = ctx->model->has_block_operator ? 0 : 1;
-        }
-        auto_modes modes;
-        modes.diffusion   = gp.draft_self != 1 && ctx->model->has_block_operator;
-        modes.draft_self  = gp.draft_self != 0;
-        modes.draft_steps = gp.draft_steps;
-        // a grammar needs the text left to right: without draft-self the call runs at B = 1
-        // (the context's B is kept), spec/decoding.md "Grammar"
-        const bool  ar_grammar = clover_detail::gen_extras::forces_ar(gp);
-        // a model without a block operator (the release's layout) never runs block diffusion: auto is
-        // B = 1 there, a B > 1 without draft-self is refused (check_block_diffusion)
-        const bool  no_diffusion = !gp.draft_self && !ctx->model->has_block_operator;
-        const bool  auto_B = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !ar_grammar && !no_diffusion &&
-                            ctx->model->mask >= 0;
-        int32_t     B      = ar_grammar ? 1 : gp.block_size == 0 ? ctx->B : gp.block_size == CLOVER_BLOCK_SIZE_AUTO ? 1 : gp.block_size;
-        std::string msg;
+        const gen_setup setup      = resolve_generate(ctx, gp); // normalises gp
+        const bool      ar_grammar = setup.ar_grammar, no_diffusion = setup.no_diffusion, auto_B = setup.auto_B;
+        const auto_modes & modes   = setup.modes;
+        int32_t         B          = setup.B;
         clover_detail::gen_extras ex;
         int         rc = check_generate_args(ctx, gp, B, prompt, n_prompt, out, out_cap, msg);
         if (rc == CLOVER_OK && no_diffusion && !ar_grammar) {

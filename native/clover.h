@@ -140,9 +140,12 @@ CLOVER_API int clover_tokenize(const clover_model * model, const char * text, in
                                int32_t * tokens, int32_t n_max, int add_special, int parse_special,
                                int32_t * n_out);
 
-/* Bytes of one token (not NUL-terminated; may be part of a UTF-8 sequence). Returns the
- * number of bytes written, or CLOVER_ERR_BUFFER_TOO_SMALL / CLOVER_ERR_INVALID_ARG. If buf is
- * too small, *needed (if not NULL) receives the size needed. special: render special tokens. */
+/* Bytes of one token (not NUL-terminated; may be part of a UTF-8 sequence). special: render
+ * special tokens. Returns CLOVER_OK with *n_out (if not NULL) = the bytes written; if buf is too
+ * small, CLOVER_ERR_BUFFER_TOO_SMALL with *n_out = the size needed; CLOVER_ERR_INVALID_ARG for a
+ * NULL model, a token outside [0, n_vocab) or a bad buffer. (As clover_tokenize and
+ * clover_detokenize; not llama_token_to_piece's "count or -needed" return, whose negative sizes
+ * would collide with the status codes.) */
 CLOVER_API int clover_token_to_piece(const clover_model * model, int32_t token, char * buf, int32_t buf_size,
                                      int special, int32_t * n_out);
 
@@ -154,10 +157,20 @@ CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tok
                                  int32_t * n_out);
 
 /* ---------------------------------------------------------------- context */
+
+/* Block size values besides a B >= 1, one meaning each wherever a block_size is taken
+ * (clover_context_params.block_size takes B >= 1 or _TRAIN; clover_generate_params.block_size
+ * any of them; clover_set_block_size B >= 1 only). */
+#define CLOVER_BLOCK_SIZE_TRAIN   0    /* the model's training block size (clover.diffusion.block_size;
+                                          32 when absent; 1 without a mask token), at most n_ctx */
+#define CLOVER_BLOCK_SIZE_AUTO    (-1) /* chosen per block from the measured cost curve and the
+                                          running tokens per pass (see clover_generate) */
+#define CLOVER_BLOCK_SIZE_CONTEXT (-2) /* the context's current B (clover_block_size) */
+
 typedef struct clover_context_params {
     int32_t n_ctx;      /* positions the memory can hold (prompt + generation), >= 3; default 4096 */
     int32_t n_threads;  /* CPU threads; <= 0 = a default from the hardware; default 4 */
-    int32_t block_size; /* B; 0 = the model's training block size (or 32); default 0 */
+    int32_t block_size; /* B >= 1, or CLOVER_BLOCK_SIZE_TRAIN (default) */
     int32_t flash_attn; /* -1 auto (default), 0 off, 1 on */
     int32_t kv_f32;     /* 1 = keep the KV cache in f32 (exact parity runs), 0 = f16 (default) */
     int32_t calib_cache;/* 1 (default) = block_size = auto keeps its cost curve in a disk cache
@@ -174,7 +187,8 @@ CLOVER_API void clover_context_free(clover_context * ctx);
 
 CLOVER_API int32_t clover_block_size(const clover_context * ctx);
 CLOVER_API int32_t clover_n_ctx     (const clover_context * ctx);
-/* Change B: recreates the llama.cpp context (the memory is cleared). No-op if unchanged. */
+/* Change B (>= 1, at most n_ctx): the memory is cleared; the llama.cpp context is recreated only
+ * when a commit and a pass of B no longer fit its ubatch. No-op if unchanged (the memory stays). */
 CLOVER_API int clover_set_block_size(clover_context * ctx, int32_t block_size, char * err, size_t err_len);
 CLOVER_API int clover_set_n_threads (clover_context * ctx, int32_t n_threads);
 
@@ -235,9 +249,6 @@ typedef int (*clover_step_callback)(int32_t block_start, const int32_t * canvas,
 typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens, int32_t n_tokens,
                                      void * user_data);
 
-/* clover_generate_params.block_size: choose B per block from the measured cost curve and
- * the running tokens per pass (see clover_generate). */
-#define CLOVER_BLOCK_SIZE_AUTO (-1)
 /* clover_generate_params.draft_self: the mode chosen per block with block_size = auto */
 #define CLOVER_DRAFT_SELF_AUTO (-1)
 
@@ -254,15 +265,16 @@ enum clover_decode_mode {
 #define CLOVER_MIN_TEMPERATURE 1e-6
 
 typedef struct clover_generate_params {
-    int32_t  block_size;   /* B; 0 = keep the context's; another value recreates the context;
-                              CLOVER_BLOCK_SIZE_AUTO = chosen per block */
+    int32_t  block_size;   /* B >= 1, CLOVER_BLOCK_SIZE_CONTEXT (default: the context's B),
+                              CLOVER_BLOCK_SIZE_TRAIN or CLOVER_BLOCK_SIZE_AUTO (chosen per block); a B
+                              other than the context's becomes the context's (see clover_generate) */
     double   threshold;    /* unmask every position with confidence >= threshold, in [0, 1]; default 0.9 */
     int32_t  max_steps;    /* per-block step cap S (0 = none): step s unmasks >= ceil(masked / (S - s)) */
     double   temperature;  /* 0 = greedy (default); > 0 = sampling; below CLOVER_MIN_TEMPERATURE = greedy */
     int32_t  top_k;        /* 0 = off; >= n_vocab = off */
     double   top_p;        /* [0, 1]; 1 = off; 0 keeps the argmax alone (as top_k = 1) */
     uint64_t seed;         /* std::mt19937_64 seed, once per generate call; default 0 */
-    int32_t  max_tokens;   /* token budget; <= 0 generates nothing; default 128 */
+    int32_t  max_tokens;   /* token budget, >= 0 (0 generates nothing); default CLOVER_DEFAULT_MAX_TOKENS */
     int32_t  stop_at_eos;  /* default 1 */
     clover_step_callback  step_callback;  /* may be NULL */
     clover_block_callback block_callback; /* may be NULL */
@@ -322,8 +334,20 @@ typedef struct clover_generate_params {
 } clover_generate_params;
 
 #define CLOVER_MAX_TOP_LOGPROBS 20
+/* clover_generate_params.max_tokens's default (the Python bindings' generate() default too) */
+#define CLOVER_DEFAULT_MAX_TOKENS 256
 
+/* The defaults: the one place they are defined (bindings read them from here). */
 CLOVER_API clover_generate_params clover_generate_default_params(void);
+
+/* The parameter rules that need no context, one message each (clover_generate applies them
+ * first; front ends call this to refuse bad options before loading anything): block_size >= 1 or
+ * a CLOVER_BLOCK_SIZE_* value; threshold in [0, 1]; temperature finite and >= 0; top_p in [0, 1];
+ * top_k, max_steps, max_tokens, draft_steps >= 0; draft_self 0, 1 or CLOVER_DRAFT_SELF_AUTO;
+ * n_top_logprobs in [0, CLOVER_MAX_TOP_LOGPROBS] with both top buffers when > 0; n_stop_tokens
+ * >= 0 with stop_tokens when > 0. CLOVER_OK, or CLOVER_ERR_INVALID_ARG and the first broken rule
+ * in err ("threshold must be in [0, 1], got 2": each message starts with the field's name). */
+CLOVER_API int clover_generate_params_check(const clover_generate_params * params, char * err, size_t err_len);
 
 typedef struct clover_stats {
     int32_t n_prompt;           /* prompt tokens */
@@ -359,6 +383,11 @@ typedef struct clover_stats {
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).
  *
+ * block_size: as clover_generate_params says. A fixed B other than the context's becomes the
+ * context's B (clover_set_block_size: the memory is cleared, unless the prompt reuses it, see
+ * Memory); with a grammar and without draft-self the call decodes at B = 1 and keeps the
+ * context's B.
+ *
  * block_size = CLOVER_BLOCK_SIZE_AUTO: B is chosen from the candidates 1, 2, 4, ... up to
  * max(32, training B) to minimise the expected time per token,
  * (fused(B) + (B/tpf(B) - 1) * pass(B)) / B (B/tpf passes per block, the first carrying the
@@ -382,14 +411,23 @@ typedef struct clover_stats {
  * blocks finished so far (a block interrupted mid-denoising contributes nothing), with
  * finish_reason = CLOVER_FINISH_CANCELLED.
  *
- * Errors (nothing generated): CLOVER_ERR_INVALID_ARG (block_size < 1 or > n_ctx, threshold
- * outside [0,1], temperature < 0, top_p outside (0,1], top_k/max_steps < 0, bad token id,
- * no mask token, empty prompt), CLOVER_ERR_CONTEXT_FULL (prompt + max_tokens rounded up to
- * whole blocks exceeds n_ctx; with draft_self = 1, prompt + max_tokens), CLOVER_ERR_DECODE. */
+ * Errors (nothing generated): CLOVER_ERR_INVALID_ARG (a rule of clover_generate_params_check;
+ * a B > n_ctx; a token id outside the vocabulary in the prompt or stop_tokens; no mask token for
+ * B > 1 or draft-self; an empty prompt; out_cap < max_tokens; a grammar that does not parse),
+ * CLOVER_ERR_CONTEXT_FULL (prompt + max_tokens rounded up to whole blocks exceeds n_ctx; with
+ * draft_self = 1 or block_size = auto, prompt + max_tokens: see clover_generate_room),
+ * CLOVER_ERR_DECODE. */
 CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prompt,
                                const clover_generate_params * params,
                                int32_t * out, int32_t out_cap, int32_t * n_out,
                                clover_stats * stats, char * err, size_t err_len);
+
+/* The largest max_tokens clover_generate accepts after n_prompt prompt tokens with these params
+ * (NULL = the defaults; their max_tokens is not used): n_ctx - n_prompt, in whole blocks of the B
+ * the call starts with unless it runs draft-self or block_size = auto (which picks only a B that
+ * fits); 0 when nothing fits; -1 for a NULL context or n_prompt < 0. The one "does it fit" rule. */
+CLOVER_API int32_t clover_generate_room(const clover_context * ctx, const clover_generate_params * params,
+                                        int32_t n_prompt);
 
 /* ---------------------------------------------------------------- decoding pieces
  * The pure functions the decoding loop is made of, exposed for tests and research. */

@@ -182,10 +182,11 @@ class Ctx:
     def reset(self):
         assert L.clover_reset(self.p) == N.CLOVER_OK
 
-    def generate(self, prompt, *, max_tokens=24, block_size=0, threshold=0.9, max_steps=0, temperature=0.0,
+    def generate(self, prompt, *, max_tokens=24, block_size=N.CLOVER_BLOCK_SIZE_CONTEXT, threshold=0.9, max_steps=0, temperature=0.0,
                  top_k=0, top_p=1.0, seed=0, stop_at_eos=True, step_cb=None, block_cb=None, reuse_prefix=None,
-                 stop_tokens=()):
+                 stop_tokens=(), draft_self=0):
         gp = L.clover_generate_default_params()
+        gp.draft_self = draft_self
         stops = N.as_int32_array(stop_tokens)
         gp.stop_tokens, gp.n_stop_tokens = stops, len(stop_tokens)
         if reuse_prefix is not None:
@@ -292,7 +293,19 @@ def test_tokenize_roundtrip(model):
         assert L.clover_token_to_piece(model.p, t, pb, 64, 0, ctypes.byref(k)) == N.CLOVER_OK
         pieces += pb.raw[:k.value]
     assert pieces.decode() == text
+    # clover.h's contract: CLOVER_OK and the count in n_out; too small: the size needed in n_out
+    long_tok = max(toks[:n.value], key=lambda t: len(_piece(model, t)))
+    want = _piece(model, long_tok)
+    tiny, k = ctypes.create_string_buffer(1), ctypes.c_int32(-7)
+    rc = L.clover_token_to_piece(model.p, long_tok, tiny, len(want) - 1, 0, ctypes.byref(k))
+    assert len(want) > 1 and rc == N.CLOVER_ERR_BUFFER_TOO_SMALL and k.value == len(want)
     assert L.clover_token_to_piece(model.p, 10**6, buf, 256, 0, ctypes.byref(nb)) == N.CLOVER_ERR_INVALID_ARG
+
+
+def _piece(model, t: int) -> bytes:
+    pb, k = ctypes.create_string_buffer(64), ctypes.c_int32()
+    assert L.clover_token_to_piece(model.p, t, pb, 64, 0, ctypes.byref(k)) == N.CLOVER_OK
+    return pb.raw[:k.value]
 
 
 # ----------------------------------------------------------------------------- block passes
@@ -1082,7 +1095,8 @@ def test_errors_generate_arguments(model, vocab_hi):
     prompt = _prompt(71, 5, vocab_hi)
     with Ctx(model, 8, n_ctx=64) as ctx:
         for kw, code, word in [
-            (dict(block_size=-2), N.CLOVER_ERR_INVALID_ARG, "block size"),
+            (dict(block_size=-3), N.CLOVER_ERR_INVALID_ARG, "block size"),
+            (dict(max_tokens=-1), N.CLOVER_ERR_INVALID_ARG, "max_tokens"),
             (dict(block_size=65), N.CLOVER_ERR_INVALID_ARG, "block size"),
             (dict(threshold=-0.1), N.CLOVER_ERR_INVALID_ARG, "threshold"),
             (dict(threshold=1.5), N.CLOVER_ERR_INVALID_ARG, "threshold"),
@@ -1120,6 +1134,81 @@ def test_errors_generate_arguments(model, vocab_hi):
         # the context is still usable
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=4)
         assert rc == N.CLOVER_OK and len(toks) == 4
+
+
+def test_generate_params_check_is_the_one_rule(model, vocab_hi):
+    """clover_generate_params_check: the rules clover_generate applies first, one message each
+    (starting with the field's name); the defaults keep them all."""
+    gp0 = L.clover_generate_default_params()
+    assert N.generate_params_problem(gp0) is None
+    assert gp0.max_tokens == N.CLOVER_DEFAULT_MAX_TOKENS == 256 and gp0.block_size == N.CLOVER_BLOCK_SIZE_CONTEXT
+    cases = [("block_size", -3, "block size must be >= 1"), ("threshold", 1.5, "threshold must be in [0, 1], got 1.5"),
+             ("threshold", float("nan"), "threshold"), ("temperature", float("inf"), "temperature must be finite"),
+             ("top_p", -0.5, "top_p must be in [0, 1]"), ("top_k", -1, "top_k must be >= 0"),
+             ("max_steps", -1, "max_steps must be >= 0"), ("max_tokens", -5, "max_tokens must be >= 0, got -5"),
+             ("draft_self", 2, "draft_self must be 0, 1 or -1"), ("draft_steps", -1, "draft_steps must be >= 0"),
+             ("n_top_logprobs", 21, "n_top_logprobs must be in [0, 20]"), ("n_top_logprobs", 2, "buffers"),
+             ("n_stop_tokens", 1, "needs the stop_tokens array"), ("n_stop_tokens", -1, "n_stop_tokens must be >= 0")]
+    prompt = _prompt(74, 5, vocab_hi)
+    with Ctx(model, 4, n_ctx=64) as ctx:
+        for field, value, words in cases:
+            gp = L.clover_generate_default_params()
+            setattr(gp, field, value)
+            msg = N.generate_params_problem(gp)
+            assert msg is not None and msg.startswith(field.replace("block_size", "block size")), (field, msg)
+            assert words in msg, (field, msg)
+            # clover_generate refuses with the same line
+            out, eb = (ctypes.c_int32 * 256)(), N.err_buffer()
+            rc = L.clover_generate(ctx.p, N.as_int32_array(prompt), 5, ctypes.byref(gp), out, 256, None, None, *eb)
+            assert rc == N.CLOVER_ERR_INVALID_ARG and eb[0].value.decode() == msg, (field, eb[0].value)
+        for v in (N.CLOVER_BLOCK_SIZE_TRAIN, N.CLOVER_BLOCK_SIZE_AUTO, N.CLOVER_BLOCK_SIZE_CONTEXT, 1, 64):
+            gp = L.clover_generate_default_params()
+            gp.block_size = v
+            assert N.generate_params_problem(gp) is None
+    eb = N.err_buffer()
+    assert L.clover_generate_params_check(None, *eb) == N.CLOVER_ERR_INVALID_ARG
+
+
+def test_block_size_values_mean_one_thing(model, vocab_hi):
+    """CLOVER_BLOCK_SIZE_TRAIN (0) is the training B in both structs, _CONTEXT (-2) the context's B."""
+    prompt = _prompt(75, 5, vocab_hi)
+    seen = []
+    with Ctx(model, N.CLOVER_BLOCK_SIZE_TRAIN, n_ctx=64) as ctx:
+        assert L.clover_block_size(ctx.p) == 8  # the fixture's training B
+        assert L.clover_set_block_size(ctx.p, 4, None, 0) == N.CLOVER_OK
+        rc, toks, st, msg = ctx.generate(prompt, max_tokens=8, block_cb=lambda s, t: seen.append(s))
+        assert rc == N.CLOVER_OK and st.block_size == 4 and seen == [5, 9]  # the context's
+        rc, toks, st, msg = ctx.generate(prompt, max_tokens=8, block_size=N.CLOVER_BLOCK_SIZE_TRAIN)
+        assert rc == N.CLOVER_OK and st.block_size == 8 and L.clover_block_size(ctx.p) == 8
+    cp = L.clover_context_default_params()
+    assert cp.block_size == N.CLOVER_BLOCK_SIZE_TRAIN
+    for special in (N.CLOVER_BLOCK_SIZE_AUTO, N.CLOVER_BLOCK_SIZE_CONTEXT):  # per generation only
+        cp.n_ctx, cp.block_size = 64, special
+        eb = N.err_buffer()
+        assert not L.clover_context_new(model.p, ctypes.byref(cp), *eb) and b"block size" in eb[0].value
+
+
+def test_generate_room_is_the_fit_rule(model, vocab_hi):
+    """clover_generate_room: the largest max_tokens clover_generate accepts (whole blocks of a fixed B;
+    draft-self and auto need none), checked against clover_generate itself at the edge."""
+    with Ctx(model, 8, n_ctx=64) as ctx:
+        for n_prompt, B, ds, want in [(5, 8, 0, 56), (5, N.CLOVER_BLOCK_SIZE_CONTEXT, 0, 56), (5, 1, 0, 59),
+                                      (5, 8, 1, 59), (5, N.CLOVER_BLOCK_SIZE_AUTO, 0, 59), (60, 8, 0, 0),
+                                      (64, 1, 0, 0), (70, 1, 0, 0)]:
+            gp = L.clover_generate_default_params()
+            gp.block_size, gp.draft_self = B, ds
+            room = L.clover_generate_room(ctx.p, ctypes.byref(gp), n_prompt)
+            assert room == want, (n_prompt, B, ds, room)
+            if 0 < room and B != N.CLOVER_BLOCK_SIZE_AUTO:
+                prompt = _prompt(76, n_prompt, vocab_hi)
+                for m, ok in ((room, True), (room + 1, False)):
+                    rc, toks, st, msg = ctx.generate(prompt, max_tokens=m, block_size=B, threshold=0.0, draft_self=ds)
+                    assert (rc == N.CLOVER_OK) == ok and (ok or rc == N.CLOVER_ERR_CONTEXT_FULL), (B, ds, m, msg)
+        gp = L.clover_generate_default_params()
+        gp.grammar = b'root ::= "a"+'  # a grammar without draft-self decodes at B = 1
+        assert L.clover_generate_room(ctx.p, ctypes.byref(gp), 5) == 59
+        assert L.clover_generate_room(ctx.p, None, 5) == 56 and L.clover_generate_room(None, None, 5) == -1
+        assert L.clover_generate_room(ctx.p, None, -1) == -1
 
 
 def test_errors_block_size_and_passes(model, vocab_hi):

@@ -1,0 +1,228 @@
+// clover-params.cpp - the rules of clover_generate's parameters, in one place: their defaults
+// (clover_generate_default_params), their ranges (clover_generate_params_check, which
+// clover_generate, clover-cli and the Python bindings all ask), what each block_size value means
+// (CLOVER_BLOCK_SIZE_*), and how many positions a generation needs (clover_generate_room).
+
+#include "clover-impl.h"
+
+#include <cinttypes>
+
+namespace clover_impl {
+
+namespace {
+
+std::string num(double x) {
+    char buf[32];
+    snprintf(buf, sizeof(buf), "%g", x);
+    return buf;
+}
+
+} // namespace
+
+int32_t training_block_size(const clover_model * m, int32_t n_ctx) {
+    // (no mask token: causal only, B = 1)
+    const int32_t B = m->mask < 0 ? 1 : m->train_block > 0 ? m->train_block : 32;
+    return std::max(1, std::min(B, n_ctx));
+}
+
+// The rules that need no context, one message each (clover.h, clover_generate_params_check).
+int check_params(const clover_generate_params & gp, std::string & msg) {
+    auto bad = [&](std::string what) {
+        msg = std::move(what);
+        return CLOVER_ERR_INVALID_ARG;
+    };
+    if (gp.block_size < 1 && gp.block_size != CLOVER_BLOCK_SIZE_AUTO && gp.block_size != CLOVER_BLOCK_SIZE_TRAIN &&
+        gp.block_size != CLOVER_BLOCK_SIZE_CONTEXT) {
+        return bad("block size must be >= 1, CLOVER_BLOCK_SIZE_AUTO (-1), _TRAIN (0) or _CONTEXT (-2), got " +
+                   std::to_string(gp.block_size));
+    }
+    if (!(gp.threshold >= 0.0 && gp.threshold <= 1.0)) {
+        return bad("threshold must be in [0, 1], got " + num(gp.threshold));
+    }
+    if (!(gp.temperature >= 0.0) || std::isinf(gp.temperature)) {
+        return bad("temperature must be finite and >= 0, got " + num(gp.temperature));
+    }
+    if (!(gp.top_p >= 0.0 && gp.top_p <= 1.0)) {
+        return bad("top_p must be in [0, 1], got " + num(gp.top_p));
+    }
+    if (gp.top_k < 0) {
+        return bad("top_k must be >= 0 (0 = off), got " + std::to_string(gp.top_k));
+    }
+    if (gp.max_steps < 0) {
+        return bad("max_steps must be >= 0 (0 = no cap), got " + std::to_string(gp.max_steps));
+    }
+    if (gp.max_tokens < 0) {
+        return bad("max_tokens must be >= 0, got " + std::to_string(gp.max_tokens));
+    }
+    if (gp.draft_self != 0 && gp.draft_self != 1 && gp.draft_self != CLOVER_DRAFT_SELF_AUTO) {
+        return bad("draft_self must be 0, 1 or -1 (auto), got " + std::to_string(gp.draft_self));
+    }
+    if (gp.draft_steps < 0) {
+        return bad("draft_steps must be >= 0 (0 = the threshold rule), got " + std::to_string(gp.draft_steps));
+    }
+    if (gp.n_top_logprobs < 0 || gp.n_top_logprobs > CLOVER_MAX_TOP_LOGPROBS) {
+        return bad("n_top_logprobs must be in [0, " + std::to_string(CLOVER_MAX_TOP_LOGPROBS) + "], got " +
+                   std::to_string(gp.n_top_logprobs));
+    }
+    if (gp.n_top_logprobs > 0 && (!gp.top_tokens || !gp.top_logprobs)) {
+        return bad("n_top_logprobs > 0 needs the top_tokens and top_logprobs buffers");
+    }
+    if (gp.n_stop_tokens < 0) {
+        return bad("n_stop_tokens must be >= 0, got " + std::to_string(gp.n_stop_tokens));
+    }
+    if (gp.n_stop_tokens > 0 && !gp.stop_tokens) {
+        return bad("n_stop_tokens > 0 needs the stop_tokens array");
+    }
+    return CLOVER_OK;
+}
+
+gen_setup resolve_generate(const clover_context * ctx, clover_generate_params & gp) {
+    const clover_model * m = ctx->model;
+    clover_detail::normalise_sampling(gp.temperature, gp.top_k, gp.top_p, m->n_vocab);
+    // draft_self = auto: with block_size = auto the mode too is chosen per block, unless a
+    // grammar or log-probabilities ask for one mode's records; else block diffusion, or
+    // draft-self on a model without a block operator
+    if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO && m->mask < 0) {
+        gp.draft_self = 0; // no mask token: causal only (auto stays at B = 1, check_mask_token)
+    }
+    if (gp.draft_self == CLOVER_DRAFT_SELF_AUTO &&
+        (gp.block_size != CLOVER_BLOCK_SIZE_AUTO || (gp.grammar && gp.grammar[0]) || gp.logprobs ||
+         gp.n_top_logprobs != 0)) {
+        gp.draft_self = m->has_block_operator ? 0 : 1;
+    }
+    gen_setup s;
+    s.modes.diffusion   = gp.draft_self != 1 && m->has_block_operator;
+    s.modes.draft_self  = gp.draft_self != 0;
+    s.modes.draft_steps = gp.draft_steps;
+    // a grammar needs the text left to right: without draft-self the call runs at B = 1
+    // (the context's B is kept), spec/decoding.md "Grammar"
+    s.ar_grammar = clover_detail::gen_extras::forces_ar(gp);
+    // a model without a block operator (the release's layout) never runs block diffusion: auto is
+    // B = 1 there, a B > 1 without draft-self is refused (check_block_diffusion)
+    s.no_diffusion = !gp.draft_self && !m->has_block_operator;
+    s.auto_B       = gp.block_size == CLOVER_BLOCK_SIZE_AUTO && !s.ar_grammar && !s.no_diffusion && m->mask >= 0;
+    s.B            = s.ar_grammar                                   ? 1
+                     : gp.block_size == CLOVER_BLOCK_SIZE_CONTEXT ? ctx->B
+                     : gp.block_size == CLOVER_BLOCK_SIZE_TRAIN   ? training_block_size(m, ctx->n_ctx)
+                     : gp.block_size == CLOVER_BLOCK_SIZE_AUTO    ? 1
+                                                                    : gp.block_size;
+    return s;
+}
+
+int64_t positions_needed(const clover_generate_params & gp, int32_t B, int32_t n_prompt, int32_t max_tokens) {
+    // (draft-self cuts its canvases at n_ctx: it needs no whole blocks; auto starts at B = 1 and
+    // only ever picks a B that fits, auto_fits)
+    return gp.draft_self == 1 ? (int64_t) n_prompt + max_tokens
+                              : (int64_t) n_prompt + ((int64_t) max_tokens + B - 1) / B * B;
+}
+
+// The arguments of clover_generate, checked before anything is touched. B: the block size the
+// call starts with (1 for auto until the planner picks).
+int check_generate_args(const clover_context * ctx, const clover_generate_params & gp, int32_t B,
+                        const int32_t * prompt, int32_t n_prompt, const int32_t * out, int32_t out_cap,
+                        std::string & msg) {
+    auto bad = [&](int code, std::string what) {
+        msg = std::move(what);
+        return code;
+    };
+    if (B < 1 || B > ctx->n_ctx) {
+        return bad(CLOVER_ERR_INVALID_ARG, "block size must be in [1, n_ctx=" + std::to_string(ctx->n_ctx) +
+                                               "], got " + std::to_string(gp.block_size));
+    }
+    if (n_prompt < 0 || (n_prompt > 0 && !prompt)) {
+        return bad(CLOVER_ERR_INVALID_ARG, "bad prompt (NULL or negative length)");
+    }
+    if (n_prompt == 0 && gp.max_tokens > 0) {
+        return bad(CLOVER_ERR_INVALID_ARG, "empty prompt: the first block is predicted from the prompt's last token");
+    }
+    if (gp.draft_self == 1 && check_mask_token(ctx->model, "draft-self", msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (B > 1 && check_mask_token(ctx->model, "block size " + std::to_string(B), msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (check_tokens(ctx, prompt, n_prompt, msg) != CLOVER_OK) {
+        return bad(CLOVER_ERR_INVALID_ARG, "prompt: " + msg);
+    }
+    if (check_tokens(ctx, gp.stop_tokens, gp.n_stop_tokens, msg) != CLOVER_OK) {
+        return bad(CLOVER_ERR_INVALID_ARG, "stop_tokens: " + msg);
+    }
+    if (gp.max_tokens <= 0) {
+        return CLOVER_OK;
+    }
+    if (!out || out_cap < gp.max_tokens) {
+        return bad(CLOVER_ERR_INVALID_ARG, "output buffer too small: out_cap=" + std::to_string(out_cap) +
+                                               " < max_tokens=" + std::to_string(gp.max_tokens));
+    }
+    const int64_t need = positions_needed(gp, B, n_prompt, gp.max_tokens);
+    if (need > ctx->n_ctx) {
+        return bad(CLOVER_ERR_CONTEXT_FULL,
+                   "prompt (" + std::to_string(n_prompt) + " tokens) + max_tokens (" + std::to_string(gp.max_tokens) +
+                       ") in blocks of " + std::to_string(B) + " needs " + std::to_string(need) +
+                       " positions > n_ctx=" + std::to_string(ctx->n_ctx));
+    }
+    return CLOVER_OK;
+}
+
+} // namespace clover_impl
+
+using namespace clover_impl;
+
+extern "C" {
+
+clover_generate_params clover_generate_default_params(void) {
+    clover_generate_params p;
+    p.block_size     = CLOVER_BLOCK_SIZE_CONTEXT;
+    p.threshold      = 0.9;
+    p.max_steps      = 0;
+    p.temperature    = 0.0;
+    p.top_k          = 0;
+    p.top_p          = 1.0;
+    p.seed           = 0;
+    p.max_tokens     = CLOVER_DEFAULT_MAX_TOKENS;
+    p.stop_at_eos    = 1;
+    p.step_callback  = nullptr;
+    p.block_callback = nullptr;
+    p.user_data      = nullptr;
+    p.reuse_prefix   = 1;
+    p.draft_self     = 0;
+    p.draft_steps    = 1;
+    p.grammar        = nullptr;
+    p.grammar_root   = nullptr;
+    p.logprobs       = nullptr;
+    p.n_top_logprobs = 0;
+    p.top_tokens     = nullptr;
+    p.top_logprobs   = nullptr;
+    p.stop_tokens    = nullptr;
+    p.n_stop_tokens  = 0;
+    return p;
+}
+
+int clover_generate_params_check(const clover_generate_params * params, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!params) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "params is NULL");
+        }
+        std::string msg;
+        const int   rc = check_params(*params, msg);
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int32_t clover_generate_room(const clover_context * ctx, const clover_generate_params * params, int32_t n_prompt) {
+    if (!ctx || !ctx->model || n_prompt < 0) {
+        return -1;
+    }
+    clover_generate_params gp = params ? *params : clover_generate_default_params();
+    const gen_setup        s  = resolve_generate(ctx, gp);
+    const int64_t          free_ = (int64_t) ctx->n_ctx - n_prompt;
+    if (s.B < 1 || free_ <= 0) {
+        return 0;
+    }
+    // the largest m with positions_needed(m) <= n_ctx: all of it without whole blocks, else whole blocks
+    const bool whole_blocks = positions_needed(gp, s.B, 0, 1) > 1;
+    return (int32_t) (whole_blocks ? free_ / s.B * s.B : free_);
+}
+
+} // extern "C"
