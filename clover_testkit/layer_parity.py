@@ -181,14 +181,20 @@ def _layer(ref: Any, x: np.ndarray, mem: Any, block_size: int) -> tuple[np.ndarr
     else:
         mix, rec = ref._attn(0, xn, mem, mem.n_committed + np.arange(len(x)))
     h = x + mix
-    y = h + ref._moe(0, rms_norm_1p(h, w["model.layers.0.post_attention_layernorm.weight"], c.rms_norm_eps))
-    rec.update(x_out=y)
+    hn = rms_norm_1p(h, w["model.layers.0.post_attention_layernorm.weight"], c.rms_norm_eps)
+    y = h + ref._moe(0, hn)
+    top = np.argsort(-(hn @ w["model.layers.0.mlp.gate.weight"].T), axis=-1, kind="stable")[:, :c.num_experts_per_tok]
+    rec.update(x_out=y, experts=[set(map(int, t)) for t in top])  # (the top-k of the softmax's logits)
     return y, rec
 
 
-def _err(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+def _err(a: np.ndarray, b: np.ndarray, got_experts: list[set[int]], want_experts: list[set[int]]) -> dict[str, Any]:
+    """Errors of llama.cpp's rows a against the reference's b, and the tokens whose top-k experts
+    differ (a routing flip: one token's MoE output then differs by a whole expert)."""
     return {"max_abs": float(np.abs(a - b).max()), "max_rel": float(np.abs(a - b).max() / np.abs(b).max()),
-            "rms_rel": float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))}
+            "rms_rel": float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))),
+            "row_rms_rel": [round(float(v), 5) for v in np.sqrt(np.mean((a - b) ** 2, axis=1) / np.mean(b ** 2, axis=1))],
+            "routing_flips": sum(g != w for g, w in zip(got_experts, want_experts))}
 
 
 def layer_parity(gguf_path: str | Path, checkpoint: str | Path, layer: int, prompt: Sequence[int],
@@ -204,17 +210,26 @@ def layer_parity(gguf_path: str | Path, checkpoint: str | Path, layer: int, prom
 
     cfg = CloverConfig.from_dict(json.loads((Path(checkpoint) / "config.json").read_text()))
     out_name, in_name = f"l_out-{layer}", f"l_out-{layer - 1}"
-    probe = GraphProbe([out_name] + ([in_name] if layer > 0 else []))
+    probe = GraphProbe([out_name] + ([in_name] if layer > 0 else []), experts=True)
+    exps = f"blk.{layer}.ffn_gate_exps.weight"
+
+    def experts_of() -> list[set[int]]:
+        return [set(map(int, row)) for name, ids in probe.expert_ids if name == exps for row in ids]
+
     B = len(canvas)
     with probe.installed(), Clover(str(gguf_path), n_ctx=max(64, len(prompt) + B), n_threads=n_threads,
                                    block_size=B) as m:
         m.commit(list(prompt), logits=True)  # every row reaches the last layer
         got_commit = {n: probe.rows(n) for n in probe.names}
+        exp_commit = experts_of()
         probe.clear()
         m.block_logits(list(canvas))
         got_pass = {n: probe.rows(n) for n in probe.names}
+        exp_pass = experts_of()
     if probe.error is not None:
         raise probe.error
+    if (len(exp_commit), len(exp_pass)) != (len(prompt), B):
+        raise RuntimeError(f"{exps}: expert ids of {len(exp_commit)} + {len(exp_pass)} rows, expected {len(prompt)} + {B}")
     result: dict[str, Any] = {"layer": layer, "type": cfg.layer_types[layer], "n_commit": len(prompt), "B": B}
     for source in sources:
         w = LayerWeights(gguf_path, checkpoint, cfg, layer, source)
@@ -224,14 +239,15 @@ def layer_parity(gguf_path: str | Path, checkpoint: str | Path, layer: int, prom
         else:
             x_commit, x_pass = got_commit[in_name], got_pass[in_name]
         mem = ref.new_memory()
-        rows = []
+        rows, experts = [], []
         for t in range(len(prompt)):  # causal: each token a block of one, then written
             y, rec = _layer(ref, x_commit[t:t + 1], mem, 1)
             ref._write_token(mem, [rec])
             rows.append(y[0])
+            experts += rec["experts"]
         want_commit = np.stack(rows)
-        want_pass = _layer(ref, x_pass, mem, B)[0]
-        result[source] = {"commit": _err(got_commit[out_name], want_commit),
-                          "block_pass": _err(got_pass[out_name], want_pass),
+        want_pass, rec = _layer(ref, x_pass, mem, B)
+        result[source] = {"commit": _err(got_commit[out_name], want_commit, exp_commit, experts),
+                          "block_pass": _err(got_pass[out_name], want_pass, exp_pass, rec["experts"]),
                           "scale": float(np.abs(want_commit).max())}
     return result
