@@ -392,6 +392,29 @@ def clover_generate(ctx: int | None, prompt: Any, n_prompt: int, params: Any, ou
 def clover_generate_room(ctx: int | None, params: Any, n_prompt: int, /) -> int: ...
 
 
+clover_stop_matcher_p = c_void_p  # opaque clover_stop_matcher *
+
+
+@_c("clover_stop_matcher_new", [POINTER(c_char_p), c_int32], clover_stop_matcher_p)
+def clover_stop_matcher_new(stops: Any, n_stops: int, /) -> int | None: ...
+
+
+@_c("clover_stop_matcher_free", [clover_stop_matcher_p], None)
+def clover_stop_matcher_free(m: int | None, /) -> None: ...
+
+
+@_c("clover_stop_matcher_feed", [clover_stop_matcher_p, c_char_p, c_int32, c_int32_p], POINTER(ctypes.c_char))
+def clover_stop_matcher_feed(m: int | None, text: bytes, len: int, n_out: Any, /) -> Any: ...
+
+
+@_c("clover_stop_matcher_flush", [clover_stop_matcher_p, c_int32_p], POINTER(ctypes.c_char))
+def clover_stop_matcher_flush(m: int | None, n_out: Any, /) -> Any: ...
+
+
+@_c("clover_stop_matcher_hit", [clover_stop_matcher_p], c_int32)
+def clover_stop_matcher_hit(m: int | None, /) -> int: ...
+
+
 @_c("clover_pick_candidate", [c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64, c_int32_p,
                               c_double_p], c_int)
 def clover_pick_candidate(logits: Any, n_vocab: int, mask_token: int, temperature: float, top_k: int, top_p: float,

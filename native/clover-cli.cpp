@@ -121,39 +121,21 @@ struct cli_state {
     std::string    echo;            // the prompt, printed when the generation starts (not before a refusal)
     bool           started = false; // a callback ran: the generation was not refused
     // -r/--reverse-prompt: the output stops before the first of these strings, which may span
-    // blocks: text that could still begin one is held back until the next block decides
+    // blocks (libclover's clover_stop_matcher holds back what could still begin one)
     std::vector<std::string> stops;
-    std::string              held;
+    clover_stop_matcher *    matcher = nullptr;
     bool                     stopped = false;
 };
 
 // Print what is certainly before any stop string; true once a stop string was found.
 bool emit(cli_state & st, const std::string & text) {
-    st.held += text;
-    size_t cut = std::string::npos, keep = 0;
-    for (const auto & s : st.stops) {
-        cut  = std::min(cut, st.held.find(s));
-        keep = std::max(keep, s.size() - 1);
-    }
-    if (cut != std::string::npos) {
-        fwrite(st.held.data(), 1, cut, stdout);
-        st.held.clear();
-        st.stopped = true;
-    } else {
-        // hold back the longest tail that is a prefix of a stop string
-        size_t hold = 0;
-        for (size_t n = std::min(keep, st.held.size()); n > 0 && hold == 0; --n) {
-            for (const auto & s : st.stops) {
-                if (st.held.compare(st.held.size() - n, n, s, 0, n) == 0) {
-                    hold = n;
-                    break;
-                }
-            }
-        }
-        fwrite(st.held.data(), 1, st.held.size() - hold, stdout);
-        st.held.erase(0, st.held.size() - hold);
+    int32_t      n   = 0;
+    const char * out = clover_stop_matcher_feed(st.matcher, text.data(), (int32_t) text.size(), &n);
+    if (out) {
+        fwrite(out, 1, (size_t) n, stdout);
     }
     fflush(stdout);
+    st.stopped = clover_stop_matcher_hit(st.matcher) != 0;
     return st.stopped;
 }
 
@@ -419,6 +401,14 @@ int main(int argc, char ** argv) {
             die(perr);
         }
     }
+    std::vector<const char *> stop_ptrs;
+    for (const auto & s : st.stops) {
+        stop_ptrs.push_back(s.c_str());
+    }
+    st.matcher = clover_stop_matcher_new(stop_ptrs.data(), (int32_t) stop_ptrs.size());
+    if (!st.matcher) {
+        die("out of memory");
+    }
     if (!prompt_file.empty()) {
         if (have_prompt) {
             die("give either -p or -f, not both");
@@ -543,7 +533,9 @@ int main(int argc, char ** argv) {
         die(err); // refused before anything was printed (the prompt is echoed once it runs)
     } else {
         flush_echo(st); // nothing generated (-n 0, EOS first): the echo still comes
-        fwrite(st.held.data(), 1, st.held.size(), stdout);
+        int32_t      n    = 0;
+        const char * tail = clover_stop_matcher_flush(st.matcher, &n);
+        fwrite(tail ? tail : "", 1, (size_t) n, stdout);
     }
     fputs("\n", stdout);
     fflush(stdout);
@@ -581,5 +573,6 @@ int main(int argc, char ** argv) {
     }
     clover_context_free(ctx);
     clover_model_free(st.model);
+    clover_stop_matcher_free(st.matcher);
     return 0;
 }

@@ -429,6 +429,27 @@ CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int
 CLOVER_API int32_t clover_generate_room(const clover_context * ctx, const clover_generate_params * params,
                                         int32_t n_prompt);
 
+/* ---------------------------------------------------------------- stop strings
+ * The output is cut before the first of the stop strings (as llama.cpp's reverse prompt / the
+ * `stop` of llama-server), which may span the pieces of text it arrives in: text that could
+ * still begin one is held back until a later piece decides. Bytes in, bytes out (fed valid
+ * UTF-8, every piece out ends at a character boundary). */
+typedef struct clover_stop_matcher clover_stop_matcher;
+
+/* n_stops NUL-terminated strings (copied; empty or NULL ones ignored). NULL on bad arguments. */
+CLOVER_API clover_stop_matcher * clover_stop_matcher_new(const char * const * stops, int32_t n_stops);
+CLOVER_API void clover_stop_matcher_free(clover_stop_matcher * m);
+/* Feed len bytes of text: returns the part of the held text and this text that is final (*n_out
+ * bytes, valid until the next call on m; not NUL-terminated as far as the caller may rely); after
+ * a stop string was seen (clover_stop_matcher_hit) nothing more comes out. NULL on bad arguments. */
+CLOVER_API const char * clover_stop_matcher_feed(clover_stop_matcher * m, const char * text, int32_t len,
+                                                 int32_t * n_out);
+/* The end of the text: what was held back (the start of a stop string that never came); empty
+ * after a hit. Valid until the next call on m. */
+CLOVER_API const char * clover_stop_matcher_flush(clover_stop_matcher * m, int32_t * n_out);
+/* 1 once a stop string was seen, else 0. */
+CLOVER_API int32_t clover_stop_matcher_hit(const clover_stop_matcher * m);
+
 /* ---------------------------------------------------------------- decoding pieces
  * The pure functions the decoding loop is made of, exposed for tests and research. */
 

@@ -1369,3 +1369,73 @@ def test_cli(artifacts):
         assert lines and lines[-1].startswith("error: ") and word in lines[-1], (bad, rb.stderr)
     rm = subprocess.run([str(CLI), "-m", "/nonexistent.gguf", "-p", "x"], capture_output=True, text=True, errors="replace")
     assert rm.returncode == 1 and rm.stderr.startswith("error: ")
+
+
+# ----------------------------------------------------------------------------- stop strings
+class _Matcher:
+    """clover_stop_matcher through ctypes (text in, final text out)."""
+
+    def __init__(self, stops):
+        enc = [x.encode() for x in stops]
+        arr = (ctypes.c_char_p * max(len(enc), 1))(*enc)
+        self.h = L.clover_stop_matcher_new(arr, len(enc))
+        assert self.h
+
+    def feed(self, text: str) -> str:
+        b, n = text.encode(), ctypes.c_int32()
+        p = L.clover_stop_matcher_feed(self.h, b, len(b), ctypes.byref(n))
+        return ctypes.string_at(p, n.value).decode()
+
+    def flush(self) -> str:
+        n = ctypes.c_int32()
+        return ctypes.string_at(L.clover_stop_matcher_flush(self.h, ctypes.byref(n)), n.value).decode()
+
+    @property
+    def hit(self) -> bool:
+        return bool(L.clover_stop_matcher_hit(self.h))
+
+    def close(self):
+        L.clover_stop_matcher_free(self.h)
+
+
+def test_stop_matcher_holds_back_and_cuts():
+    m = _Matcher(["</s>", "ab", "é!"])
+    try:
+        assert m.feed("xx<") == "xx" and m.feed("/") == "" and m.feed("q") == "</q"   # held, then released
+        assert m.feed("a") == "" and m.feed("c") == "ac"
+        assert m.feed("zé") == "z" and not m.hit and m.feed("!tail") == "" and m.hit   # a stop across pieces
+        assert m.feed("more") == "" and m.flush() == ""                                # nothing after a hit
+    finally:
+        m.close()
+    m = _Matcher(["STOP"])
+    assert m.feed("abc ST") == "abc " and m.flush() == "ST" and not m.hit              # never came: released
+    m.close()
+    m = _Matcher([])
+    assert m.feed("anything") == "anything" and m.flush() == ""
+    m.close()
+    assert not L.clover_stop_matcher_new(None, 2) and not L.clover_stop_matcher_new(None, -1)
+    assert not L.clover_stop_matcher_feed(None, b"x", 1, None)
+    L.clover_stop_matcher_free(None)
+
+
+def test_stop_matcher_equals_the_cut_of_the_whole_text():
+    """Whatever the pieces, the output is the text before the first stop string (all of it when
+    none comes), each piece ending at a character boundary (UTF-8 in, UTF-8 out)."""
+    import random
+
+    rng = random.Random(5)
+    alphabet = "ab<>/é€ \n"
+    for case in range(300):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        cuts = [i for i in (text.find(x) for x in stops) if i >= 0]
+        want = text[:min(cuts)] if cuts else text
+        m = _Matcher(stops)
+        out, i = [], 0
+        while i < len(text):
+            j = i + rng.randint(0, 6)
+            out.append(m.feed(text[i:j]))  # .decode() raises on a piece cut inside a character
+            i = j
+        out.append(m.flush())
+        assert "".join(out) == want and m.hit == bool(cuts), (case, stops, text)
+        m.close()
