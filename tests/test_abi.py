@@ -144,3 +144,20 @@ def test_a_mismatch_is_one_clover_error_line(monkeypatch):
     with pytest.raises(errors.CloverError) as ei:
         errors.lib()
     assert "\n" not in str(ei.value) and "API version" in str(ei.value)
+
+
+def test_python_generate_defaults_are_libclovers():
+    """clover_generate_default_params is the one place the defaults live: Clover.generate's
+    keyword defaults equal them (None = read from libclover). The seed is the one documented
+    difference (Python draws a fresh one per call; C's default is 0)."""
+    import inspect
+
+    from clover_cpp import Clover
+
+    gp = L.clover_generate_default_params()
+    params = inspect.signature(Clover.generate).parameters
+    for name in ("max_tokens", "threshold", "max_steps", "temperature", "top_k", "top_p", "stop_at_eos",
+                 "reuse_prefix", "draft_self", "draft_steps"):
+        d = params[name].default
+        assert d is None or d == getattr(gp, name), (name, d, getattr(gp, name))
+    assert gp.max_tokens == N.CLOVER_DEFAULT_MAX_TOKENS
