@@ -26,6 +26,11 @@ def int_arg(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> 
     return v
 
 
+def int32_arg(name: str, v: Any) -> int:
+    """An integer that fits a C int32 (ctypes would wrap a larger one); its range is libclover's."""
+    return int_arg(name, v, -INT32_MAX - 1, INT32_MAX)
+
+
 def float_arg(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
         raise CloverTypeError(f"{name} must be a number, got {v!r}")

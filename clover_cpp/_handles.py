@@ -173,7 +173,7 @@ def new_context(model: int, a: ContextArgs) -> int:
     cp = L.clover_context_default_params()
     cp.n_ctx = n_ctx
     cp.n_threads = n_threads if n_threads is not None else 0
-    cp.block_size = block_size or 0  # (clover_context_params: 0 = the training block size)
+    cp.block_size = block_size if block_size is not None else N.CLOVER_BLOCK_SIZE_TRAIN
     cp.flash_attn = flash_attn
     cp.kv_f32 = 1 if kv_f32 else 0  # (the struct matches clover.h: _native checks it at load)
     c = L.clover_context_new(model, ctypes.byref(cp), err, n)

@@ -1,14 +1,13 @@
 """Decoding: the thread decoding runs on (:class:`DecodeThread`), the parameters of one call
 (:class:`GenParams`, checked once), the glue between libclover's decode loop and Python
 (:class:`Generation`: callbacks, output following, the result), the stream iterator and the
-result types. "Does it fit in n_ctx" is :func:`room` / :func:`fits` (libclover's rule)."""
+result types. "Does it fit in n_ctx" is :func:`room` (libclover's rule, clover_generate_room)."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import ctypes
-import math
 import queue
 import secrets
 import threading
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native as N
-from ._args import INT32_MAX, bool_arg, float_arg, int_arg, strings_arg, tristate_arg
+from ._args import INT32_MAX, bool_arg, float_arg, int32_arg, int_arg, strings_arg, tristate_arg
 from ._handles import BLOCK_SIZE_AUTO, is_auto
 from .errors import CloverValueError, check, lib
 from .output import OutputFollower
@@ -144,25 +143,24 @@ class GenerationResult:
 
 # ----------------------------------------------------------------------------- fits in n_ctx
 
-def _free(n_ctx: int, n_prompt: int, block_size: int | str | None, draft_self: Any) -> int:
-    free = n_ctx - n_prompt
-    if is_auto(block_size) or tristate_arg("draft_self", draft_self) == 1:
-        return free  # auto starts at B = 1 and only picks blocks that fit; draft-self needs no whole blocks
-    B = max(int(block_size), 1)  # type: ignore[arg-type]
-    return free // B * B
+def native_block_size(block_size: int | str | None) -> int:
+    """clover_generate_params.block_size of a Python block size (a B, or "auto" / None)."""
+    return N.CLOVER_BLOCK_SIZE_AUTO if is_auto(block_size) else int(block_size)  # type: ignore[arg-type]
 
 
-def room(n_ctx: int, n_prompt: int, block_size: int | str | None = BLOCK_SIZE_AUTO, draft_self: Any = False) -> int:
-    """The largest max_tokens a generation after n_prompt prompt tokens may ask for in a
-    context of n_ctx (libclover's rule, clover.h clover_generate: prompt + max_tokens rounded up
-    to whole blocks of a fixed B; auto and draft-self need no whole blocks); 0 when none fits."""
-    return max(_free(n_ctx, n_prompt, block_size, draft_self), 0)
+def room(ctx: int, n_prompt: int, gp: N.clover_generate_params | None = None) -> int:
+    """The largest max_tokens a generation with ``gp`` (None = the defaults) after n_prompt
+    prompt tokens may ask for, 0 when none fits: libclover's one "does it fit" rule
+    (clover_generate_room: the rest of n_ctx, in whole blocks of the B the call starts with;
+    auto and draft-self need no whole blocks)."""
+    return int(lib().clover_generate_room(ctx, None if gp is None else ctypes.byref(gp), n_prompt))
 
 
-def fits(n_ctx: int, n_prompt: int, max_tokens: int, block_size: int | str | None = BLOCK_SIZE_AUTO,
-         draft_self: Any = False) -> bool:
-    """Whether prompt + max_tokens fit the context (see :func:`room`)."""
-    return max_tokens <= _free(n_ctx, n_prompt, block_size, draft_self)
+def room_params(block_size: int | str | None, draft_self: int) -> N.clover_generate_params:
+    """The defaults with this block size and draft-self (what :func:`room` depends on)."""
+    gp = lib().clover_generate_default_params()
+    gp.block_size, gp.draft_self = native_block_size(block_size), draft_self
+    return gp
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -193,20 +191,45 @@ class GenParams:
            top_p: Any, seed: Any, **rest: Any) -> "GenParams":
         if seed is None or (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed == -1):
             seed = secrets.randbits(63)  # a fresh seed per call, reported in the result
-        # the ranges libclover accepts (it is the authority and normalises the degenerate values:
-        # tiny temperature / top_p = greedy, top_k >= n_vocab = off), checked here before waiting
-        th, t, p = float_arg("threshold", threshold), float_arg("temperature", temperature), float_arg("top_p", top_p)
-        if not 0.0 <= th <= 1.0:
-            raise CloverValueError(f"threshold must be in [0, 1], got {th}")
-        if not 0.0 <= t < math.inf:
-            raise CloverValueError(f"temperature must be finite and >= 0, got {t}")
-        if not 0.0 <= p <= 1.0:
-            raise CloverValueError(f"top_p must be in [0, 1], got {p}")
-        return cls(max_tokens=int_arg("max_tokens", max_tokens, 0, INT32_MAX),
+        # (types and the int32 / uint64 range of the C fields here; the ranges are libclover's: check())
+        return cls(max_tokens=int32_arg("max_tokens", max_tokens),
                    block_size=BLOCK_SIZE_AUTO if is_auto(block_size) else int_arg("block_size", block_size, 1, INT32_MAX),
-                   threshold=th, max_steps=int_arg("max_steps", max_steps, 0, INT32_MAX), temperature=t,
-                   top_k=int_arg("top_k", top_k, 0, INT32_MAX), top_p=p,
-                   seed=int_arg("seed (None or -1 = random)", seed, 0, 2**64 - 1), **rest)
+                   threshold=float_arg("threshold", threshold), max_steps=int32_arg("max_steps", max_steps),
+                   temperature=float_arg("temperature", temperature), top_k=int32_arg("top_k", top_k),
+                   top_p=float_arg("top_p", top_p), seed=int_arg("seed (None or -1 = random)", seed, 0, 2**64 - 1),
+                   **rest)
+
+    def native(self, keep: list[Any]) -> N.clover_generate_params:
+        """These values as clover_generate_params (``keep`` holds what its pointers point to;
+        no callbacks and no output buffers yet)."""
+        gp = lib().clover_generate_default_params()
+        gp.block_size = native_block_size(self.block_size)
+        gp.threshold, gp.max_steps, gp.temperature = self.threshold, self.max_steps, self.temperature
+        gp.top_k, gp.top_p, gp.seed, gp.max_tokens = self.top_k, self.top_p, self.seed, self.max_tokens
+        gp.stop_at_eos = 1 if self.stop_at_eos else 0
+        gp.reuse_prefix = 1 if self.reuse_prefix else 0
+        gp.draft_self, gp.draft_steps = self.draft_self, self.draft_steps
+        if self.stop_tokens:
+            keep.append(N.as_int32_array(self.stop_tokens))
+            gp.stop_tokens, gp.n_stop_tokens = keep[-1], len(self.stop_tokens)
+        if self.grammar:
+            keep.append(self.grammar.encode("utf-8"))
+            gp.grammar = keep[-1]
+        if self.logprobs is not None:
+            gp.n_top_logprobs = self.logprobs
+        return gp
+
+    def check(self) -> None:
+        """libclover's rules for these values (clover_generate_params_check, the one owner of the
+        ranges and their messages): before waiting for the turn or allocating anything."""
+        keep: list[Any] = []
+        gp = self.native(keep)
+        if self.logprobs:  # (the rule asks for the buffers the call will pass)
+            keep += [(ctypes.c_int32 * 1)(), (ctypes.c_float * 1)()]
+            gp.top_tokens, gp.top_logprobs = keep[-2], keep[-1]
+        problem = N.generate_params_problem(gp)
+        if problem is not None:
+            raise CloverValueError(problem)
 
     @staticmethod
     def constraints(grammar: Any, logprobs: Any, response_format: Any) -> dict[str, Any]:
@@ -219,14 +242,14 @@ class GenParams:
             raise CloverValueError(str(e)) from None
         if isinstance(logprobs, bool):
             logprobs = 0 if logprobs else None
-        n_top = None if logprobs is None else int_arg("logprobs", logprobs, 0, N.CLOVER_MAX_TOP_LOGPROBS)
+        n_top = None if logprobs is None else int32_arg("logprobs", logprobs)  # (range: check())
         return {"grammar": text, "logprobs": n_top}
 
     @staticmethod
     def options(stop: Any, reuse_prefix: Any, draft_self: Any, draft_steps: Any) -> dict[str, Any]:
         return dict(stop_strings=strings_arg("stop", stop), reuse_prefix=bool_arg("reuse_prefix", reuse_prefix),
                     draft_self=tristate_arg("draft_self", draft_self),
-                    draft_steps=int_arg("draft_steps", draft_steps, 0, INT32_MAX))
+                    draft_steps=int32_arg("draft_steps", draft_steps))
 
 
 # ----------------------------------------------------------------------------- one generation
@@ -286,20 +309,8 @@ class Generation:
             self.exc = e
             return 1
 
-    def _native_params(self, L: ctypes.CDLL, keep: list[Any]) -> N.clover_generate_params:
-        p, gp = self.p, L.clover_generate_default_params()
-        gp.block_size = N.CLOVER_BLOCK_SIZE_AUTO if is_auto(p.block_size) else p.block_size
-        gp.threshold, gp.max_steps, gp.temperature = p.threshold, p.max_steps, p.temperature
-        gp.top_k, gp.top_p, gp.seed, gp.max_tokens = p.top_k, p.top_p, p.seed, p.max_tokens
-        gp.stop_at_eos = 1 if p.stop_at_eos else 0
-        gp.reuse_prefix = 1 if p.reuse_prefix else 0
-        gp.draft_self, gp.draft_steps = p.draft_self, p.draft_steps
-        if p.stop_tokens:
-            keep.append(N.as_int32_array(p.stop_tokens))
-            gp.stop_tokens, gp.n_stop_tokens = keep[-1], len(p.stop_tokens)
-        if p.grammar:
-            keep.append(p.grammar.encode("utf-8"))
-            gp.grammar = keep[-1]
+    def _native_params(self, keep: list[Any]) -> N.clover_generate_params:
+        gp = self.p.native(keep)
         keep += [N.clover_step_callback(self._step), N.clover_block_callback(self._block)]
         gp.step_callback, gp.block_callback = keep[-2], keep[-1]
         return gp
@@ -310,7 +321,7 @@ class Generation:
             return GenerationResult(text="", tokens=[], stats=GenerationStats(n_prompt=n_prompt,
                                                                              finish_reason="cancelled", seed=p.seed))
         L, keep = lib(), []
-        gp = self._native_params(L, keep)
+        gp = self._native_params(keep)
         cap, n_top = max(p.max_tokens, 1), p.logprobs
         if n_top is not None:  # logprobs: clover.h, clover_generate_params
             lp_buf, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * max(cap * n_top, 1))(),

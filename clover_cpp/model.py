@@ -348,18 +348,20 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
     def room(self, n_prompt: int, block_size: int | str | None = "default", draft_self: bool | str | None = False) -> int:
         """The largest ``max_tokens`` a generation after ``n_prompt`` prompt tokens may ask for
-        (0 when none fits): the rest of the context, in whole blocks of a fixed block size
-        (libclover's rule; block_size "default" = this object's, "auto" / None and draft-self
-        need no whole blocks)."""
-        n_prompt = int_arg("n_prompt", n_prompt, 0)
-        return D.room(self.n_ctx, n_prompt, self._block_size_arg(block_size), draft_self)
+        (0 when none fits): libclover's rule (clover_generate_room: the rest of the context, in
+        whole blocks of a fixed block size; "auto" / None and draft-self need no whole blocks).
+        block_size "default" = this object's."""
+        n_prompt, ds = int_arg("n_prompt", n_prompt, 0, INT32_MAX), tristate_arg("draft_self", draft_self)
+        B = self._block_size_arg(block_size)
+        B = B if B is None or isinstance(B, str) else int_arg("block_size", B, 1, INT32_MAX)
+        with self._op() as c:
+            return D.room(c, n_prompt, D.room_params(B, ds))
 
     def fits(self, n_prompt: int, max_tokens: int, block_size: int | str | None = "default",
              draft_self: bool | str | None = False) -> bool:
         """Whether a generation of ``max_tokens`` after ``n_prompt`` prompt tokens fits the
         context (see :meth:`room`)."""
-        n_prompt, max_tokens = int_arg("n_prompt", n_prompt, 0), int_arg("max_tokens", max_tokens, 0)
-        return D.fits(self.n_ctx, n_prompt, max_tokens, self._block_size_arg(block_size), draft_self)
+        return int_arg("max_tokens", max_tokens, 0, INT32_MAX) <= self.room(n_prompt, block_size, draft_self)
 
     def _block_size_arg(self, block_size: Any) -> Any:
         return self._default_block_size if isinstance(block_size, str) and block_size == "default" else block_size
@@ -421,7 +423,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         return self._tokens(prompt)
 
     # -- generation
-    def generate(self, prompt: Prompt, max_tokens: int = 256, block_size: int | str | None = "default",
+    def generate(self, prompt: Prompt, max_tokens: int = N.CLOVER_DEFAULT_MAX_TOKENS, block_size: int | str | None = "default",
                  threshold: float = 0.9, max_steps: int = 0, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, stream: bool = False,
                  on_step: StepCallback | None = None, on_block: BlockCallback | None = None,
@@ -495,14 +497,9 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                                                                      a["draft_steps"]),
                     **GenParams.constraints(a["grammar"], a["logprobs"], a["response_format"]),
                     stop_at_eos=bool_arg("stop_at_eos", a["stop_at_eos"]))
+        p.check()  # libclover's ranges, before waiting
         stream = bool_arg("stream", a["stream"])
         on_step, on_block = callable_arg("on_step", a["on_step"]), callable_arg("on_block", a["on_block"])
-        if not D.fits(self.n_ctx, len(toks), p.max_tokens, p.block_size, p.draft_self):
-            # (before waiting, and before an output buffer of max_tokens)
-            blocks = "" if p.draft_self == 1 or not isinstance(p.block_size, int) or p.block_size == 1 else \
-                f" in blocks of {p.block_size}"
-            raise CloverError(f"prompt ({len(toks)} tokens) + max_tokens ({p.max_tokens}){blocks} exceeds "
-                              f"n_ctx={self.n_ctx}", N.CLOVER_ERR_CONTEXT_FULL)
         self._close_my_streams()  # a stream this thread left unfinished must not keep decoding
 
         def run(push: Callable[[str, list[int]], bool] | None, cancel: threading.Event) -> GenerationResult:
@@ -511,19 +508,28 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         if not stream:
             # on the object's decode thread (see DecodeThread), in this object's turn; Ctrl-C
             # (or close() from another thread) cancels it at the next denoising step
-            with self._op():
+            with self._op() as c:
+                self._check_room(c, len(toks), p)
                 cancel = threading.Event()
                 self._gate.cancel = cancel
                 return self._decoder.call(lambda: run(None, cancel), cancel)
         self._gate.enter()  # the stream holds the turn until its decoding ends
         try:
-            self._c()
+            self._check_room(self._c(), len(toks), p)
             s = GenerationStream(run, self._decoder, self._gate)
         except BaseException:
             self._gate.leave()
             raise
         self._streams.add(s)
         return s
+
+    def _check_room(self, c: int, n_prompt: int, p: GenParams) -> None:
+        """The prompt + max_tokens fit the context (before an output buffer of max_tokens)."""
+        keep: list[Any] = []
+        room = D.room(c, n_prompt, p.native(keep))
+        if p.max_tokens > room:
+            raise CloverError(f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens}) exceeds n_ctx={self._n_ctx}"
+                              f" (at most {room} tokens fit after this prompt)", N.CLOVER_ERR_CONTEXT_FULL)
 
     def _run(self, toks: list[int], p: GenParams, chat_text: str | None, on_step: StepCallback | None,
              on_block: BlockCallback | None, push: Callable[[str, list[int]], bool] | None,

@@ -170,3 +170,24 @@ def test_new_context_shares_the_model(model) -> None:
     finally:
         other.close()
     assert model._shared.handle is not None and model.generate("hello", max_tokens=2).tokens
+
+
+@pytest.mark.parametrize("kw,field", [(dict(threshold=2), "threshold"), (dict(temperature=-1), "temperature"),
+                                      (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+                                      (dict(max_steps=-1), "max_steps"), (dict(max_tokens=-1), "max_tokens"),
+                                      (dict(draft_steps=-1), "draft_steps"), (dict(logprobs=21), "n_top_logprobs")])
+def test_ranges_are_libclovers(model, kw, field) -> None:
+    """The parameter ranges have one owner, clover_generate_params_check: generate() raises its
+    message (before waiting or allocating; a stream at the call, not at the first piece)."""
+    from clover_cpp import CloverValueError
+
+    for stream in (False, True):
+        with pytest.raises(CloverValueError) as e:
+            model.generate("hello", stream=stream, **kw)
+        assert e.value.message.startswith(field)
+    ((_, value),) = kw.items()
+    gp = N.lib().clover_generate_default_params()  # the same value straight into the C check
+    setattr(gp, field, value)
+    buffers = (N.ctypes.c_int32 * 1)(), (N.ctypes.c_float * 1)()
+    gp.top_tokens, gp.top_logprobs = buffers
+    assert N.generate_params_problem(gp) == e.value.message
