@@ -232,6 +232,7 @@ int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t 
 
 } // namespace clover_detail
 
+using clover_impl::check_params;
 using clover_impl::guarded;
 
 extern "C" {
@@ -239,11 +240,15 @@ extern "C" {
 int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_token, double temperature,
                           int32_t top_k, double top_p, uint64_t seed, int32_t * token_out, double * confidence_out) {
     return guarded(nullptr, 0, [&]() -> int {
-        clover_detail::normalise_sampling(temperature, top_k, top_p, n_vocab);
-        if (!logits || n_vocab < 1 || !token_out || !confidence_out || !(temperature >= 0.0) || std::isinf(temperature) || top_k < 0 ||
-            !(top_p >= 0.0 && top_p <= 1.0)) {
+        clover_generate_params gp = clover_generate_default_params(); // the ranges: clover-params.cpp
+        gp.temperature            = temperature;
+        gp.top_k                  = top_k;
+        gp.top_p                  = top_p;
+        std::string msg;
+        if (!logits || n_vocab < 1 || !token_out || !confidence_out || check_params(gp, msg) != CLOVER_OK) {
             return CLOVER_ERR_INVALID_ARG;
         }
+        clover_detail::normalise_sampling(temperature, top_k, top_p, n_vocab);
         std::mt19937_64          rng(seed);
         clover_detail::pick_work w;
         clover_detail::pick_candidate(logits, n_vocab, mask_token, temperature, top_k, top_p, rng, w, *token_out,
@@ -255,7 +260,11 @@ int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_to
 int32_t clover_select_unmask(const double * conf, int32_t n_masked, double threshold, int32_t max_steps, int32_t step,
                              int32_t * order_out) {
     return guarded(nullptr, 0, [&]() -> int {
-        if (!conf || !order_out || n_masked < 1 || max_steps < 0 || step < 0 || !(threshold >= 0.0 && threshold <= 1.0)) {
+        clover_generate_params gp = clover_generate_default_params(); // the ranges: clover-params.cpp
+        gp.threshold              = threshold;
+        gp.max_steps              = max_steps;
+        std::string msg;
+        if (!conf || !order_out || n_masked < 1 || step < 0 || check_params(gp, msg) != CLOVER_OK) {
             return CLOVER_ERR_INVALID_ARG;
         }
         return clover_detail::select_unmask(conf, n_masked, threshold, max_steps, step, order_out);
