@@ -289,9 +289,7 @@ def token_to_piece(m: int, token: int, special: bool) -> bytes:
     def call(cap: int) -> Any:
         buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
         st = L.clover_token_to_piece(m, token, buf, cap, int(special), ctypes.byref(n_out))
-        # clover.h documents "returns the number of bytes written"; the implementation returns
-        # CLOVER_OK and reports the count through n_out - accept both
-        return (N.CLOVER_OK if st > 0 else st), (st if st > 0 else n_out.value), lambda k: buf.raw[:k]
+        return st, n_out.value, lambda k: buf.raw[:k]  # (clover.h: CLOVER_OK, the count in n_out)
     return _negotiate("token_to_piece", 64, call)
 
 
