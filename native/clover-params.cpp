@@ -215,7 +215,11 @@ int32_t clover_generate_room(const clover_context * ctx, const clover_generate_p
         return -1;
     }
     clover_generate_params gp = params ? *params : clover_generate_default_params();
-    const gen_setup        s  = resolve_generate(ctx, gp);
+    std::string            msg;
+    if (check_params(gp, msg) != CLOVER_OK) {
+        return -1;
+    }
+    const gen_setup s = resolve_generate(ctx, gp);
     const int64_t          free_ = (int64_t) ctx->n_ctx - n_prompt;
     if (s.B < 1 || free_ <= 0) {
         return 0;

@@ -425,7 +425,8 @@ CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int
 /* The largest max_tokens clover_generate accepts after n_prompt prompt tokens with these params
  * (NULL = the defaults; their max_tokens is not used): n_ctx - n_prompt, in whole blocks of the B
  * the call starts with unless it runs draft-self or block_size = auto (which picks only a B that
- * fits); 0 when nothing fits; -1 for a NULL context or n_prompt < 0. The one "does it fit" rule. */
+ * fits); 0 when nothing fits; -1 for a NULL context, n_prompt < 0 or params that break a rule of
+ * clover_generate_params_check. The one "does it fit" rule. */
 CLOVER_API int32_t clover_generate_room(const clover_context * ctx, const clover_generate_params * params,
                                         int32_t n_prompt);
 

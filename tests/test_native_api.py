@@ -1209,6 +1209,9 @@ def test_generate_room_is_the_fit_rule(model, vocab_hi):
         assert L.clover_generate_room(ctx.p, ctypes.byref(gp), 5) == 59
         assert L.clover_generate_room(ctx.p, None, 5) == 56 and L.clover_generate_room(None, None, 5) == -1
         assert L.clover_generate_room(ctx.p, None, -1) == -1
+        gp = L.clover_generate_default_params()
+        gp.block_size = -7  # a value with no meaning
+        assert L.clover_generate_room(ctx.p, ctypes.byref(gp), 5) == -1
 
 
 def test_errors_block_size_and_passes(model, vocab_hi):
