@@ -156,10 +156,8 @@ def gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int
                top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = (),
                draft_self: bool | str = False) -> dict[str, Any]:
     """The sampling flags as Clover.generate's keyword arguments (their values as the flags spell
-    them: Clover reads block_size "auto" and draft_self "on"/"off"/"auto" itself)."""
-    if seed == -1:  # as in llama.cpp: a random seed
-        import secrets
-        seed = secrets.randbits(63)
+    them: Clover reads block_size "auto", draft_self "on"/"off"/"auto" and seed -1 = a fresh random
+    seed per call itself)."""
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
                 stop=list(reverse_prompt), draft_self=draft_self)
