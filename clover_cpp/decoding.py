@@ -215,19 +215,16 @@ class GenParams:
         if self.grammar:
             keep.append(self.grammar.encode("utf-8"))
             gp.grammar = keep[-1]
-        if self.logprobs is not None:
-            gp.n_top_logprobs = self.logprobs
+        if self.logprobs is not None:  # (1-entry top buffers until the call passes its own)
+            keep += [(ctypes.c_int32 * 1)(), (ctypes.c_float * 1)()]
+            gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = self.logprobs, keep[-2], keep[-1]
         return gp
 
     def check(self) -> None:
         """libclover's rules for these values (clover_generate_params_check, the one owner of the
         ranges and their messages): before waiting for the turn or allocating anything."""
         keep: list[Any] = []
-        gp = self.native(keep)
-        if self.logprobs:  # (the rule asks for the buffers the call will pass)
-            keep += [(ctypes.c_int32 * 1)(), (ctypes.c_float * 1)()]
-            gp.top_tokens, gp.top_logprobs = keep[-2], keep[-1]
-        problem = N.generate_params_problem(gp)
+        problem = N.generate_params_problem(self.native(keep))
         if problem is not None:
             raise CloverValueError(problem)
 
@@ -343,6 +340,7 @@ class Generation:
         stats = GenerationStats._from_native(st, B)
         stats.seed = p.seed
         tail = self.out.finish()
+        self.out.close()
         if self.out.hit:  # a stop string: the output ends at the token that completed it
             tokens = self.out.tokens
             stats._cut_at_stop_string(len(tokens))

@@ -527,6 +527,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         """The prompt + max_tokens fit the context (before an output buffer of max_tokens)."""
         keep: list[Any] = []
         room = D.room(c, n_prompt, p.native(keep))
+        if room < 0:  # (a parameter rule broken: its message)
+            p.check()
         if p.max_tokens > room:
             raise CloverError(f"prompt ({n_prompt} tokens) + max_tokens ({p.max_tokens}) exceeds n_ctx={self._n_ctx}"
                               f" (at most {room} tokens fit after this prompt)", N.CLOVER_ERR_CONTEXT_FULL)

@@ -1,7 +1,8 @@
 """The output of one generation as it becomes final: :class:`OutputFollower` turns the decode
 loop's tokens (each step's final canvas prefix, each finished block) into text pieces, exactly
 once each, decoding UTF-8 across token boundaries and cutting at the first stop string (which
-may span pieces: text that could begin one is held back until it is known not to).
+may span pieces: text that could begin one is held back until it is known not to; the matching
+is libclover's clover_stop_matcher, which clover-cli's reverse prompts use too).
 
 Stop tokens and EOS are libclover's (clover_generate_params.stop_tokens): the blocks it reports
 are already cut at them; a step's canvas prefix is cut here at the same tokens."""
@@ -9,10 +10,50 @@ are already cut at them; a step's canvas prefix is cut here at the same tokens."
 from __future__ import annotations
 
 import codecs
+import ctypes
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .errors import CloverError, lib
 
 #: push(piece, tokens) -> True to cancel (streams: the reader has gone)
 Push = Callable[[str, list[int]], bool]
+
+
+class _StopStrings:
+    """libclover's stop-string matcher (clover_stop_matcher_*): text in, final text out."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._L = lib()
+        # (C strings: a stop string holding a NUL character is left out, it never matches)
+        enc = [x.encode("utf-8", "surrogatepass") for x in stops if "\0" not in x]
+        self._h = self._L.clover_stop_matcher_new((ctypes.c_char_p * max(len(enc), 1))(*enc), len(enc))
+        if not self._h:
+            raise CloverError("stop strings: clover_stop_matcher_new failed")
+        self.hit = False
+
+    def _out(self, ptr: Any, n: ctypes.c_int32) -> str:
+        if not ptr:
+            raise CloverError("stop strings: the matcher refused its input")
+        return ctypes.string_at(ptr, n.value).decode("utf-8", "surrogatepass")
+
+    def feed(self, text: str) -> str:
+        data, n = text.encode("utf-8", "surrogatepass"), ctypes.c_int32(0)
+        out = self._out(self._L.clover_stop_matcher_feed(self._h, data, len(data), ctypes.byref(n)), n)
+        self.hit = bool(self._L.clover_stop_matcher_hit(self._h))
+        return out
+
+    def flush(self) -> str:
+        n = ctypes.c_int32(0)
+        return self._out(self._L.clover_stop_matcher_flush(self._h, ctypes.byref(n)), n)
+
+    def close(self) -> None:
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            self._L.clover_stop_matcher_free(h)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class OutputFollower:
@@ -26,8 +67,7 @@ class OutputFollower:
     def __init__(self, stops: Sequence[str] = (), *, stop_tokens: Iterable[int] = (),
                  detokenize: Callable[[list[int]], bytes] | None = None, push: Push | None = None) -> None:
         self.stops = [x for x in stops if x]
-        self.hit = False
-        self._held = ""
+        self._matcher = _StopStrings(self.stops) if self.stops else None
         self.stop_tokens = frozenset(stop_tokens)  # where a step's canvas prefix ends (EOS included)
         self._detokenize = detokenize
         self._push = push
@@ -41,25 +81,21 @@ class OutputFollower:
     def feed(self, piece: str) -> str:
         """The part of ``piece`` (after what was held back) that is final; sets ``hit`` when a
         stop string has been seen (nothing from it on is returned, then or later)."""
-        if self.hit:
-            return ""
-        text = self._held + piece
-        cut = min((i for i in (text.find(x) for x in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit, self._held = True, ""
-            return text[:cut]
-        keep = 0
-        for x in self.stops:  # the longest tail of text that begins some stop string
-            for k in range(min(len(x) - 1, len(text)), keep, -1):
-                if x.startswith(text[-k:]):
-                    keep = k
-                    break
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        return self._matcher.feed(piece) if self._matcher is not None else piece
 
     def flush(self) -> str:
-        held, self._held = ("" if self.hit else self._held), ""
-        return held
+        """What was held back (the start of a stop string that never came); "" after a hit."""
+        return self._matcher.flush() if self._matcher is not None else ""
+
+    @property
+    def hit(self) -> bool:
+        """A stop string was seen."""
+        return self._matcher is not None and self._matcher.hit
+
+    def close(self) -> None:
+        """Free the native matcher (also done when the follower is collected)."""
+        if self._matcher is not None:
+            self._matcher.close()
 
     # -- the decode loop's tokens
     def _advance(self, bt: list[int]) -> bool:
