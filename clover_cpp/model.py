@@ -20,9 +20,11 @@ with those tokens, only the rest is committed (``stats.n_reused``), so a chat do
 its history every turn; the memory is the same for every block size, so the result is too.
 
 The runtime's parts: :mod:`.errors`, :mod:`._args` (argument checks), :mod:`._handles` (model
-and context ownership), :mod:`.decoding` (decode thread, generation glue, stream, results),
-:mod:`.output` (stop strings, output following), :mod:`.chat`, :mod:`.compat`
-(llama-cpp-python's calls); this module is the :class:`Clover` class.
+and context ownership, buffer sizes), :mod:`.decoding` (decode thread, one generation, stream,
+results), :mod:`.output` (stop strings, output following), :mod:`.chat` (templates, the chat
+calls), :mod:`.passes` (commits, block passes, perplexity, cost curve), :mod:`.compat`
+(llama-cpp-python's calls); this module is the :class:`Clover` class. libclover owns the rules:
+parameter ranges and defaults, "does it fit" (:meth:`Clover.room`), stop tokens and strings.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ Prompt = Union[str, Sequence[int], np.ndarray]
 
 # names kept where they were (clover_cpp.model) before the runtime was cut by job
 StopMatcher = OutputFollower
-_current_verbosity = current_verbosity
-_tristate = tristate_arg
-__all__ += ["CHATML_TEMPLATE", "StopMatcher", "INT32_MAX", "MAX_THREADS"]
+_current_verbosity = current_verbosity  # (_lib.py's)
+__all__ += ["CHATML_TEMPLATE", "StopMatcher"]
+
+
 class Clover(ChatCalls, ContextPasses, LlamaCompat):
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
