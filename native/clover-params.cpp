@@ -215,6 +215,7 @@ int32_t clover_generate_room(const clover_context * ctx, const clover_generate_p
         return -1;
     }
     clover_generate_params gp = params ? *params : clover_generate_default_params();
+    gp.max_tokens = 0; // the room does not depend on the budget asked for (clover-cli's -n -1 asks for it)
     std::string            msg;
     if (check_params(gp, msg) != CLOVER_OK) {
         return -1;

@@ -1210,6 +1210,8 @@ def test_generate_room_is_the_fit_rule(model, vocab_hi):
         assert L.clover_generate_room(ctx.p, None, 5) == 56 and L.clover_generate_room(None, None, 5) == -1
         assert L.clover_generate_room(ctx.p, None, -1) == -1
         gp = L.clover_generate_default_params()
+        gp.max_tokens = -1  # the budget is not used: clover-cli's -n -1 asks the room with it
+        assert L.clover_generate_room(ctx.p, ctypes.byref(gp), 5) == 56
         gp.block_size = -7  # a value with no meaning
         assert L.clover_generate_room(ctx.p, ctypes.byref(gp), 5) == -1
 
