@@ -12,8 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from . import _lib  # noqa: F401  - sets LLAMA_CPP_LIB_PATH before anyone imports llama_cpp
 
+# libclover's status codes (clover.h): the values of CloverError.status
+_STATUS = ("CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE", "CLOVER_ERR_CANCELLED",
+           "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL")
+
 __all__ = ["Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats",
-           "GenerationStream", "Perplexity", "ChatExchange", "set_verbosity", "render_chat", "quantize", "QUANT_TYPES"]
+           "GenerationStream", "Perplexity", "ChatExchange", "set_verbosity", "render_chat", "quantize", "QUANT_TYPES",
+           *_STATUS]
 
 if TYPE_CHECKING:
     from .model import (ChatExchange, Clover, CloverError, CloverTypeError, CloverValueError, GenerationResult,
@@ -29,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from . import model  # noqa: PLC0415
 
         return getattr(model, name)
+    if name in _STATUS:
+        from . import errors  # noqa: PLC0415
+
+        return getattr(errors, name)
     if name in ("quantize", "QUANT_TYPES"):
         from . import quant as q  # noqa: PLC0415
 

@@ -8,7 +8,19 @@ from typing import Any
 
 from . import _native as N
 
-__all__ = ["CloverError", "CloverValueError", "CloverTypeError", "set_verbosity"]
+__all__ = ["CloverError", "CloverValueError", "CloverTypeError", "set_verbosity", "CLOVER_OK", "CLOVER_ERR_INVALID_ARG",
+           "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE", "CLOVER_ERR_CANCELLED", "CLOVER_ERR_CONTEXT_FULL",
+           "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL"]
+
+# libclover's status codes (clover.h, enum clover_status): the values of CloverError.status
+CLOVER_OK = N.CLOVER_OK
+CLOVER_ERR_INVALID_ARG = N.CLOVER_ERR_INVALID_ARG            # a bad argument (also CloverValueError)
+CLOVER_ERR_LOAD = N.CLOVER_ERR_LOAD                          # the model file could not be loaded
+CLOVER_ERR_DECODE = N.CLOVER_ERR_DECODE                      # llama_decode failed
+CLOVER_ERR_CANCELLED = N.CLOVER_ERR_CANCELLED                # a callback asked to stop
+CLOVER_ERR_CONTEXT_FULL = N.CLOVER_ERR_CONTEXT_FULL          # the tokens would not fit in n_ctx
+CLOVER_ERR_BUFFER_TOO_SMALL = N.CLOVER_ERR_BUFFER_TOO_SMALL
+CLOVER_ERR_INTERNAL = N.CLOVER_ERR_INTERNAL                  # an unexpected exception / out of memory
 
 _verbosity = 0
 
@@ -16,9 +28,9 @@ _verbosity = 0
 class CloverError(RuntimeError):
     """An error reported by libclover (or found while checking arguments for it).
 
-    ``message`` is the one-line native message, ``status`` the libclover status code
-    (``clover_cpp._native.CLOVER_ERR_*``; ``CLOVER_ERR_INVALID_ARG`` by default, e.g. for an
-    argument refused on the Python side before any native call)."""
+    ``message`` is the one-line native message, ``status`` the libclover status code (one of
+    ``clover_cpp.CLOVER_ERR_*``, also in ``clover_cpp.errors``; ``CLOVER_ERR_INVALID_ARG`` by
+    default, e.g. for an argument refused on the Python side before any native call)."""
 
     def __new__(cls, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> "CloverError":
         # an invalid argument is also a ValueError (CloverValueError), so that code written
