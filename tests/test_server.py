@@ -554,8 +554,8 @@ def test_disconnect_cancels_non_streaming(gguf) -> None:
 def test_the_server_uses_public_names_only() -> None:
     """clover_cpp/server/ reaches the runtime through its public names (as the CLI does): no
     `obj._name` on another object, no private keyword argument (`_chat_text=`), no private name
-    imported from outside the package (the one exception: `_native`, whose CLOVER_ERR_* are the
-    values CloverError.status documents), no file over 600 lines, and no copy of a context's
+    imported from outside the package (none at all: CloverError.status's codes are
+    clover_cpp.CLOVER_ERR_*, not _native's), no file over 600 lines, and no copy of a context's
     memory (the pool asks the model)."""
     import ast
 
@@ -575,7 +575,12 @@ def test_the_server_uses_public_names_only() -> None:
                 found.append(f"{where} {node.arg}=")
             if isinstance(node, ast.ImportFrom) and node.level != 1:  # outside the package
                 found += [f"{where} import {a.name}" for a in node.names
-                          if a.name.startswith("_") and a.name not in ("__future__", "_native")]
+                          if a.name.startswith("_") and a.name != "__future__"]
+                if any(part.startswith("_") and part != "__future__" for part in (node.module or "").split(".")):
+                    found.append(f"{where} from {node.module}")
+            if isinstance(node, ast.Import):
+                found += [f"{where} import {a.name}" for a in node.names
+                          if any(part.startswith("_") for part in a.name.split("."))]
             if isinstance(node, ast.Attribute) and node.attr in ("memory", "chat_text"):
                 found.append(f"{where} .{node.attr} (a copy of what the model holds)")
     assert not found, found

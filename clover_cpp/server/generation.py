@@ -20,8 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
-from .. import _native as N
-from .. import Clover, CloverError, GenerationResult
+from .. import CLOVER_ERR_CONTEXT_FULL, CLOVER_ERR_INVALID_ARG, Clover, CloverError, GenerationResult
 from . import format as fmt
 from .pool import ServerState, Slot
 from .tools import ToolPlan, ToolStream
@@ -44,7 +43,7 @@ class Job:
 def api_error(e: CloverError, param: str | None = None) -> APIError:
     """The runtime's error as the API answers it: a bad argument or a full context is the
     client's (400), anything else the server's (500)."""
-    if e.status in (N.CLOVER_ERR_INVALID_ARG, N.CLOVER_ERR_CONTEXT_FULL):
+    if e.status in (CLOVER_ERR_INVALID_ARG, CLOVER_ERR_CONTEXT_FULL):
         return APIError(400, e.message, param=param)
     return APIError(500, e.message, code="generation_failed")
 
