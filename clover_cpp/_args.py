@@ -16,13 +16,18 @@ INT32_MAX = 2**31 - 1  # libclover's counts are int32: larger values must not wr
 MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
 
 
+def _param(name: str) -> str:
+    """The keyword a message names first ("seed (None or -1 = random)" -> "seed"): CloverError.param."""
+    return name.split()[0]
+
+
 def int_arg(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise CloverTypeError(f"{name} must be an integer, got {v!r}")
+        raise CloverTypeError(f"{name} must be an integer, got {v!r}", param=_param(name))
     v = int(v)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise CloverError(f"{name} must be {rng}, got {v}")
+        raise CloverError(f"{name} must be {rng}, got {v}", param=_param(name))
     return v
 
 
@@ -33,13 +38,13 @@ def int32_arg(name: str, v: Any) -> int:
 
 def float_arg(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-        raise CloverTypeError(f"{name} must be a number, got {v!r}")
+        raise CloverTypeError(f"{name} must be a number, got {v!r}", param=_param(name))
     try:
         v = float(v)
     except OverflowError:
-        raise CloverValueError(f"{name} is too large: {v}") from None
+        raise CloverValueError(f"{name} is too large: {v}", param=_param(name)) from None
     if math.isnan(v):
-        raise CloverValueError(f"{name} must not be NaN")
+        raise CloverValueError(f"{name} must not be NaN", param=_param(name))
     return v
 
 
@@ -47,7 +52,7 @@ def bool_arg(name: str, v: Any) -> bool:
     """A flag: a bool, or an integer 0 / 1 (never a string: bool('off') is True)."""
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and int(v) in (0, 1)):
         return bool(v)
-    raise CloverTypeError(f"{name} must be True or False, got {v!r}")
+    raise CloverTypeError(f"{name} must be True or False, got {v!r}", param=_param(name))
 
 
 def tristate_arg(name: str, v: Any) -> int:
@@ -57,7 +62,8 @@ def tristate_arg(name: str, v: Any) -> int:
     if isinstance(v, str):
         word = {"auto": -1, "off": 0, "false": 0, "no": 0, "0": 0, "on": 1, "true": 1, "yes": 1, "1": 1}.get(v.strip().lower())
         if word is None:
-            raise CloverValueError(f"{name} must be None/'auto', False/'off' or True/'on', got {v!r}")
+            raise CloverValueError(f"{name} must be None/'auto', False/'off' or True/'on', got {v!r}",
+                                   param=_param(name))
         return word
     return 1 if bool_arg(name, v) else 0
 
@@ -82,7 +88,7 @@ def strings_arg(name: str, v: Any) -> list[str]:
         return [v]
     if isinstance(v, (bytes, Mapping)) or not isinstance(v, (Sequence, set, frozenset)) or \
             not all(isinstance(x, str) for x in v):
-        raise CloverTypeError(f"{name} must be a string or a list of strings, got {v!r}"[:200])
+        raise CloverTypeError(f"{name} must be a string or a list of strings, got {v!r}"[:200], param=_param(name))
     return list(v)
 
 

@@ -165,6 +165,14 @@ def room_params(block_size: int | str | None, draft_self: int) -> N.clover_gener
 
 # ----------------------------------------------------------------------------- parameters
 
+# generate()'s keywords -> the clover_generate_params fields they set (GenParams.check)
+_PARAM_FIELDS = {"block_size": ("block_size",), "threshold": ("threshold",), "max_steps": ("max_steps",),
+                 "temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",),
+                 "max_tokens": ("max_tokens",), "draft_self": ("draft_self",), "draft_steps": ("draft_steps",),
+                 "logprobs": ("n_top_logprobs", "top_tokens", "top_logprobs"),
+                 "stop_tokens": ("n_stop_tokens", "stop_tokens")}
+
+
 @dataclass
 class GenParams:
     """One generate() call's parameters, checked (:meth:`of`), and their clover_generate_params."""
@@ -224,9 +232,20 @@ class GenParams:
         """libclover's rules for these values (clover_generate_params_check, the one owner of the
         ranges and their messages): before waiting for the turn or allocating anything."""
         keep: list[Any] = []
-        problem = N.generate_params_problem(self.native(keep))
-        if problem is not None:
-            raise CloverValueError(problem)
+        gp = self.native(keep)
+        problem = N.generate_params_problem(gp)
+        if problem is None:
+            return
+        # the keyword to blame (CloverError.param): the first whose default value changes the
+        # verdict (libclover reports the first broken rule; no parsing of its message)
+        default = lib().clover_generate_default_params()
+        for name, fields in _PARAM_FIELDS.items():
+            trial = type(gp).from_buffer_copy(gp)
+            for f in fields:
+                setattr(trial, f, getattr(default, f))
+            if N.generate_params_problem(trial) != problem:
+                raise CloverValueError(problem, param=name)
+        raise CloverValueError(problem)
 
     @staticmethod
     def constraints(grammar: Any, logprobs: Any, response_format: Any) -> dict[str, Any]:

@@ -32,20 +32,24 @@ class CloverError(RuntimeError):
     ``clover_cpp.CLOVER_ERR_*``, also in ``clover_cpp.errors``; ``CLOVER_ERR_INVALID_ARG`` by
     default, e.g. for an argument refused on the Python side before any native call)."""
 
-    def __new__(cls, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> "CloverError":
+    def __new__(cls, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG,
+                param: str | None = None) -> "CloverError":
         # an invalid argument is also a ValueError (CloverValueError), so that code written
         # for other libraries' argument checks catches it
         if cls is CloverError and int(status) == N.CLOVER_ERR_INVALID_ARG:
             cls = CloverValueError
         return super().__new__(cls, message)
 
-    def __init__(self, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
+    def __init__(self, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG, param: str | None = None) -> None:
         self.message = " ".join(str(message).split()) or "unknown error"
         self.status = int(status)
+        #: the keyword argument refused (generate's ``threshold``, ``top_p``, ...), when one is
+        #: to blame: a front end names its own field or flag with it; the message stays libclover's
+        self.param = param
         super().__init__(self.message)
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.message, self.status))
+        return (type(self), (self.message, self.status, self.param))
 
 
 class CloverValueError(CloverError, ValueError):
@@ -55,8 +59,8 @@ class CloverValueError(CloverError, ValueError):
 class CloverTypeError(CloverError, TypeError):
     """An argument of the wrong type."""
 
-    def __init__(self, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG) -> None:
-        super().__init__(message, status)
+    def __init__(self, message: str = "", status: int = N.CLOVER_ERR_INVALID_ARG, param: str | None = None) -> None:
+        super().__init__(message, status, param)
 
 
 def lib() -> ctypes.CDLL:

@@ -178,16 +178,31 @@ def test_new_context_shares_the_model(model) -> None:
                                       (dict(draft_steps=-1), "draft_steps"), (dict(logprobs=21), "n_top_logprobs")])
 def test_ranges_are_libclovers(model, kw, field) -> None:
     """The parameter ranges have one owner, clover_generate_params_check: generate() raises its
-    message (before waiting or allocating; a stream at the call, not at the first piece)."""
+    message (before waiting or allocating; a stream at the call, not at the first piece), and
+    CloverError.param names the keyword refused (what the server's 400 and the CLI name)."""
+    import pickle
+
     from clover_cpp import CloverValueError
 
     for stream in (False, True):
         with pytest.raises(CloverValueError) as e:
             model.generate("hello", stream=stream, **kw)
         assert e.value.message.startswith(field)
+        assert e.value.param == next(iter(kw))
+        assert pickle.loads(pickle.dumps(e.value)).param == e.value.param
     ((_, value),) = kw.items()
     gp = N.lib().clover_generate_default_params()  # the same value straight into the C check
     setattr(gp, field, value)
     buffers = (N.ctypes.c_int32 * 1)(), (N.ctypes.c_float * 1)()
     gp.top_tokens, gp.top_logprobs = buffers
     assert N.generate_params_problem(gp) == e.value.message
+
+
+def test_two_broken_ranges_name_libclovers_first(model) -> None:
+    """Two values out of range: the message of libclover's first rule, and CloverError.param its keyword."""
+    from clover_cpp import CloverValueError
+
+    for two, first in ((dict(top_p=2.0, threshold=2.0), "threshold"), (dict(max_tokens=-1, top_p=2.0), "top_p")):
+        with pytest.raises(CloverValueError) as e:
+            model.generate("hello", **two)
+        assert e.value.message.startswith(first) and e.value.param == first
