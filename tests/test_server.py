@@ -398,7 +398,7 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "seed": -2}, "seed"),
     ({"prompt": "x", "top_k": 2**40}, "top_k"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),
     ({"prompt": "x", "max_completion_tokens": 5000}, "max_completion_tokens"),
@@ -422,6 +422,34 @@ def test_every_field_honoured_or_named(server, body, param) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and param in (err["param"] or "") and err["message"]
+
+
+@pytest.mark.parametrize("field,value", [("threshold", 2), ("threshold", 1e400), ("temperature", -1), ("top_p", 1.5),
+                                         ("top_k", -1), ("top_k", 2**40), ("max_steps", -1), ("seed", -2),
+                                         ("max_tokens", -1), ("logprobs", 21)])
+def test_ranges_are_the_runtimes(server, local, field, value) -> None:
+    """generate's ranges have one owner (libclover's clover_generate_params_check, through the
+    runtime): the server's 400 carries the runtime's message word for word, naming the field;
+    the server keeps only the JSON types (a copy of a range with its own wording fails this)."""
+    from clover_cpp import CloverValueError
+
+    with pytest.raises(CloverValueError) as e:
+        local.generate("x", **{field: value})
+    r = _post(server, "/v1/completions", json.dumps({"prompt": "x", field: value}).replace("Infinity", "1e400"))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == e.value.message and r.json()["error"]["param"] == field
+    r = _post(server, "/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+def test_top_p_zero_is_argmax(server) -> None:
+    """top_p 0 keeps only the most probable token (libclover's rule; the server refused it before):
+    accepted, and the seed no longer matters."""
+    c = server.client()
+    kw = dict(model="x", prompt="def add(a, b):", max_tokens=8, temperature=1.0, top_p=0,
+              extra_body={"block_size": 4, "ignore_eos": True})
+    texts = {c.completions.create(seed=seed, **kw).choices[0].text for seed in (1, 2, 3)}
+    assert len(texts) == 1 and len(next(iter(texts))) > 0
 
 
 def test_chat_fields_honoured_or_named(server) -> None:

@@ -24,7 +24,7 @@ from .. import CLOVER_ERR_CONTEXT_FULL, CLOVER_ERR_INVALID_ARG, Clover, CloverEr
 from . import format as fmt
 from .pool import ServerState, Slot
 from .tools import ToolPlan, ToolStream
-from .types import INT32_MAX, APIError, Knobs, Limits
+from .types import APIError, Knobs, Limits
 
 
 @dataclass
@@ -40,11 +40,12 @@ class Job:
     tools: ToolPlan | None = None
 
 
-def api_error(e: CloverError, param: str | None = None) -> APIError:
+def api_error(e: CloverError, param: str | None = None, req: Knobs | None = None) -> APIError:
     """The runtime's error as the API answers it: a bad argument or a full context is the
-    client's (400), anything else the server's (500)."""
+    client's (400, naming the request's field of the argument refused, CloverError.param, else
+    ``param``), anything else the server's (500)."""
     if e.status in (CLOVER_ERR_INVALID_ARG, CLOVER_ERR_CONTEXT_FULL):
-        return APIError(400, e.message, param=param)
+        return APIError(400, e.message, param=req.field_of(e.param) if req is not None and e.param else param)
     return APIError(500, e.message, code="generation_failed")
 
 
@@ -110,10 +111,11 @@ class Generator:
             raise APIError(400, f"the prompt ({n_prompt} tokens) + {which} ({max_tokens}) exceed the context "
                                 f"({n_ctx} tokens{f', in blocks of {B}' if room < n_ctx - n_prompt else ''})",
                            code="context_length_exceeded", param=which)
-        return dict(max_tokens=max_tokens, block_size=B, threshold=req.threshold,
-                    max_steps=req.max_steps, temperature=req.temperature, top_k=min(req.top_k, INT32_MAX),
-                    top_p=req.top_p, seed=req.seed, stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos,
-                    draft_self=req.draft_self, **self.constraints(req, tools))
+        # (the fields a request left out: Clover.generate's defaults, libclover's)
+        given = {k: v for k in ("threshold", "max_steps", "top_k", "top_p") if (v := getattr(req, k)) is not None}
+        return dict(max_tokens=max_tokens, block_size=B, temperature=req.temperature, seed=req.seed,
+                    stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos, draft_self=req.draft_self,
+                    **given, **self.constraints(req, tools))
 
     async def _wait_disconnect(self, request: Request, cancel: threading.Event) -> None:
         """Sets ``cancel`` when the client goes away (the body has been read: the next ASGI
@@ -180,7 +182,7 @@ class Generator:
             try:
                 result = await asyncio.to_thread(generate, False)
             except CloverError as e:
-                raise api_error(e, constraint_param(req)) from None
+                raise api_error(e, constraint_param(req), req) from None
             except asyncio.CancelledError:
                 if not st.shutting_down:
                     raise
@@ -198,7 +200,7 @@ class Generator:
             it = await asyncio.to_thread(generate, True)
         except CloverError as e:
             await finish(None, prompt)
-            raise api_error(e, constraint_param(req)) from None
+            raise api_error(e, constraint_param(req), req) from None
 
         def next_piece() -> str | None:
             try:

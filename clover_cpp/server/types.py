@@ -2,7 +2,9 @@
 
 Every field a request may carry is declared here: a field is either honoured or refused with
 a 400 that names it (``extra="forbid"``: an unknown field is an error, never silently
-ignored). Values are checked strictly (``"5"`` is not an int, ``NaN`` is not a number).
+ignored). Types are checked here, strictly (``"5"`` is not an int, ``NaN`` is not a number);
+the ranges and defaults of generate's parameters are the runtime's (libclover's
+clover_generate_params_check: its message, in a 400 naming the field, Knobs.field_of).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-
-INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -149,12 +149,13 @@ class Knobs(BaseModel):
     model_config = _STRICT
 
     model: str | None = None  # any name is accepted: one model is served
-    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)  # OpenAI's newer name
-    temperature: float = Field(default=0.8, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=0, le=INT32_MAX)
-    seed: int | None = Field(default=None, ge=-1, le=2**64 - 1)  # None or -1: a fresh random seed
+    # (None: Clover.generate's default, libclover's; the ranges are libclover's too)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name
+    temperature: float = 0.8  # OpenAI's default (Clover.generate's is greedy)
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None  # None or -1: a fresh random seed
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
@@ -169,8 +170,8 @@ class Knobs(BaseModel):
     grammar: str | None = Field(default=None, max_length=1 << 20)
     # Clover's own knobs
     block_size: Union[int, Literal["auto"], None] = None
-    threshold: float = Field(default=0.9, ge=0.0, le=1.0, allow_inf_nan=False)
-    max_steps: int = Field(default=0, ge=0, le=INT32_MAX)
+    threshold: float | None = None
+    max_steps: int | None = None
     ignore_eos: bool = False
     # true: lossless self-speculative decoding (the output of block_size 1); "auto": with block_size
     # auto the mode too is chosen per block (B = 1, block diffusion or draft-self; clover.mode says which)
@@ -202,6 +203,12 @@ class Knobs(BaseModel):
     def n_logprobs(self) -> int | None:
         """generate()'s logprobs: None = off, N = each token's and the N most probable."""
         return None
+
+    def field_of(self, param: str) -> str:
+        """The request's field for a keyword of Clover.generate (CloverError.param)."""
+        if param == "max_tokens":
+            return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return {"stop_at_eos": "ignore_eos"}.get(param, param)
 
 
 class TextPart(BaseModel):
@@ -287,12 +294,15 @@ class ChatRequest(Knobs):
     tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
     parallel_tool_calls: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = None  # (its range: libclover's CLOVER_MAX_TOP_LOGPROBS)
 
     def n_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def field_of(self, param: str) -> str:
+        return "top_logprobs" if param == "logprobs" else super().field_of(param)
 
 
 class CompletionRequest(Knobs):
@@ -300,7 +310,7 @@ class CompletionRequest(Knobs):
     echo: bool = False
     suffix: str | None = None
     best_of: int = Field(default=1, ge=1, le=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy API's: the N most probable
+    logprobs: int | None = None  # the legacy API's: the N most probable (range: libclover's)
 
     def n_logprobs(self) -> int | None:
         return self.logprobs
