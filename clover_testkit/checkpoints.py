@@ -494,9 +494,9 @@ def write_checkpoint(
     Stale weight files (``model*.safetensors``, the index) in folder are removed first.
     ``fused_experts=None``: the preset's way (fused for release-tiny, per expert otherwise).
     """
-    if preset == "35b-a3b-slice" and not (fused_experts or tied or config_overrides):
+    if preset == "35b-a3b-slice":
         from .true_dims import write_true_dims  # streamed in chunks, a 248,320-entry tokenizer
-        return write_true_dims(folder, dtype, seed, shards)
+        return write_true_dims(folder, dtype, seed, shards, unsupported=(fused_experts, tied, config_overrides))
     if fused_experts is None:
         fused_experts = _FUSED_OF.get(preset, False)
     if preset not in _WRITABLE:
