@@ -169,11 +169,17 @@ def _write_file(path: Path, plan: list[tuple[str, tuple[int, ...]]], cfg: dict[s
 
 
 def write_true_dims(folder: str | os.PathLike, dtype: str = "bf16", seed: int = 0, shards: int = 1,
-                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[str], None] | None = None, unsupported: tuple[Any, ...] = ()
+                    ) -> dict[str, Any]:
     """Write the slice to folder (config, generation config, tokenizer, weights); returns its
-    config. ``shards`` > 1 writes ``model-0000k-of-0000n.safetensors`` + the index."""
+    config. ``shards`` > 1 writes ``model-0000k-of-0000n.safetensors`` + the index.
+    ``unsupported``: write_checkpoint's fused_experts, tied and config_overrides, refused when set
+    (the slice is the real layout: per-expert tensors, an lm_head, the preset's config)."""
     from .checkpoints import _dump_json, _split_shards, tensor_plan
 
+    if any(unsupported):
+        raise ValueError(f"preset {PRESET!r} is written with per-expert tensors, untied, without config "
+                         "overrides (--fused-experts / --tied / overrides are not supported)")
     if dtype not in ("bf16", "f32"):
         raise ValueError(f"dtype must be bf16 or f32, not {dtype!r}")
     if shards < 1:

@@ -136,6 +136,10 @@ def test_cli_dry_run_counts_the_slice(tmp_path):
     n = count_params(preset_config("35b-a3b-slice"))
     assert f"{n:,} parameters" in r.output and 4.3e9 < n < 4.5e9
     assert not (tmp_path / "x").exists()
+    for flag in ("--tied", "--fused-experts"):  # the slice keeps the real layout: one line, nothing written
+        r = CliRunner().invoke(checkpoints.cli, ["35b-a3b-slice", str(tmp_path / "x"), "--dtype", "bf16", flag])
+        assert r.exit_code == 1 and r.output.count("\n") == 1 and "not supported" in r.output, r.output
+        assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.needs_libclover
