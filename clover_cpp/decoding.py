@@ -12,8 +12,8 @@ import queue
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -206,6 +206,17 @@ class GenParams:
                    temperature=float_arg("temperature", temperature), top_k=int32_arg("top_k", top_k),
                    top_p=float_arg("top_p", top_p), seed=int_arg("seed (None or -1 = random)", seed, 0, 2**64 - 1),
                    **rest)
+
+    @classmethod
+    def of_kwargs(cls, a: Mapping[str, Any], block_size: Any) -> "GenParams":
+        """generate()'s keyword arguments ``a`` (all of them, its defaults filled in) with this
+        block size, checked for types (not yet the ranges: :meth:`check`; nor stop_tokens, which
+        need the vocabulary)."""
+        p = cls.of(a["max_tokens"], block_size, a["threshold"], a["max_steps"], a["temperature"], a["top_k"],
+                   a["top_p"], a["seed"])
+        return replace(p, **cls.options(a["stop"], a["reuse_prefix"], a["draft_self"], a["draft_steps"]),
+                       **cls.constraints(a["grammar"], a["logprobs"], a["response_format"]),
+                       stop_at_eos=bool_arg("stop_at_eos", a["stop_at_eos"]))
 
     def native(self, keep: list[Any]) -> N.clover_generate_params:
         """These values as clover_generate_params (``keep`` holds what its pointers point to;

@@ -30,6 +30,7 @@ parameter ranges and defaults, "does it fit" (:meth:`Clover.room`), stop tokens 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 import weakref
@@ -488,18 +489,28 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         del args["self"]
         return self._generate(args, None)
 
+    @staticmethod
+    def check_generate_args(**kwargs: Any) -> None:
+        """generate()'s keyword arguments checked with no model loaded (what a front end asks
+        before loading one): the types, then libclover's ranges (clover_generate_params_check);
+        a :class:`CloverValueError` / :class:`CloverTypeError` with libclover's message, ``param``
+        the keyword refused. What needs the model waits for generate(): token ids, the room in
+        the context, the block size's bound (n_ctx)."""
+        sig = inspect.signature(Clover.generate).parameters
+        a = {k: p.default for k, p in sig.items() if k not in ("self", "prompt")}
+        for k in kwargs:
+            if k not in a:
+                raise CloverTypeError(f"generate() has no argument {k!r}", param=k)
+        a.update(kwargs)
+        D.GenParams.of_kwargs(a, "auto" if a["block_size"] == "default" else a["block_size"]).check()
+
     def _generate(self, a: Mapping[str, Any], chat_text: str | None) -> Any:
         """generate() with its arguments ``a``; ``chat_text``: the rendered chat prompt of the
         tokens (:meth:`generate_chat`), remembered for the next turn's continuation."""
         self._not_in_callback()
-        p = GenParams.of(a["max_tokens"], self._block_size_arg(a["block_size"]), a["threshold"], a["max_steps"],
-                         a["temperature"], a["top_k"], a["top_p"], a["seed"])
+        p = GenParams.of_kwargs(a, self._block_size_arg(a["block_size"]))
         toks = self._prompt_tokens(a["prompt"])
-        stop_tokens = self._tokens(a["stop_tokens"] if a["stop_tokens"] is not None else ())
-        p = replace(p, stop_tokens=stop_tokens, **GenParams.options(a["stop"], a["reuse_prefix"], a["draft_self"],
-                                                                     a["draft_steps"]),
-                    **GenParams.constraints(a["grammar"], a["logprobs"], a["response_format"]),
-                    stop_at_eos=bool_arg("stop_at_eos", a["stop_at_eos"]))
+        p = replace(p, stop_tokens=self._tokens(a["stop_tokens"] if a["stop_tokens"] is not None else ()))
         p.check()  # libclover's ranges, before waiting
         stream = bool_arg("stream", a["stream"])
         on_step, on_block = callable_arg("on_step", a["on_step"]), callable_arg("on_block", a["on_block"])

@@ -190,6 +190,9 @@ def test_ranges_are_libclovers(model, kw, field) -> None:
         assert e.value.message.startswith(field)
         assert e.value.param == next(iter(kw))
         assert pickle.loads(pickle.dumps(e.value)).param == e.value.param
+    with pytest.raises(CloverValueError) as early:  # the same check with no model (front ends, before loading)
+        type(model).check_generate_args(**kw)
+    assert (early.value.message, early.value.param) == (e.value.message, e.value.param)
     ((_, value),) = kw.items()
     gp = N.lib().clover_generate_default_params()  # the same value straight into the C check
     setattr(gp, field, value)
@@ -206,3 +209,16 @@ def test_two_broken_ranges_name_libclovers_first(model) -> None:
         with pytest.raises(CloverValueError) as e:
             model.generate("hello", **two)
         assert e.value.message.startswith(first) and e.value.param == first
+
+
+def test_check_generate_args_needs_no_model() -> None:
+    """Clover.check_generate_args: generate's keywords checked before any model is loaded (what
+    the CLI asks before opening one): valid values pass (top_p 0 included), an unknown keyword
+    is a CloverTypeError naming it."""
+    from clover_cpp import Clover, CloverTypeError
+
+    Clover.check_generate_args(threshold=0.5, top_p=0.0, max_steps=3, temperature=0.7, seed=-1, block_size="auto",
+                               draft_self="auto", stop=["x"])
+    with pytest.raises(CloverTypeError) as e:
+        Clover.check_generate_args(thresold=0.5)
+    assert e.value.param == "thresold"
