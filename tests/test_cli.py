@@ -140,7 +140,7 @@ def test_defaults_are_greedy_and_documented(files) -> None:
     assert "defaults are **greedy** (`--temp 0`, top-k and top-p off, seed 0, `-n 128`)" in readme
     assert "`--temp 0.8 --top-k 40 --top-p 0.95 -s -1 -n -1`" in readme  # llama-cli's, for those who want them
     help_text = " ".join(invoke(["run", "--help"]).output.split())
-    for shown in ("greedy). [default: 0.0;", "[default: 128;", "(-1 = random). [default: 0;"):
+    for shown in ("greedy). [default: 0.0]", "[default: 128]", "(-1 = random). [default: 0]"):
         assert shown in help_text, help_text
     args = ["run", "-m", files["model"], "-p", "hello", "-n", "16", "-t", "1", "--block-size", "4", "--no-stats",
             "--ignore-eos"]
@@ -302,8 +302,10 @@ def test_chat_separates_replies_when_not_on_a_terminal(files) -> None:
     res = invoke(args + ["--separator", ""], input="hi there\nhow are you?\n")
     assert res.stdout == f"{one}\n{two}\n", res.stdout
     # -n -1 in a chat: each reply may use the rest of the context
-    res = invoke(["chat", "-m", files["model"], "-n", "-1", "-c", "96", "-t", "1", "--stats", "--ignore-eos"],
-                 input="hi there\n")
+    # (a fixed B: with auto the text follows the B chosen from measured times, and an end-of-turn
+    # token, which stops a chat reply whatever --ignore-eos says, may come first)
+    res = invoke(["chat", "-m", files["model"], "-n", "-1", "-c", "96", "-t", "1", "--stats", "--ignore-eos",
+                  "--block-size", "4"], input="hi there\n")
     assert res.exit_code == 0 and "finish=max_tokens" in res.stderr, res.output
 
 
@@ -478,7 +480,9 @@ def test_bad_model_files(files, tmp_path: Path, case: str, cmd: str) -> None:
     (["--block-size", "0"], "--block-size"),
     (["--block-size", "zero"], "--block-size"),
     (["--temp", "-1"], "--temp"),
-    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-1"], "--top-k"),
+    (["-s", "-2"], "--seed"),
     (["-n", "-3"], "--n-predict"),
     (["-c", "8", "-n", "64"], "n_ctx"),
     (["--bogus-flag"], "bogus"),
@@ -487,6 +491,25 @@ def test_bad_model_files(files, tmp_path: Path, case: str, cmd: str) -> None:
 def test_bad_run_flags(files, args: list[str], needle: str) -> None:
     assert_user_error(invoke(["run", "-m", files["model"], "-p", "hello", "-t", "1", "--no-visual"] + args),
                       needle)
+
+
+@needs_lib
+def test_generate_flag_ranges_are_libclovers(files) -> None:
+    """The generating flags' ranges have one owner, libclover (clover_generate_params_check): the
+    CLI reports the value Clover refuses with its message, under the flag's name."""
+    from clover_cpp import Clover, CloverError
+
+    cases = [("--threshold", "threshold", 2.0), ("--temp", "temperature", -1.0), ("--top-p", "top_p", 1.5),
+             ("--top-k", "top_k", -1), ("--step-cap", "max_steps", -1), ("--n-predict", "max_tokens", -3),
+             ("--seed", "seed", -2)]
+    with Clover(files["model"], n_threads=1) as m:
+        for flag, kw, value in cases:
+            with pytest.raises(CloverError) as e:
+                m.generate("hello", **{kw: value})
+            assert e.value.param == kw
+            res = invoke(["run", "-m", files["model"], "-p", "hello", "-t", "1", "--no-visual", flag, value])
+            assert res.exit_code == 1 and res.stdout == "", res.output
+            assert res.stderr.splitlines() == [f"error: {flag}: {e.value.message}"], res.stderr
 
 
 def test_other_user_errors(files, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import click
 from ..demo import default_cache_dir, demo_model, paired_runs
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import BLOCK_SIZE, model_option, open_model, runtime_options, use_visual
+from .options import BLOCK_SIZE, flag_errors, model_option, open_model, runtime_options, use_visual
 
 DEFAULT_DEMO_PROMPT = 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
 
@@ -36,9 +36,9 @@ def _parse_block_sizes(s: str) -> list[Any]:
 @click.option("--block-sizes", default="1,4,8,16,32,auto", show_default=True, help="Block sizes to compare.")
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens to generate per run.")
-@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+@click.option("--threshold", type=float, default=0.9, show_default=True,
               help="Confidence threshold.")
-@click.option("--step-cap", "--max-steps", "max_steps", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--step-cap", "--max-steps", "max_steps", type=int, default=0, show_default=True,
               help="Step cap per block.")
 @click.option("-r", "--repetitions", type=click.IntRange(min=2), default=3, show_default=True,
               help="Rounds; each round runs every block size once (rotated order), so that the "
@@ -56,8 +56,8 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     sizes = _parse_block_sizes(block_sizes)
     if 1 not in sizes:
         sizes = [1] + sizes
-    with open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn, rpc, tensor_split,
-                    override_tensor) as m:
+    with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn, rpc,
+                                   tensor_split, override_tensor) as m:
         m.generate(prompt, max_tokens=min(n_predict, 8), block_size="auto", stop_at_eos=False)  # warm-up + curve
         runs = paired_runs(lambda B: m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
                                                 max_steps=max_steps, stop_at_eos=False).stats,
@@ -87,11 +87,11 @@ def _spread(xs: Sequence[float], fmt: str, unit: str = "") -> str:
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @click.option("-p", "--prompt", default=DEFAULT_DEMO_PROMPT, show_default=True, help="Prompt text.")
-@click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=64, show_default=True,
+@click.option("-n", "--n-predict", "n_predict", type=int, default=64, show_default=True,
               help="Tokens to generate.")
 @click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
               help="Block size, or auto (chosen per block from the measured cost and tokens per pass).")
-@click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+@click.option("--threshold", type=float, default=0.9, show_default=True,
               help="Confidence threshold.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
@@ -105,7 +105,7 @@ def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads
     path, desc = demo_model(Path(cache_dir) if cache_dir else default_cache_dir())
     click.echo(f"model: {desc}\n       {path}", err=True)
     visual = use_visual(visual)
-    with open_model(str(path), threads, 4096, 0, block_size, False) as m:
+    with flag_errors(), open_model(str(path), threads, 4096, 0, block_size, False) as m:
         B = block_size
         click.echo(f"prompt: {prompt!r}; block size {B}, threshold {threshold}", err=True)
         kw = dict(max_tokens=n_predict, block_size=B, threshold=threshold)

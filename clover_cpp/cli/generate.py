@@ -11,8 +11,8 @@ import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (gen_kwargs, model_option, open_model, runtime_options, sampling_options, until_context_end,
-                      use_visual, visual_option)
+from .options import (flag_errors, gen_kwargs, model_option, open_model, runtime_options, sampling_options,
+                      until_context_end, use_visual, visual_option)
 
 CHAT_SEPARATOR = "----"
 
@@ -73,8 +73,8 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
     elif json_object:
         kw["response_format"] = {"type": "json_object"}
     visual = use_visual(visual)
-    with open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                    tensor_split, override_tensor) as m:
+    with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
+                                   tensor_split, override_tensor) as m:
         if n_predict == -1:
             n_prompt = len(m.tokenize(text, add_special=True, parse_special=True))
             kw["max_tokens"] = until_context_end(m, n_prompt, block_size, draft_self)
@@ -137,8 +137,8 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     separate = bool(separator) and not sys.stdout.isatty()
     n_replies = 0
     base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    with open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                    tensor_split, override_tensor) as m:
+    with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
+                                   tensor_split, override_tensor) as m:
         m.format_chat([{"role": "user", "content": "x"}])  # template problems show up now, not later
         history: list[dict[str, str]] = []
         if interactive:

@@ -4,9 +4,10 @@ open the model, turn the flags into Clover.generate's arguments, the budget of -
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,22 +57,47 @@ def _parse_split(value: str | None) -> list[float] | None:
 
 
 class BlockSizeType(click.ParamType):
-    """A block size: an integer >= 1, or "auto" (chosen per block, see clover.h)."""
+    """A block size: an integer, or "auto" (chosen per block, see clover.h); its range is Clover's."""
     name = "N|auto"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         if isinstance(value, int) or value == "auto":
             return value
         try:
-            v = int(value)
+            return int(value)
         except ValueError:
             self.fail(f"{value!r} is not an integer >= 1 or 'auto'", param, ctx)
-        if v < 1:
-            self.fail(f"{v} is not >= 1", param, ctx)
-        return v
 
 
 BLOCK_SIZE = BlockSizeType()
+
+
+# The generating flags' values go to Clover as given: their ranges are libclover's rules (one owner),
+# and a value it refuses is reported under the flag that set it (CloverError.param -> the flag)
+FLAGS = {"max_tokens": "--n-predict", "block_size": "--block-size", "threshold": "--threshold",
+         "max_steps": "--step-cap", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+         "draft_self": "--draft-self", "stop": "--reverse-prompt", "n_ctx": "--ctx-size", "n_threads": "--threads",
+         "n_gpu_layers": "--n-gpu-layers", "flash_attn": "--flash-attn", "rpc_servers": "--rpc",
+         "tensor_split": "--tensor-split", "override_tensor": "--override-tensor"}
+
+
+def refused(e: Any) -> UserError:
+    """A CloverError as the user's error: libclover's message, under the flag of the value it refused."""
+    flag = FLAGS.get(e.param or "")
+    return UserError(f"{flag}: {e.message}" if flag else e.message)
+
+
+@contextlib.contextmanager
+def flag_errors() -> Iterator[None]:
+    """Clover's refusal of a flag's value (while generating) as that flag's one-line error."""
+    from .. import CloverError
+
+    try:
+        yield
+    except CloverError as e:
+        if e.param not in FLAGS:
+            raise
+        raise refused(e) from None
 
 
 # Greedy by default, unlike llama-cli (temp 0.8, top-k 40, top-p 0.95, seed -1, -n -1): the same
@@ -82,23 +108,23 @@ DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT = 0.
 
 def sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:
     opts = [
-        click.option("-n", "--n-predict", "n_predict", type=click.IntRange(-1, 2**31 - 1), default=n_default,
+        click.option("-n", "--n-predict", "n_predict", type=int, default=n_default,
                      show_default=True, help="Tokens to generate at most (-1 = until EOS or the end of the "
                                              "context, as llama-cli)."),
         click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
                      help="Block size B (1 = autoregressive; auto = chosen per block from the pass cost, "
                           "measured once per model and machine and cached, and the tokens per pass)."),
-        click.option("--threshold", type=click.FloatRange(0.0, 1.0), default=0.9, show_default=True,
+        click.option("--threshold", type=float, default=0.9, show_default=True,
                      help="Unmask every position whose confidence is at least this."),
-        click.option("--step-cap", "--max-steps", "max_steps", type=click.IntRange(0, 2**31 - 1), default=0,
+        click.option("--step-cap", "--max-steps", "max_steps", type=int, default=0,
                      show_default=True, help="Denoising steps per block at most (0 = no cap)."),
-        click.option("--temp", "temperature", type=click.FloatRange(min=0.0), default=DEFAULT_TEMP,
+        click.option("--temp", "temperature", type=float, default=DEFAULT_TEMP,
                      show_default=True, help="Sampling temperature (0 = greedy)."),
-        click.option("--top-k", type=click.IntRange(min=0), default=DEFAULT_TOP_K, show_default=True,
+        click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True,
                      help="Top-k (0 = off)."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=DEFAULT_TOP_P,
+        click.option("--top-p", type=float, default=DEFAULT_TOP_P,
                      show_default=True, help="Top-p (1 = off)."),
-        click.option("-s", "--seed", type=click.IntRange(-1, 2**64 - 1), default=DEFAULT_SEED, show_default=True,
+        click.option("-s", "--seed", type=int, default=DEFAULT_SEED, show_default=True,
                      help="Sampling seed (-1 = random)."),
         click.option("--draft-self", "draft_self", type=click.Choice(["on", "off", "auto"]), is_flag=False,
                      flag_value="on", default="off", show_default=True,
@@ -149,7 +175,7 @@ def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int,
                       flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
                       override_tensor=override_tensor)
     except CloverError as e:
-        raise UserError(e.message) from None
+        raise refused(e) from None
 
 
 def gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
