@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 2
+CLOVER_API_VERSION = 3
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -146,6 +146,7 @@ class clover_stats(Structure):
         ("n_blocks_ar", c_int32),
         ("n_blocks_diffusion", c_int32),
         ("n_blocks_draft_self", c_int32),
+        ("tokens_per_verification", c_double),
     ]
 
 

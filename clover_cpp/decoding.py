@@ -65,6 +65,7 @@ class GenerationStats:
     n_blocks_ar: int = 0        # blocks per mode (block_size="auto" says what it chose)
     n_blocks_diffusion: int = 0
     n_blocks_draft_self: int = 0
+    tokens_per_verification: float = 0.0  # draft-self: tokens each verification kept (libclover's figure)
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -79,7 +80,7 @@ class GenerationStats:
                    n_decode_forwards=s.n_decode_forwards, mode=N.DECODE_MODES.get(s.mode, ""),
                    grammar_mode={1: "ar", 2: "draft-self"}.get(int(s.grammar_mode), ""),
                    n_blocks_ar=s.n_blocks_ar, n_blocks_diffusion=s.n_blocks_diffusion,
-                   n_blocks_draft_self=s.n_blocks_draft_self)
+                   n_blocks_draft_self=s.n_blocks_draft_self, tokens_per_verification=s.tokens_per_verification)
 
     def _cut_at_stop_string(self, n_tokens: int) -> None:
         """The output ended at a stop string after n_tokens (libclover saw a cancel): the same
@@ -105,7 +106,7 @@ class GenerationStats:
                 f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
                 + (f", cost curve {self.calibration}" if self.calibration else "")
                 + (f", draft-self: {self.n_accepted}/{self.n_drafted} drafted tokens accepted, "
-                   f"{(self.n_accepted + self.n_verifications) / self.n_verifications:.2f} tok/verification, "
+                   f"{self.tokens_per_verification:.2f} tok/verification, "
                    f"{self.n_decode_passes / max(self.n_generated, 1):.2f} draft passes/tok"
                    if self.n_verifications else ""))
 

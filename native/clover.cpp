@@ -444,6 +444,8 @@ struct decode_run {
             stats->n_blocks_ar         = n_mode_blocks[CLOVER_MODE_AUTOREGRESSIVE];
             stats->n_blocks_diffusion  = n_mode_blocks[CLOVER_MODE_DIFFUSION];
             stats->n_blocks_draft_self = n_mode_blocks[CLOVER_MODE_DRAFT_SELF];
+            stats->tokens_per_verification =
+                n_verifications > 0 ? (double) (n_accepted + n_verifications) / n_verifications : 0.0;
         }
         ex.report(gp, n_gen, stats);
     }

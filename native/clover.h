@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 2
+#define CLOVER_API_VERSION 3
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -379,6 +379,9 @@ typedef struct clover_stats {
     int32_t n_blocks_ar;        /* decode blocks per mode: autoregressive (B = 1), */
     int32_t n_blocks_diffusion; /* block diffusion, */
     int32_t n_blocks_draft_self;/* draft-self (each verification is one block) */
+    double  tokens_per_verification; /* draft-self: (n_accepted + n_verifications) / n_verifications, the
+                                        tokens each verification kept (its accepted drafts and one of its
+                                        own); 0 without verifications */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).

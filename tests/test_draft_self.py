@@ -222,8 +222,11 @@ def test_cli_draft_self_prints_the_block_size_1_text(tiny_artifacts):
 
 def test_tokens_per_verification_counts_only_draft_self_blocks():
     """Each verification keeps its accepted drafts plus one token; when auto mixes modes, tokens of
-    B = 1 or diffusion blocks are not the verifications' (40 tokens after one 3-accepted draft is 4.00)."""
+    B = 1 or diffusion blocks are not the verifications' (40 tokens after one 3-accepted draft is 4.00).
+    The figure is libclover's (clover_stats.tokens_per_verification, tests/test_rule_owners.py): the
+    line prints it."""
     from clover_cpp.model import GenerationStats
 
-    mixed = GenerationStats(n_generated=40, n_verifications=1, n_drafted=7, n_accepted=3, n_decode_passes=2)
+    mixed = GenerationStats(n_generated=40, n_verifications=1, n_drafted=7, n_accepted=3, n_decode_passes=2,
+                            tokens_per_verification=4.0)
     assert "3/7 drafted tokens accepted, 4.00 tok/verification" in mixed.format()
