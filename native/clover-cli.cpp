@@ -1,6 +1,6 @@
 // clover-cli: block-diffusion generation with a Clover GGUF, on the clover C API.
 //
-//   clover-cli -m model.gguf -p "prompt" [-n 128] [--block-size 32] [--threshold 0.9] [--visual]
+//   clover-cli -m model.gguf -p "prompt" [-n 128] [--block-size 32] [--threshold X] [--visual]
 //
 // Generated text goes to stdout, streamed block by block; the statistics line goes to stderr.
 
@@ -56,7 +56,7 @@ void usage(const char * argv0) {
             "  -ot, --override-tensor PATTERN=BUFFER,...  tensors matching PATTERN in BUFFER (as llama.cpp)\n"
             "  --block-size N|auto    block size B (default auto: B per block from the pass cost,\n"
             "                         measured once per model and machine and cached, and tokens/pass)\n"
-            "  --threshold X          confidence threshold in [0,1] (default 0.9)\n"
+            "  --threshold X          confidence threshold (default %g, the library's)\n"
             "  --step-cap N           denoising steps cap per block (default 0 = none; alias --max-steps)\n"
             "  --draft-self [on|off|auto]  lossless self-speculative decoding (alone = on): blocks drafted\n"
             "                         by block passes, verified by their causal commit (the output of\n"
@@ -68,7 +68,7 @@ void usage(const char * argv0) {
             "  --grammar-file FILE    the grammar from a file\n"
             "  --temp X               temperature (default 0 = greedy, as clover run; llama-cli: 0.8)\n"
             "  --top-k N              top-k (default 0 = off; llama-cli: 40)\n"
-            "  --top-p X              top-p in (0,1] (default 1 = off; llama-cli: 0.95)\n"
+            "  --top-p X              top-p (default 1 = off; 0 = the most probable token; llama-cli: 0.95)\n"
             "  -s, --seed N           sampling seed (default 0; -1 = random, llama-cli's default)\n"
             "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
             "  -r, --reverse-prompt T stop before the text T (repeatable; matched across blocks)\n"
@@ -79,7 +79,7 @@ void usage(const char * argv0) {
             "  --no-special           do not parse special tokens in the prompt\n"
             "  -v, --verbose          llama.cpp log output to stderr (-v -v: everything)\n"
             "  -h, --help             this help\n",
-            argv0);
+            argv0, clover_generate_default_params().threshold);
 }
 
 [[noreturn]] void die(const std::string & msg) {
@@ -345,17 +345,14 @@ int main(int argc, char ** argv) {
             grammar_file = val();
         } else if (a == "--threshold") {
             gp.threshold = parse_double(a, val()); // (its range: clover_generate_params_check below)
-        } else if (a == "--step-cap" || a == "--max-steps") {
-            gp.max_steps = (int32_t) parse_int(a, val(), 0, 1 << 20);
+        } else if (a == "--step-cap" || a == "--max-steps") { // (the ranges: clover_generate_params_check below)
+            gp.max_steps = (int32_t) parse_int(a, val(), INT32_MIN, INT32_MAX);
         } else if (a == "--temp") {
             gp.temperature = parse_double(a, val());
         } else if (a == "--top-k") {
-            gp.top_k = (int32_t) parse_int(a, val(), 0, 1 << 30);
+            gp.top_k = (int32_t) parse_int(a, val(), INT32_MIN, INT32_MAX);
         } else if (a == "--top-p") {
-            gp.top_p = parse_double(a, val());
-            if (gp.top_p == 0.0) { // (libclover takes 0 as top-k 1; the command lines refuse it, as clover run)
-                die("--top-p must be in (0, 1]");
-            }
+            gp.top_p = parse_double(a, val()); // (0 = the most probable token only, as the library)
         } else if (a == "-s" || a == "--seed") {
             const char * v   = val();
             char *       end = nullptr;
@@ -565,11 +562,8 @@ int main(int argc, char ** argv) {
                 stats.grammar_mode == 1 ? "decoded at block size 1 (autoregressive)" : "verified by draft-self");
     }
     if (gp.draft_self == 1 || stats.n_verifications > 0) {
-        // each verification keeps its accepted drafts plus one token (the correction or the bonus); not
-        // n_generated / n_verifications, which counts the blocks of other modes when auto mixes them
         fprintf(stderr, "clover: draft-self: %d verifications, %d of %d drafted tokens accepted (%.2f tokens per verification)\n",
-                stats.n_verifications, stats.n_accepted, stats.n_drafted,
-                stats.n_verifications > 0 ? (double) (stats.n_accepted + stats.n_verifications) / stats.n_verifications : 0.0);
+                stats.n_verifications, stats.n_accepted, stats.n_drafted, stats.tokens_per_verification);
     }
     clover_context_free(ctx);
     clover_model_free(st.model);
