@@ -464,10 +464,6 @@ int main(int argc, char ** argv) {
         die(err);
     }
     st.mask = clover_mask_token(st.model);
-    if (cp.block_size > cp.n_ctx) {
-        clover_model_free(st.model);
-        die("block size " + std::to_string(cp.block_size) + " exceeds the context size " + std::to_string(cp.n_ctx));
-    }
     if (g_interrupted) {
         clover_model_free(st.model);
         fputs("error: interrupted\n", stderr);

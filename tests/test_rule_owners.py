@@ -91,3 +91,24 @@ def test_no_front_end_restates_generates_ranges_or_defaults() -> None:
     assert not found, found
     for path in [*(REPO / "clover_cpp" / "server").glob("*.py"), REPO / "native" / "clover-cli.cpp"]:
         assert not re.search(r"(?<![\d.])0\.9(?!\d)", path.read_text(encoding="utf-8")), path
+
+
+def test_clover_cli_block_size_bound_is_clover_context_news(tiny_artifacts) -> None:
+    """A block size above -c: clover-cli prints clover_context_new's refusal (its own check with
+    its own wording is gone)."""
+    import ctypes
+
+    L = N.lib()
+    err, n = N.err_buffer()
+    model = L.clover_model_load(str(tiny_artifacts["f32"]).encode(), ctypes.byref(L.clover_model_default_params()),
+                                err, n)
+    assert model
+    try:
+        cp = L.clover_context_default_params()
+        cp.n_ctx, cp.block_size, cp.n_threads = 64, 128, 1
+        assert not L.clover_context_new(model, ctypes.byref(cp), err, n)
+        want = err.value.decode()
+    finally:
+        L.clover_model_free(model)
+    p = _cli("-m", tiny_artifacts["f32"], "-p", "hello", "-t", "1", "-c", 64, "--block-size", 128)
+    assert p.returncode == 1 and p.stderr.splitlines() == [f"error: {want}"], p.stderr
