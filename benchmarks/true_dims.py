@@ -242,14 +242,35 @@ def part_parity(a: argparse.Namespace) -> None:
     ids = tok.encode(PROMPT + TEXT, add_special_tokens=False).ids
     prompt, canvas = ids[:8], ids[8:16]
     out = []
-    for layer in (0, 3):
+    for layer in a.layers:
         t0 = time.perf_counter()
-        r = layer_parity(a.work / "slice-q4_k_m.gguf", a.work / "slice", layer, prompt, canvas,
+        r = layer_parity(a.work / a.gguf, a.work / "slice", layer, prompt, canvas,
                          n_threads=a.threads, sources=("gguf", "checkpoint"))
-        r["seconds"] = time.perf_counter() - t0
+        r["seconds"], r["file"] = time.perf_counter() - t0, a.gguf
         out.append(r)
         print(json.dumps(r), flush=True)
     save(a.work, "parity", out)
+
+
+def part_batching(a: argparse.Namespace) -> None:
+    """The same positions' logits from a batched commit of 12 tokens and from 12 one-token commits
+    (B = 1's path): what a different ubatch changes (draft-self verifies with batched commits)."""
+    import numpy as np
+
+    from clover_cpp import Clover
+
+    with Clover(str(a.work / a.gguf), n_ctx=256, n_threads=a.threads, block_size=1) as m:
+        toks = m.tokenize(PROMPT)[:12]
+        m.reset()
+        bat = m.commit(toks, logits=True)
+        m.reset()
+        inc = np.stack([m.commit([t], logits=True)[0] for t in toks])
+    rel = np.abs(inc - bat).max(axis=1) / np.abs(bat).max(axis=1)
+    top = [int(x) for x in (np.argmax(inc, axis=1) != np.argmax(bat, axis=1)).nonzero()[0]]
+    r = {"file": a.gguf, "median": float(np.median(rel)), "max": float(rel.max()), "argmax_differs": top,
+         "uptime": uptime()}
+    save(a.work, "batching", r)
+    print(json.dumps(r))
 
 
 def _min(xs: list[float]) -> float:
@@ -277,9 +298,13 @@ def part_table(a: argparse.Namespace) -> None:
               f"{sizes['file'] / GB:.3f} GB  [before: {c['uptime']}] [after: {c['uptime_after']}]")
     if sizes:
         print("  bytes per type: " + ", ".join(f"{k} {v / MB:.0f} MB" for k, v in sorted(sizes["per_type"].items())))
+    for r in d.get("batching", []):
+        print(f"{r['file']}: logits of a 12-token batched commit vs 12 one-token commits, max |difference| / max "
+              f"|logit| per row: median {r['median']:.2e}, max {r['max']:.2e}; rows whose argmax differs "
+              f"{r['argmax_differs']}")
     for p in d.get("parity", []):
         for r in p:
-            print(f"parity layer {r['layer']} ({r['type']}): commit of {r['n_commit']} tokens / block pass B={r['B']}, "
+            print(f"parity {r.get('file', 'slice-q4_k_m.gguf')} layer {r['layer']} ({r['type']}): commit of {r['n_commit']} tokens / block pass B={r['B']}, "
                   f"max |reference| {r['gguf']['scale']:.2f}")
             for src, what in (("gguf", "the file's weights (dequantized)"), ("checkpoint", "the bf16 checkpoint's")):
                 g = r[src]
@@ -351,7 +376,10 @@ def main() -> None:
     global PY
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, required=True, help="folder for the checkpoint, the GGUF and the results")
-    ap.add_argument("--part", default="all", choices=["all", "write", "convert", "decode", "parity", "table"])
+    ap.add_argument("--part", default="all", choices=["all", "write", "convert", "decode", "parity", "batching", "table"])
+    ap.add_argument("--gguf", default="slice-q4_k_m.gguf", help="the file in WORK that parity and batching read")
+    ap.add_argument("--layers", type=lambda v: [int(x) for x in v.split(",")], default=[0, 3],
+                    help="parity: the layers compared (comma-separated)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
@@ -360,7 +388,7 @@ def main() -> None:
     if a.python:
         PY = a.python.split()
     a.work.mkdir(parents=True, exist_ok=True)
-    parts = ["write", "convert", "decode", "parity", "table"] if a.part == "all" else [a.part]
+    parts = ["write", "convert", "decode", "parity", "batching", "table"] if a.part == "all" else [a.part]
     for p in parts:
         if p == "write" and (a.work / "slice" / "config.json").exists() and a.part == "all":
             continue
