@@ -1367,7 +1367,7 @@ def test_cli(artifacts):
     for bad, word in [(["--threshold", "2"], "threshold"), (["--block-size", "0"], "block-size"),
                       (["--block-size", "sometimes"], "block-size"),
                       (["--temp", "abc"], "--temp"), (["--bogus"], "unknown option"),
-                      (["-c", "8", "--block-size", "16"], "exceeds"), (["-n", "1000", "-c", "64"], "n_ctx")]:
+                      (["-c", "8", "--block-size", "16"], "n_ctx=8"), (["-n", "1000", "-c", "64"], "n_ctx")]:
         rb = subprocess.run(cmd + bad, capture_output=True, text=True, errors="replace", timeout=120)
         assert rb.returncode == 1, (bad, rb.stderr)
         lines = rb.stderr.strip().splitlines()
