@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native as N
-from ._args import INT32_MAX, MAX_THREADS, bool_arg, float_arg, int_arg, tristate_arg
+from ._args import INT32_MAX, MAX_THREADS, bool_arg, float_arg, int32_arg, int_arg, tristate_arg
 from .errors import CloverError, CloverTypeError, CloverValueError, check, lib
 
 if TYPE_CHECKING:
@@ -79,12 +79,38 @@ class ContextArgs:
     kv_f32: bool = False
 
     def checked(self) -> tuple[int, int | None, int | None, int, bool]:
-        """n_ctx, n_threads, the block size (None = auto), flash_attn (-1/0/1), kv_f32."""
-        n_ctx = int_arg("n_ctx", self.n_ctx, 3, INT32_MAX)  # (libclover: llama.cpp needs one output per sequence)
+        """n_ctx, n_threads, the block size (None = auto), flash_attn (-1/0/1), kv_f32: their types
+        and C widths here (a block size is an int >= 1 or auto), their ranges libclover's
+        (clover_context_params_check: its message, ``param`` the argument refused)."""
+        n_ctx = int32_arg("n_ctx", self.n_ctx)
         n_threads = None if self.n_threads is None else int_arg("n_threads", self.n_threads, 1, MAX_THREADS)
         fa, kv = tristate_arg("flash_attn", self.flash_attn), bool_arg("kv_f32", self.kv_f32)
-        bs = None if is_auto(self.block_size) else int_arg("block_size", self.block_size, 1, n_ctx)
+        bs = None if is_auto(self.block_size) else int_arg("block_size", self.block_size, 1, INT32_MAX)
+        cp = context_params(n_ctx, n_threads, bs, fa, kv)
+        problem = N.context_params_problem(cp)
+        if problem is not None:
+            # the argument to blame: the first whose default changes the verdict (block_size before
+            # n_ctx: "block size must be in [1, n_ctx]" is the block size's)
+            default = lib().clover_context_default_params()
+            for f in ("block_size", "flash_attn", "n_ctx"):
+                trial = type(cp).from_buffer_copy(cp)
+                setattr(trial, f, getattr(default, f))
+                if N.context_params_problem(trial) != problem:
+                    raise CloverValueError(problem, param=f)
+            raise CloverValueError(problem)
         return n_ctx, n_threads, bs, fa, kv
+
+
+def context_params(n_ctx: int, n_threads: int | None, block_size: int | None, flash_attn: int,
+                   kv_f32: bool) -> N.clover_context_params:
+    """clover_context_params of checked arguments (block_size None = CLOVER_BLOCK_SIZE_TRAIN)."""
+    cp = lib().clover_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_threads = n_threads if n_threads is not None else 0
+    cp.block_size = block_size if block_size is not None else N.CLOVER_BLOCK_SIZE_TRAIN
+    cp.flash_attn = flash_attn
+    cp.kv_f32 = 1 if kv_f32 else 0  # (the struct matches clover.h: _native checks it at load)
+    return cp
 
 
 def check_model_path(path: Path) -> None:
@@ -167,15 +193,9 @@ class ModelRef:
 
 def new_context(model: int, a: ContextArgs) -> int:
     """A clover_context over ``model`` (NULL never returned: a failure raises)."""
-    n_ctx, n_threads, block_size, flash_attn, kv_f32 = a.checked()
+    cp = context_params(*a.checked())
     L = lib()
     err, n = N.err_buffer()
-    cp = L.clover_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_threads = n_threads if n_threads is not None else 0
-    cp.block_size = block_size if block_size is not None else N.CLOVER_BLOCK_SIZE_TRAIN
-    cp.flash_attn = flash_attn
-    cp.kv_f32 = 1 if kv_f32 else 0  # (the struct matches clover.h: _native checks it at load)
     c = L.clover_context_new(model, ctypes.byref(cp), err, n)
     if not c:
         check(N.CLOVER_ERR_LOAD, err)

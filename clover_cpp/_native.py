@@ -310,6 +310,10 @@ def clover_detokenize(model: int | None, tokens: Any, n_tokens: int, buf: Any, b
 def clover_context_default_params() -> clover_context_params: ...
 
 
+@_c("clover_context_params_check", [POINTER(clover_context_params), c_char_buf, c_size_t], c_int)
+def clover_context_params_check(params: Any, err: Any, err_len: int, /) -> int: ...
+
+
 @_c("clover_context_new", [clover_model_p, POINTER(clover_context_params), c_char_buf, c_size_t], clover_context_p)
 def clover_context_new(model: int | None, params: Any, err: Any, err_len: int, /) -> int | None: ...
 
@@ -524,6 +528,15 @@ def generate_params_problem(gp: clover_generate_params) -> str | None:
     the ranges): None when gp keeps all of them, else the one-line message of the first broken one."""
     err, n = err_buffer(256)
     if lib().clover_generate_params_check(ctypes.byref(gp), err, n) == CLOVER_OK:
+        return None
+    return err.value.decode("utf-8", "replace")
+
+
+def context_params_problem(cp: clover_context_params) -> str | None:
+    """libclover's rules for context parameters (clover_context_params_check): None when cp keeps
+    all of them, else the one-line message of the first broken one."""
+    err, n = err_buffer(256)
+    if lib().clover_context_params_check(ctypes.byref(cp), err, n) == CLOVER_OK:
         return None
     return err.value.decode("utf-8", "replace")
 

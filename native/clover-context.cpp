@@ -384,6 +384,18 @@ using namespace clover_impl;
 
 extern "C" {
 
+int clover_context_params_check(const clover_context_params * params, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!params) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "params is NULL");
+        }
+        std::string msg;
+        const int   rc = check_context_params(*params, msg);
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
 clover_context_params clover_context_default_params(void) {
     clover_context_params p;
     p.n_ctx      = 4096;
@@ -413,18 +425,11 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model is NULL");
         }
         const clover_context_params cp = params ? *params : clover_context_default_params();
-        if (cp.n_ctx < 3) { // (llama.cpp caps its batch at n_ctx and needs one output per sequence: 3)
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "n_ctx must be >= 3, got " + std::to_string(cp.n_ctx));
+        std::string                 pmsg;
+        if (check_context_params(cp, pmsg) != CLOVER_OK) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, pmsg);
         }
         const int32_t B = cp.block_size == CLOVER_BLOCK_SIZE_TRAIN ? training_block_size(model, cp.n_ctx) : cp.block_size;
-        if (B < 1 || B > cp.n_ctx) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG,
-                           "block size must be in [1, n_ctx=" + std::to_string(cp.n_ctx) + "], got " +
-                               std::to_string(cp.block_size));
-        }
-        if (cp.flash_attn < -1 || cp.flash_attn > 1) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "flash_attn must be -1, 0 or 1");
-        }
         std::string mmsg;
         if (B > 1 && check_mask_token(model, "block size " + std::to_string(B), mmsg) != CLOVER_OK) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, mmsg);

@@ -186,6 +186,8 @@ double ms_since(std::chrono::steady_clock::time_point t0);
 int32_t training_block_size(const clover_model * m, int32_t n_ctx);
 // the rules that need no context (clover_generate_params_check): CLOVER_OK or CLOVER_ERR_INVALID_ARG + msg
 int check_params(const clover_generate_params & gp, std::string & msg);
+// clover_context_params' rules that need no model (clover_context_params_check, clover_context_new)
+int check_context_params(const clover_context_params & cp, std::string & msg);
 // one call's setup from its parameters: gp normalised (sampling, draft_self = auto resolved) and
 // the block size it starts with
 struct gen_setup {

@@ -1,7 +1,8 @@
 // clover-params.cpp - the rules of clover_generate's parameters, in one place: their defaults
 // (clover_generate_default_params), their ranges (clover_generate_params_check, which
 // clover_generate, clover-cli and the Python bindings all ask), what each block_size value means
-// (CLOVER_BLOCK_SIZE_*), and how many positions a generation needs (clover_generate_room).
+// (CLOVER_BLOCK_SIZE_*), and how many positions a generation needs (clover_generate_room); and
+// the context parameters' model-free rules (check_context_params: clover_context_params_check).
 
 #include "clover-impl.h"
 
@@ -72,6 +73,22 @@ int check_params(const clover_generate_params & gp, std::string & msg) {
     }
     if (gp.n_stop_tokens > 0 && !gp.stop_tokens) {
         return bad("n_stop_tokens > 0 needs the stop_tokens array");
+    }
+    return CLOVER_OK;
+}
+
+int check_context_params(const clover_context_params & cp, std::string & msg) {
+    if (cp.n_ctx < 3) { // (llama.cpp caps its batch at n_ctx and needs one output per sequence: 3)
+        msg = "n_ctx must be >= 3, got " + std::to_string(cp.n_ctx);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (cp.block_size != CLOVER_BLOCK_SIZE_TRAIN && (cp.block_size < 1 || cp.block_size > cp.n_ctx)) {
+        msg = "block size must be in [1, n_ctx=" + std::to_string(cp.n_ctx) + "], got " + std::to_string(cp.block_size);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    if (cp.flash_attn < -1 || cp.flash_attn > 1) {
+        msg = "flash_attn must be -1, 0 or 1, got " + std::to_string(cp.flash_attn);
+        return CLOVER_ERR_INVALID_ARG;
     }
     return CLOVER_OK;
 }

@@ -181,6 +181,12 @@ typedef struct clover_context_params {
 
 CLOVER_API clover_context_params clover_context_default_params(void);
 
+/* The rules of clover_context_params (clover_context_new checks them first; front ends call this
+ * to refuse bad options before loading anything): n_ctx >= 3; block_size >= 1 and at most n_ctx,
+ * or CLOVER_BLOCK_SIZE_TRAIN (at most n_ctx by definition); flash_attn -1, 0 or 1. CLOVER_OK, or
+ * CLOVER_ERR_INVALID_ARG and the first broken rule in err ("n_ctx must be >= 3, got 2"). */
+CLOVER_API int clover_context_params_check(const clover_context_params * params, char * err, size_t err_len);
+
 CLOVER_API clover_context * clover_context_new(clover_model * model, const clover_context_params * params,
                                                char * err, size_t err_len);
 CLOVER_API void clover_context_free(clover_context * ctx);

@@ -95,7 +95,10 @@ def test_no_front_end_restates_generates_ranges_or_defaults() -> None:
 
 def test_clover_cli_block_size_bound_is_clover_context_news(tiny_artifacts) -> None:
     """A block size above -c: clover-cli prints clover_context_new's refusal (its own check with
-    its own wording is gone)."""
+    its own wording is gone), and so does the Python runtime (clover_context_params_check, before
+    loading the model: it restated the rule with its own words), naming block_size."""
+    from clover_cpp import Clover, CloverValueError
+
     import ctypes
 
     L = N.lib()
@@ -112,3 +115,12 @@ def test_clover_cli_block_size_bound_is_clover_context_news(tiny_artifacts) -> N
         L.clover_model_free(model)
     p = _cli("-m", tiny_artifacts["f32"], "-p", "hello", "-t", "1", "-c", 64, "--block-size", 128)
     assert p.returncode == 1 and p.stderr.splitlines() == [f"error: {want}"], p.stderr
+    with pytest.raises(CloverValueError) as e:
+        Clover(tiny_artifacts["f32"], n_ctx=64, block_size=128, n_threads=1)
+    assert (e.value.message, e.value.param) == (want, "block_size")
+    cp = L.clover_context_default_params()
+    cp.n_ctx = 2
+    assert L.clover_context_params_check(ctypes.byref(cp), err, n) == N.CLOVER_ERR_INVALID_ARG
+    with pytest.raises(CloverValueError) as e:
+        Clover(tiny_artifacts["f32"], n_ctx=2, block_size=1, n_threads=1)
+    assert (e.value.message, e.value.param) == (err.value.decode(), "n_ctx")
