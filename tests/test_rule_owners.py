@@ -76,8 +76,8 @@ def test_tokens_per_verification_is_libclovers(tiny_artifacts) -> None:
 
 def test_no_front_end_restates_generates_ranges_or_defaults() -> None:
     """The server declares generate's fields with their JSON types only (no pydantic bounds, no
-    default of libclover's: the runtime checks and fills them), and neither the server nor
-    clover-cli writes the default threshold 0.9."""
+    default of libclover's: the runtime checks and fills them), and neither the server, the
+    clover CLI nor clover-cli writes the default threshold 0.9 (they read the library's)."""
     tree = ast.parse((REPO / "clover_cpp" / "server" / "types.py").read_text(encoding="utf-8"))
     knobs = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Knobs")
     ranged = {"threshold", "max_steps", "temperature", "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens"}
@@ -89,7 +89,8 @@ def test_no_front_end_restates_generates_ranges_or_defaults() -> None:
             elif st.target.id != "temperature" and not (isinstance(st.value, ast.Constant) and st.value.value is None):
                 found.append(f"{st.target.id} = {ast.unparse(st.value)} (the default is Clover.generate's)")
     assert not found, found
-    for path in [*(REPO / "clover_cpp" / "server").glob("*.py"), REPO / "native" / "clover-cli.cpp"]:
+    for path in [*(REPO / "clover_cpp" / "server").glob("*.py"), *(REPO / "clover_cpp" / "cli").glob("*.py"),
+                 REPO / "native" / "clover-cli.cpp"]:
         assert not re.search(r"(?<![\d.])0\.9(?!\d)", path.read_text(encoding="utf-8")), path
 
 

@@ -14,7 +14,8 @@ import click
 from ..demo import default_cache_dir, demo_model, paired_runs
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import BLOCK_SIZE, flag_errors, model_option, open_model, runtime_options, use_visual
+from .options import (BLOCK_SIZE, LIBRARY_DEFAULT, flag_errors, library_default, model_option, open_model,
+                      runtime_options, use_visual)
 
 DEFAULT_DEMO_PROMPT = 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
 
@@ -36,7 +37,7 @@ def _parse_block_sizes(s: str) -> list[Any]:
 @click.option("--block-sizes", default="1,4,8,16,32,auto", show_default=True, help="Block sizes to compare.")
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens to generate per run.")
-@click.option("--threshold", type=float, default=0.9, show_default=True,
+@click.option("--threshold", type=float, default=lambda: library_default("threshold"), show_default=LIBRARY_DEFAULT,
               help="Confidence threshold.")
 @click.option("--step-cap", "--max-steps", "max_steps", type=int, default=0, show_default=True,
               help="Step cap per block.")
@@ -91,7 +92,7 @@ def _spread(xs: Sequence[float], fmt: str, unit: str = "") -> str:
               help="Tokens to generate.")
 @click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
               help="Block size, or auto (chosen per block from the measured cost and tokens per pass).")
-@click.option("--threshold", type=float, default=0.9, show_default=True,
+@click.option("--threshold", type=float, default=lambda: library_default("threshold"), show_default=LIBRARY_DEFAULT,
               help="Confidence threshold.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None, help="CPU threads.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,

@@ -100,6 +100,19 @@ def flag_errors() -> Iterator[None]:
         raise refused(e) from None
 
 
+def library_default(name: str) -> Any:
+    """Clover.generate's default for a keyword: libclover's (clover_generate_default_params; test_abi
+    checks they agree). A flag's default= that reads it keeps no copy of the number."""
+    import inspect
+
+    from .. import Clover
+
+    return inspect.signature(Clover.generate).parameters[name].default
+
+
+LIBRARY_DEFAULT = "the library's"  # show_default of a flag whose default is library_default's
+
+
 # Greedy by default, unlike llama-cli (temp 0.8, top-k 40, top-p 0.95, seed -1, -n -1): the same
 # command prints the same text, as Clover.generate returns it, and --draft-self reproduces it token
 # for token (README, "Command-line defaults"); llama-cli's sampling is one set of flags away
@@ -114,7 +127,8 @@ def sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:
         click.option("--block-size", "block_size", type=BLOCK_SIZE, default="auto", show_default=True,
                      help="Block size B (1 = autoregressive; auto = chosen per block from the pass cost, "
                           "measured once per model and machine and cached, and the tokens per pass)."),
-        click.option("--threshold", type=float, default=0.9, show_default=True,
+        click.option("--threshold", type=float, default=lambda: library_default("threshold"),
+                     show_default=LIBRARY_DEFAULT,
                      help="Unmask every position whose confidence is at least this."),
         click.option("--step-cap", "--max-steps", "max_steps", type=int, default=0,
                      show_default=True, help="Denoising steps per block at most (0 = no cap)."),
