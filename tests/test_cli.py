@@ -494,7 +494,7 @@ def test_bad_run_flags(files, args: list[str], needle: str) -> None:
 
 
 @needs_lib
-def test_generate_flag_ranges_are_libclovers(files) -> None:
+def test_generate_flag_ranges_are_libclovers(files, tmp_path: Path) -> None:
     """The generating flags' ranges have one owner, libclover (clover_generate_params_check): the
     CLI reports the value Clover refuses with its message, under the flag's name."""
     from clover_cpp import Clover, CloverError
@@ -510,6 +510,13 @@ def test_generate_flag_ranges_are_libclovers(files) -> None:
             res = invoke(["run", "-m", files["model"], "-p", "hello", "-t", "1", "--no-visual", flag, value])
             assert res.exit_code == 1 and res.stdout == "", res.output
             assert res.stderr.splitlines() == [f"error: {flag}: {e.value.message}"], res.stderr
+    # refused before the model loads (Clover.check_generate_args): a missing file is not reached
+    for cmd in (["run", "-p", "hello"], ["chat"], ["bench"]):
+        res = invoke([*cmd, "-m", tmp_path / "no-such.gguf", "--threshold", "2"])
+        assert res.exit_code == 1 and res.stderr.startswith("error: --threshold: threshold must be"), res.output
+    res = invoke(["demo", "--threshold", "2", "--cache-dir", tmp_path / "cache"])
+    assert res.exit_code == 1 and res.stderr.startswith("error: --threshold: threshold must be"), res.output
+    assert not (tmp_path / "cache").exists()
 
 
 def test_other_user_errors(files, tmp_path: Path) -> None:

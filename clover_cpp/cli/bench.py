@@ -14,8 +14,8 @@ import click
 from ..demo import default_cache_dir, demo_model, paired_runs
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (BLOCK_SIZE, LIBRARY_DEFAULT, flag_errors, library_default, model_option, open_model,
-                      runtime_options, use_visual)
+from .options import (BLOCK_SIZE, LIBRARY_DEFAULT, check_flags, flag_errors, library_default, model_option,
+                      open_model, runtime_options, use_visual)
 
 DEFAULT_DEMO_PROMPT = 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
 
@@ -55,6 +55,7 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     shows medians with the min-max spread over the rounds, and the speed-up is the median of
     the per-round ratios. EOS is ignored so that every run generates -n tokens."""
     sizes = _parse_block_sizes(block_sizes)
+    check_flags(dict(max_tokens=n_predict, threshold=threshold, max_steps=max_steps))
     if 1 not in sizes:
         sizes = [1] + sizes
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn, rpc,
@@ -103,6 +104,7 @@ def _spread(xs: Sequence[float], fmt: str, unit: str = "") -> str:
 def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads: int | None,
          cache_dir: str | None, visual: bool | None, compare: bool) -> None:
     """Block-diffusion generation with the bundled default model (built on first use)."""
+    check_flags(dict(max_tokens=n_predict, block_size=block_size, threshold=threshold))
     path, desc = demo_model(Path(cache_dir) if cache_dir else default_cache_dir())
     click.echo(f"model: {desc}\n       {path}", err=True)
     visual = use_visual(visual)

@@ -11,8 +11,8 @@ import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (flag_errors, gen_kwargs, model_option, open_model, runtime_options, sampling_options,
-                      until_context_end, use_visual, visual_option)
+from .options import (check_flags, flag_errors, gen_kwargs, model_option, open_model, runtime_options,
+                      sampling_options, until_context_end, use_visual, visual_option)
 
 CHAT_SEPARATOR = "----"
 
@@ -72,6 +72,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
             raise UserError(f"cannot read grammar file {grammar_file}: {getattr(e, 'strerror', None) or e}") from None
     elif json_object:
         kw["response_format"] = {"type": "json_object"}
+    check_flags(kw)
     visual = use_visual(visual)
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
                                    tensor_split, override_tensor) as m:
@@ -132,6 +133,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     between replies."""
     kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                     reverse_prompt, draft_self)
+    check_flags(kw)
     interactive = sys.stdin.isatty()
     visual = use_visual(visual)
     separate = bool(separator) and not sys.stdout.isatty()

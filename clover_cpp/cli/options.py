@@ -100,6 +100,15 @@ def flag_errors() -> Iterator[None]:
         raise refused(e) from None
 
 
+def check_flags(kw: dict[str, Any]) -> None:
+    """The generating flags (Clover.generate's keyword arguments) checked before the model loads:
+    Clover.check_generate_args, libclover's rules and messages, under the flags' names."""
+    from .. import Clover
+
+    with flag_errors():
+        Clover.check_generate_args(**(dict(kw, max_tokens=0) if kw.get("max_tokens") == -1 else kw))
+
+
 def library_default(name: str) -> Any:
     """Clover.generate's default for a keyword: libclover's (clover_generate_default_params; test_abi
     checks they agree). A flag's default= that reads it keeps no copy of the number."""
