@@ -387,6 +387,10 @@ def clover_generate_default_params() -> clover_generate_params: ...
 def clover_generate_params_check(params: Any, err: Any, err_len: int, /) -> int: ...
 
 
+@_c("clover_stats_cut", [POINTER(clover_stats), c_int32], c_int)
+def clover_stats_cut(stats: Any, n_generated: int, /) -> int: ...
+
+
 @_c("clover_generate", [clover_context_p, c_int32_p, c_int32, POINTER(clover_generate_params), c_int32_p, c_int32,
                         c_int32_p, POINTER(clover_stats), c_char_buf, c_size_t], c_int)
 def clover_generate(ctx: int | None, prompt: Any, n_prompt: int, params: Any, out: Any, out_cap: int, n_out: Any,

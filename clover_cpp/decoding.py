@@ -82,15 +82,6 @@ class GenerationStats:
                    n_blocks_ar=s.n_blocks_ar, n_blocks_diffusion=s.n_blocks_diffusion,
                    n_blocks_draft_self=s.n_blocks_draft_self, tokens_per_verification=s.tokens_per_verification)
 
-    def _cut_at_stop_string(self, n_tokens: int) -> None:
-        """The output ended at a stop string after n_tokens (libclover saw a cancel): the same
-        forwards and time, fewer tokens (libclover's formulas, clover_stats)."""
-        self.finish_reason, self.n_generated = "stop", n_tokens
-        if self.n_decode_forwards:
-            self.tokens_per_forward = n_tokens / self.n_decode_forwards
-        if self.t_decode_ms > 0:
-            self.tokens_per_second = n_tokens / (self.t_decode_ms / 1000.0)
-
     def format(self) -> str:
         """One line for humans (what `clover run` prints after the text)."""
         sw = f" ({self.n_block_switches} switches)" if self.n_block_switches else ""
@@ -368,13 +359,15 @@ class Generation:
         if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):
             check(rc, err)
         tokens = list(out[: n_out.value])
-        stats = GenerationStats._from_native(st, B)
-        stats.seed = p.seed
         tail = self.out.finish()
         self.out.close()
         if self.out.hit:  # a stop string: the output ends at the token that completed it
             tokens = self.out.tokens
-            stats._cut_at_stop_string(len(tokens))
+            check(lib().clover_stats_cut(ctypes.byref(st), len(tokens)), None, "clover_stats_cut")
+        stats = GenerationStats._from_native(st, B)
+        stats.seed = p.seed
+        if self.out.hit:  # (libclover saw a cancel)
+            stats.finish_reason = "stop"
         if tail and self.on_block is not None:
             self.on_block(tail, [])
         follower = self.out

@@ -188,6 +188,9 @@ int32_t training_block_size(const clover_model * m, int32_t n_ctx);
 int check_params(const clover_generate_params & gp, std::string & msg);
 // clover_context_params' rules that need no model (clover_context_params_check, clover_context_new)
 int check_context_params(const clover_context_params & cp, std::string & msg);
+// clover_stats' rates from its counts and times: tokens_per_forward, tokens_per_second (clover_generate,
+// clover_stats_cut)
+void set_rates(clover_stats & s);
 // one call's setup from its parameters: gp normalised (sampling, draft_self = auto resolved) and
 // the block size it starts with
 struct gen_setup {

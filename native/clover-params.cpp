@@ -93,6 +93,11 @@ int check_context_params(const clover_context_params & cp, std::string & msg) {
     return CLOVER_OK;
 }
 
+void set_rates(clover_stats & s) {
+    s.tokens_per_forward = s.n_decode_forwards > 0 ? (double) s.n_generated / s.n_decode_forwards : 0.0;
+    s.tokens_per_second  = s.t_decode_ms > 0 ? s.n_generated / (s.t_decode_ms / 1000.0) : 0.0;
+}
+
 gen_setup resolve_generate(const clover_context * ctx, clover_generate_params & gp) {
     const clover_model * m = ctx->model;
     clover_detail::normalise_sampling(gp.temperature, gp.top_k, gp.top_p, m->n_vocab);
@@ -225,6 +230,15 @@ int clover_generate_params_check(const clover_generate_params * params, char * e
         const int   rc = check_params(*params, msg);
         return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
     });
+}
+
+int clover_stats_cut(clover_stats * stats, int32_t n_generated) {
+    if (!stats || n_generated < 0) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    stats->n_generated = n_generated;
+    set_rates(*stats);
+    return CLOVER_OK;
 }
 
 int32_t clover_generate_room(const clover_context * ctx, const clover_generate_params * params, int32_t n_prompt) {

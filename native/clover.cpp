@@ -431,15 +431,14 @@ struct decode_run {
             stats->block_size         = B;
             stats->n_block_switches   = n_switches;
             stats->finish_reason      = finish;
-            stats->tokens_per_forward = n_steps + n_calls > 0 ? (double) n_gen / (n_steps + n_calls) : 0.0;
             stats->t_prefill_ms       = t_prefill;
             stats->t_decode_ms        = ms_since(t_start) - t_prefill;
-            stats->tokens_per_second  = stats->t_decode_ms > 0 ? n_gen / (stats->t_decode_ms / 1000.0) : 0.0;
             stats->calibration        = ctx->last_calibration;
             stats->n_verifications    = n_verifications;
             stats->n_drafted          = n_drafted;
             stats->n_accepted         = n_accepted;
             stats->n_decode_forwards  = n_steps + n_calls;
+            set_rates(*stats); // tokens_per_forward, tokens_per_second
             stats->mode                = mode_last;
             stats->n_blocks_ar         = n_mode_blocks[CLOVER_MODE_AUTOREGRESSIVE];
             stats->n_blocks_diffusion  = n_mode_blocks[CLOVER_MODE_DIFFUSION];

@@ -439,6 +439,13 @@ CLOVER_API int clover_generate(clover_context * ctx, const int32_t * prompt, int
 CLOVER_API int32_t clover_generate_room(const clover_context * ctx, const clover_generate_params * params,
                                         int32_t n_prompt);
 
+/* The stats of a generation whose output the caller ended at n_generated tokens (a stop string
+ * found by clover_stop_matcher while the call ran; the caller cancelled it, so the tokens may run
+ * into the block it interrupted): n_generated, tokens_per_forward and tokens_per_second with the
+ * same forwards and time (the formulas of clover_stats); the rest unchanged. CLOVER_ERR_INVALID_ARG
+ * for NULL or n_generated < 0. */
+CLOVER_API int clover_stats_cut(clover_stats * stats, int32_t n_generated);
+
 /* ---------------------------------------------------------------- stop strings
  * The output is cut before the first of the stop strings (as llama.cpp's reverse prompt / the
  * `stop` of llama-server), which may span the pieces of text it arrives in: text that could

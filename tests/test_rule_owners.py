@@ -125,3 +125,29 @@ def test_clover_cli_block_size_bound_is_clover_context_news(tiny_artifacts) -> N
     with pytest.raises(CloverValueError) as e:
         Clover(tiny_artifacts["f32"], n_ctx=2, block_size=1, n_threads=1)
     assert (e.value.message, e.value.param) == (err.value.decode(), "n_ctx")
+
+
+def test_stats_after_a_stop_string_are_libclovers(tiny_artifacts) -> None:
+    """A stop string ends the output after the call: the stats' rates for the kept tokens come from
+    clover_stats_cut (the formulas of clover_stats; Python recomputed them itself)."""
+    import ctypes
+
+    from clover_cpp import Clover
+
+    with Clover(tiny_artifacts["f32"], n_ctx=256, n_threads=1) as m:
+        kw = dict(max_tokens=24, block_size=4, stop_at_eos=False)
+        full = m.generate("def add(a, b):", **kw)
+        half = len(full.text) // 2
+        stop = full.text[half:half + 2]
+        assert stop.strip()
+        r = m.generate("def add(a, b):", stop=[stop], **kw)
+    s = r.stats
+    assert r.text == full.text[:full.text.index(stop)] and r.finish_reason == "stop"
+    assert s.n_generated == len(r.tokens) < full.stats.n_generated
+    native = N.clover_stats(n_generated=full.stats.n_generated, n_decode_forwards=s.n_decode_forwards,
+                            t_decode_ms=s.t_decode_ms)
+    assert N.lib().clover_stats_cut(ctypes.byref(native), s.n_generated) == N.CLOVER_OK
+    assert (s.tokens_per_forward, s.tokens_per_second) == (native.tokens_per_forward, native.tokens_per_second)
+    assert s.tokens_per_forward == s.n_generated / s.n_decode_forwards
+    assert N.lib().clover_stats_cut(ctypes.byref(native), -1) == N.CLOVER_ERR_INVALID_ARG
+    assert N.lib().clover_stats_cut(None, 1) == N.CLOVER_ERR_INVALID_ARG
