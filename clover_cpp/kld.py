@@ -188,7 +188,7 @@ def kl_divergence(base: Any, quant: Any, text: str | Sequence[int], n_ctx: int =
 def _command() -> Any:
     import click
 
-    from .cli import CONTEXT_SETTINGS, UserError, _open_model
+    from .cli import CONTEXT_SETTINGS, UserError, open_model
 
     @click.command(name="kld", context_settings=CONTEXT_SETTINGS)
     @click.argument("base", metavar="BASE_GGUF")
@@ -220,7 +220,7 @@ def _command() -> Any:
             raise UserError(f"{path}: cannot read the text ({e.__class__.__name__}: {e})") from None
         from .model import CloverError
 
-        with _open_model(base, threads, chunk, 0, None, False) as mb, _open_model(quant, threads, chunk, 0, None,
+        with open_model(base, threads, chunk, 0, None, False) as mb, open_model(quant, threads, chunk, 0, None,
                                                                                      False) as mq:
             try:
                 r = kl_divergence(mb, mq, text, n_ctx=chunk, block_size=block_size, mask_ratios=ratios, seed=seed,

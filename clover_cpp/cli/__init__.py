@@ -22,7 +22,6 @@ from .group import CONTEXT_SETTINGS, UserError, cli
 from .options import open_model
 
 __all__ = ["CONTEXT_SETTINGS", "UserError", "cli", "main", "open_model"]
-_open_model = open_model  # (the name clover_cpp.kld imports until it takes open_model)
 
 
 def main(argv: Sequence[str] | None = None) -> Any:
