@@ -58,52 +58,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .config import (  # noqa: F401 - the config half of the mapping, re-exported (one import for both)
-    ARCH,
-    BLOCK_OPERATOR_CLOVER,
-    BLOCK_OPERATOR_RELEASE,
-    BLOCK_OPERATORS,
-    CONFIG_SEMANTICS,
-    KEY_BLOCK_OPERATOR,
-    KEY_CONV_LOOKAHEAD,
-    KEY_DIFFUSION_BLOCK_SIZE,
-    KEY_RECURRENT_LAYERS,
-    KEY_SEMANTICS,
-    RELEASE_ARCHITECTURE,
-    RELEASE_MODEL_TYPE,
-    SEMANTICS,
-    CloverConfig,
-    ConversionError,
-    parse_config,
-)
+from . import config as _config
+from .config import *  # noqa: F401,F403 - the config half of the mapping, re-exported (one import for both)
 
-__all__ = [
-    "ConversionError",
-    "CloverConfig",
-    "Rule",
-    "TENSOR_TABLE",
-    "hf_tensor_shapes",
-    "keeps_f32",
-    "F32_ONLY",
-    "parse_config",
-    "v_head_order",
-    "perm_index",
-    "apply_fn",
-    "ARCH",
-    "KEY_RECURRENT_LAYERS",
-    "KEY_CONV_LOOKAHEAD",
-    "KEY_DIFFUSION_BLOCK_SIZE",
-    "KEY_SEMANTICS",
-    "CONFIG_SEMANTICS",
-    "SEMANTICS",
-    "KEY_BLOCK_OPERATOR",
-    "BLOCK_OPERATOR_CLOVER",
-    "BLOCK_OPERATOR_RELEASE",
-    "BLOCK_OPERATORS",
-    "RELEASE_MODEL_TYPE",
-    "RELEASE_ARCHITECTURE",
-    "detect_block_operator",
-]
+__all__ = ["Rule", "TENSOR_TABLE", "hf_tensor_shapes", "keeps_f32", "F32_ONLY", "v_head_order", "perm_index",
+           "apply_fn", "detect_block_operator", *_config.__all__]
 
 
 # ---------------------------------------------------------------------------
