@@ -16,9 +16,12 @@ from . import _lib  # noqa: F401  - sets LLAMA_CPP_LIB_PATH before anyone import
 _STATUS = ("CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE", "CLOVER_ERR_CANCELLED",
            "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL")
 
+# clover.h's defaults a front end shows (the library's generate() default; -n on the command lines)
+_DEFAULTS = ("CLOVER_DEFAULT_MAX_TOKENS", "CLOVER_CLI_DEFAULT_N_PREDICT")
+
 __all__ = ["Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats",
            "GenerationStream", "Perplexity", "ChatExchange", "set_verbosity", "render_chat", "quantize", "QUANT_TYPES",
-           *_STATUS]
+           *_STATUS, *_DEFAULTS]
 
 if TYPE_CHECKING:
     from .model import (ChatExchange, Clover, CloverError, CloverTypeError, CloverValueError, GenerationResult,
@@ -38,6 +41,10 @@ def __getattr__(name: str) -> Any:
         from . import errors  # noqa: PLC0415
 
         return getattr(errors, name)
+    if name in _DEFAULTS:
+        from . import _native  # noqa: PLC0415  - constants only (the library is loaded by Clover)
+
+        return getattr(_native, name)
     if name in ("quantize", "QUANT_TYPES"):
         from . import quant as q  # noqa: PLC0415
 

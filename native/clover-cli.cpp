@@ -256,8 +256,8 @@ int main(int argc, char ** argv) {
     std::string            overrides; // -ot, repeatable
     std::vector<float>     split;
     cp.n_threads = 0; // from the hardware, as `clover run` does
-    gp.max_tokens = 128; // -n's default on the command lines (README, "Command-line defaults"; clover run's
-                         // DEFAULT_N_PREDICT), not the library's CLOVER_DEFAULT_MAX_TOKENS
+    gp.max_tokens = CLOVER_CLI_DEFAULT_N_PREDICT; // -n's default on the command lines (clover run's too), not
+                                                  // the library's CLOVER_DEFAULT_MAX_TOKENS
     // as `clover run`: greedy by default (the same command prints the same text; README,
     // "Command-line defaults"), the prompt echoed as llama-cli does, -n -1 = until EOS or the
     // end of the context

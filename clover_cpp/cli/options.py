@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from .. import CLOVER_CLI_DEFAULT_N_PREDICT
 from .group import UserError
 
 
@@ -125,7 +126,8 @@ LIBRARY_DEFAULT = "the library's"  # show_default of a flag whose default is lib
 # Greedy by default, unlike llama-cli (temp 0.8, top-k 40, top-p 0.95, seed -1, -n -1): the same
 # command prints the same text, as Clover.generate returns it, and --draft-self reproduces it token
 # for token (README, "Command-line defaults"); llama-cli's sampling is one set of flags away
-DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT = 0.0, 0, 1.0, 0, 128
+DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED = 0.0, 0, 1.0, 0
+DEFAULT_N_PREDICT = CLOVER_CLI_DEFAULT_N_PREDICT  # clover.h's, clover-cli's -n default too
 
 
 def sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:
