@@ -385,15 +385,7 @@ using namespace clover_impl;
 extern "C" {
 
 int clover_context_params_check(const clover_context_params * params, char * err, size_t err_len) {
-    return guarded(err, err_len, [&]() -> int {
-        clear_err(err, err_len);
-        if (!params) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "params is NULL");
-        }
-        std::string msg;
-        const int   rc = check_context_params(*params, msg);
-        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
-    });
+    return check_entry(params, check_context_params, err, err_len);
 }
 
 clover_context_params clover_context_default_params(void) {

@@ -120,6 +120,21 @@ int guarded(char * err, size_t err_len, F && f) {
     }
 }
 
+// The C entry of a params check (clover_generate_params_check, clover_context_params_check): NULL
+// refused, else the check's verdict with its one-line message in err.
+template <typename P>
+int check_entry(const P * params, int (*check)(const P &, std::string &), char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!params) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "params is NULL");
+        }
+        std::string msg;
+        const int   rc = check(*params, msg);
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
 // ---- the model (clover-model.cpp)
 // CLOVER_OK, or CLOVER_ERR_INVALID_ARG and the one-line refusal when a decode at block size B would
 // run block diffusion (B > 1 without draft-self) on a model without a block operator

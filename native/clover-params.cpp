@@ -221,15 +221,7 @@ clover_generate_params clover_generate_default_params(void) {
 }
 
 int clover_generate_params_check(const clover_generate_params * params, char * err, size_t err_len) {
-    return guarded(err, err_len, [&]() -> int {
-        clear_err(err, err_len);
-        if (!params) {
-            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "params is NULL");
-        }
-        std::string msg;
-        const int   rc = check_params(*params, msg);
-        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
-    });
+    return check_entry(params, check_params, err, err_len);
 }
 
 int clover_stats_cut(clover_stats * stats, int32_t n_generated) {
