@@ -60,6 +60,7 @@ import numpy as np
 
 from . import config as _config
 from .config import *  # noqa: F401,F403 - the config half of the mapping, re-exported (one import for both)
+from .config import BLOCK_OPERATOR_CLOVER, BLOCK_OPERATOR_RELEASE, CloverConfig, ConversionError  # used here
 
 __all__ = ["Rule", "TENSOR_TABLE", "hf_tensor_shapes", "keeps_f32", "F32_ONLY", "v_head_order", "perm_index",
            "apply_fn", "detect_block_operator", *_config.__all__]

@@ -25,7 +25,6 @@ CLI: ``python -m clover_testkit.checkpoints 35b-a3b-slice OUT [--dtype bf16] [--
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import math
