@@ -5,19 +5,21 @@
   of an installed wheel) on first use and cached; ``CLOVER_DEMO_MODEL`` chooses another
   checkpoint folder or GGUF.
 * :func:`paired_runs`: run settings in paired, repeated rounds (the order rotated per round), as
-  `clover demo` and `clover bench` compare block sizes.
+  `clover demo` and `clover bench` compare block sizes; :func:`speed_verdict` says what the
+  paired ratios support, :func:`machine_load` whether the machine was busy while they ran.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["DemoModelError", "bundled_model_dir", "default_cache_dir", "default_model_locations", "demo_model",
-           "paired_runs"]
+           "paired_runs", "speed_verdict", "machine_load"]
 
 
 class DemoModelError(ValueError):
@@ -97,3 +99,25 @@ def paired_runs(run: Callable[[Any], Any], settings: Sequence[Any], rounds: int)
         for s in list(settings[k:]) + list(settings[:k]):
             out[s].append(run(s))
     return out
+
+
+def machine_load() -> float | None:
+    """The 1-minute load average per core (None where the OS has none): above ~0.5 something else
+    is running, and a timing then measures the neighbours more than the code."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return None
+
+
+def speed_verdict(ratios: Sequence[float]) -> str:
+    """What paired ratios (ours / baseline, one per round) support: a speed-up or slow-down only
+    when every round agrees on the side of 1.0; a range that straddles 1.0 is no measurable
+    difference, and a single round is never a verdict."""
+    if len(ratios) < 2:
+        return "no verdict (fewer than 2 paired rounds)"
+    med, lo, hi = statistics.median(ratios), min(ratios), max(ratios)
+    spread = f"{med:.2f}x ({lo:.2f}-{hi:.2f}), median of {len(ratios)} paired rounds, min-max"
+    if lo <= 1.0 <= hi:
+        return f"no measurable speed-up: {spread}"
+    return f"{'speed-up' if lo > 1.0 else 'slow-down'} {spread}"

@@ -354,6 +354,16 @@ def test_bench(files) -> None:
     assert all(r[3].startswith("(") and "-" in r[3] for r in rows)   # the tok/s spread
 
 
+def test_speed_verdict() -> None:
+    """A speed-up or slow-down only when every paired round agrees; a range over 1.0 is none."""
+    from clover_cpp.demo import speed_verdict
+
+    assert speed_verdict([1.4]).startswith("no verdict")
+    assert speed_verdict([0.9, 1.3, 1.1]).startswith("no measurable speed-up: 1.10x (0.90-1.30)")
+    assert speed_verdict([1.2, 1.5, 1.3]).startswith("speed-up 1.30x (1.20-1.50), median of 3 paired rounds")
+    assert speed_verdict([0.3, 0.25, 0.32]).startswith("slow-down 0.30x")
+
+
 @needs_lib
 def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The demo on a GGUF (CLOVER_DEMO_MODEL): the prompt echoed, the stats, the paired B = 1 rounds."""
@@ -366,7 +376,7 @@ def test_demo(files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.stdout.startswith(DEFAULT_DEMO_PROMPT)
     assert str(files["model"]) in res.stderr and "converting" not in res.stderr  # a GGUF is used as it is
     assert "block size auto" in res.stderr and "[clover] B=" in res.stderr
-    assert "speed-up" in res.stderr and "paired rounds" in res.stderr
+    assert ("speed-up" in res.stderr or "slow-down" in res.stderr) and "5 paired rounds" in res.stderr
     res = invoke(["demo", "--cache-dir", cache, "-n", "8", "-t", "1", "--no-visual", "--no-compare", "--block-size", "8"])
     assert res.exit_code == 0 and "[clover] B=8" in res.stderr and "speed-up" not in res.stderr, res.output
 

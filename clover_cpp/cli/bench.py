@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ..demo import default_cache_dir, demo_model, paired_runs
+from ..demo import default_cache_dir, demo_model, machine_load, paired_runs, speed_verdict
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
 from .options import (BLOCK_SIZE, LIBRARY_DEFAULT, check_flags, flag_errors, library_default, model_option,
@@ -117,12 +117,17 @@ def demo(prompt: str, n_predict: int, block_size: Any, threshold: float, threads
         sys.stdout.flush()
         click.echo(r.stats.format(), err=True)
         if compare and B != 1:
-            # paired and repeated: 3 rounds of (B, B = 1), the order alternating
+            # paired and repeated: 5 rounds of (B, B = 1), the order alternating; the load is read
+            # before and after, since a busy machine hides per-forward costs
+            load = [machine_load()]
             runs = paired_runs(lambda b: m.generate(prompt, max_tokens=n_predict, block_size=b,
-                                                    threshold=threshold).stats, [B, 1], 3)
+                                                    threshold=threshold).stats, [B, 1], 5)
+            load.append(machine_load())
             tps = {b: [s.tokens_per_second for s in runs[b]] for b in (B, 1)}
             ratio = [a / b for a, b in zip(tps[B], tps[1]) if b]
             tpf = _median([s.tokens_per_forward for s in runs[B]])
+            busy = max((x for x in load if x is not None), default=0.0)
             click.echo(f"[clover] B={B}: {_spread(tps[B], '.1f')} tok/s, {tpf:.2f} tok/forward; "
-                       f"B=1 (autoregressive): {_spread(tps[1], '.1f')} tok/s; "
-                       f"speed-up {_spread(ratio, '.2f', 'x')} (median of 3 paired rounds, min-max)", err=True)
+                       f"B=1 (autoregressive): {_spread(tps[1], '.1f')} tok/s; {speed_verdict(ratio)}"
+                       + (f"; the machine was busy (load {busy:.2f} per core): not a measurement"
+                          if busy > 0.5 else ""), err=True)
