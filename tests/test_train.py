@@ -565,3 +565,39 @@ def test_fallback_replay_reproduces_the_native_decode(tiny_artifacts):
         assert out == r.tokens and passes == r.stats.n_decode_passes
         left, left_passes = fallback_sim.decode(mb, prompt, base, True, [0, 0])
         assert len(left) == 40 and (left, left_passes) != (out, passes)  # the rule matters on this model
+
+
+def test_curriculum_grows_blocks_and_masks():
+    """--curriculum: at the start only the smallest block size and masked share 0.05 may be
+    drawn; from half-way on, every block size with its own probability and the full --t-min."""
+    from train.distill import curriculum
+
+    sizes, probs = [4, 8, 16, 32], [0.1, 0.2, 0.3, 0.4]
+    assert curriculum(sizes, probs, 0.3, 0.0) == ([4], [1.0], 0.05)
+    mid_sizes, mid_probs, mid_t = curriculum(sizes, probs, 0.3, 0.25)
+    assert mid_sizes == [4, 8] and abs(sum(mid_probs) - 1) < 1e-12 and 0.05 < mid_t < 0.3
+    late = curriculum(sizes, probs, 0.3, 0.5)
+    assert late[0] == sizes and np.allclose(late[1], probs) and abs(late[2] - 0.3) < 1e-12
+    assert curriculum(sizes, probs, 0.3, 1.0)[0] == sizes
+
+
+@pytest.mark.needs_libclover
+def test_distill_ar_rows_data_changes_only_the_causal_loss(tmp_path):
+    """--ar-rows data: the causal loss of the first step is computed on the real-text rows only
+    (a different number from --ar-rows all), the diffusion loss of that step is the same."""
+    import csv
+
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
+    distill.trajectories(init, data, tmp_path / "traj", n_prompts=3, seed=1, threads=1)
+    common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+              "--batch", "4", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
+              "--eval-windows", "2", "--threads", "1", "--steps", "1", "--seed", "7", "--curriculum"]
+    for rows in ("all", "data"):
+        distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / rows),
+                                                                     "--ar-rows", rows]))
+    first = {rows: list(csv.DictReader(open(tmp_path / rows / "log.csv")))[-1] for rows in ("all", "data")}
+    assert first["all"]["ar_loss"] != first["data"]["ar_loss"]
+    diff = {rows: float(r["loss"]) - float(r["ar_loss"]) for rows, r in first.items()}
+    assert abs(diff["all"] - diff["data"]) < 1e-3

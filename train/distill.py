@@ -123,6 +123,18 @@ def order_loss(logits, target, block_of: np.ndarray, is_first: np.ndarray, margi
     return (torch.relu(conf[later] - p_first + margin) * wrong).sum() / max(1, int(later.sum()))
 
 
+def curriculum(sizes: list[int], probs: list[float], t_min: float, frac: float
+               ) -> tuple[list[int], list[float], float]:
+    """The block sizes (with their renormalised probabilities) and the masked-share floor at
+    training progress frac in [0, 1]: easy (small blocks, few masks allowed) first, the full task
+    from half-way on (d3LLM's progressive window and noise schedule)."""
+    ramp = min(1.0, 2.0 * frac)
+    cap = min(sizes) * (max(sizes) / min(sizes)) ** ramp
+    keep = [i for i, b in enumerate(sizes) if b <= cap * (1 + 1e-9)]
+    tot = sum(probs[i] for i in keep)
+    return [sizes[i] for i in keep], [probs[i] / tot for i in keep], 0.05 + (t_min - 0.05) * ramp
+
+
 def mask_suffix(clean: np.ndarray, B: int, offset: int, mask_id: int, rng: np.random.Generator
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Mask the last n ~ U{1..B} positions of every decode block [offset + bB, offset + (b+1)B),
@@ -169,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on-policy rounds: the trajectories are made again from the current weights "
                         "at the start of every round after the first (steps / rounds each)")
     f.add_argument("--round-prompts", type=int, default=512, help="prompts per regenerated trajectory set")
+    f.add_argument("--curriculum", action="store_true",
+                   help="progressive schedule: over the first half of the steps the largest block size "
+                        "grows from the smallest of --block-sizes to the largest, and the least masked "
+                        "share of a trajectory block from 0.05 to --t-min")
+    f.add_argument("--ar-rows", choices=("all", "data"), default="all",
+                   help="rows whose causal next-token loss is trained: all of the batch, or only the "
+                        "real-text rows (the anchor that keeps B = 1 a model of real text, not of its own "
+                        "greedy loops)")
     add_optimizer_args(f, lr=5e-4, warmup=20, threads=2)
     return ap
 
@@ -224,12 +244,14 @@ def finetune(a: argparse.Namespace) -> list[float]:
             # on-policy: the next round trains on what the current weights generate
             save_ckpt(ck, model, opt, step, rng, a, time.time() - t_start)
             traj = load_round_traj(a, out, step // round_len)
-        B = int(rng.choice(sizes, p=probs))
+        now_sizes, now_probs, t_min = (curriculum(sizes, probs, a.t_min, step / a.steps) if a.curriculum
+                                       else (sizes, probs, a.t_min))
+        B = int(rng.choice(now_sizes, p=now_probs))
         offset = int(rng.integers(1, B + 1))
         rows = traj[rng.integers(0, len(traj), size=n_traj)]
         offs = rng.integers(0, len(tokens) - T, size=n_data)
         clean = np.concatenate([rows, tokens[offs[:, None] + np.arange(T)[None, :]]], 0)
-        noisy, masked = mask_blocks(clean, B, offset, cfg.mask_token_id, rng, a.t_min)
+        noisy, masked = mask_blocks(clean, B, offset, cfg.mask_token_id, rng, t_min)
         if a.traj_mask == "suffix":
             noisy[:n_traj], masked[:n_traj] = mask_suffix(clean[:n_traj], B, offset, cfg.mask_token_id, rng)
         sel_np = diffusion_select(masked, B, offset)   # q - 1 for the masked q after each block start
@@ -243,7 +265,9 @@ def finetune(a: argparse.Namespace) -> list[float]:
         clean_logits, logits, aux = model.forward_train(ct, torch.as_tensor(noisy), B, offset, select=sel)
         target = ct[:, 1:][sel[:, :-1]]
         dl = masked_loss(logits, ct, sel)
-        ar = ar_loss(clean_logits, ct)
+        # the trajectories teach the block passes; the causal path's loss stays on real text when asked
+        ar = ar_loss(clean_logits, ct) if a.ar_rows == "all" or n_data == 0 else \
+            ar_loss(clean_logits[n_traj:], ct[n_traj:])
         loss = ar + dl
         cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
         total = loss + a.certainty * cert + AUX_WEIGHT * aux
