@@ -24,6 +24,7 @@ from . import mapping
 from .config import CloverConfig, ConversionError, parse_config
 from .gguf_writer import ShardWriter, build_writer
 from .mapping import Rule, perm_index, rule_applies
+from .safetensors_io import require_inside
 from .source import Inventory, Source, check_regular_inputs, open_inventory, resolve_source
 from .tokenizer import TokenizerInfo, load_tokenizer
 
@@ -189,6 +190,7 @@ def load_config(folder: Path) -> CloverConfig:
     p = folder / "config.json"
     if not p.exists():
         raise ConversionError(f"{folder}: config.json not found")
+    require_inside(p, folder, ConversionError)
     try:
         cfg = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -42,6 +42,8 @@ __all__ = [
     "write_safetensors",
     "write_safetensors_lazy",
     "read_header",
+    "require_inside",
+    "checkpoint_roots",
     "DTYPES",
     "INDEX_NAME",
     "SINGLE_NAME",
@@ -100,6 +102,35 @@ def f32_to_bf16(f32: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------
 # reading
+
+
+def checkpoint_roots(folder: str | os.PathLike) -> tuple[Path, ...]:
+    """Where the files of a checkpoint folder may really be (links resolved): the folder; and
+    for a Hugging Face cache snapshot (``.../models--org--name/snapshots/REV``, whose files are
+    links into ``../../blobs``), that repo's ``blobs`` folder."""
+    root = Path(folder).resolve()
+    blobs = root.parent.parent / "blobs"
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--") and blobs.is_dir():
+        return root, blobs.resolve()
+    return (root,)
+
+
+def require_inside(path: str | os.PathLike, folder: str | os.PathLike, error: type[Exception],
+                   roots: tuple[Path, ...] | None = None) -> None:
+    """Raise ``error`` (one line) when ``path`` (a file of the checkpoint ``folder``) is a link
+    that resolves outside the folder (or, for a hub cache snapshot, outside its repo's blobs),
+    or is not a regular file once resolved. A missing file passes (the reader says so in its own
+    words). A checkpoint is untrusted input: a ``chat_template.jinja`` linked to ``/etc/passwd``
+    must not end up in the GGUF (issue 40)."""
+    p = Path(path)
+    if not os.path.lexists(p):
+        return
+    roots = roots if roots is not None else checkpoint_roots(folder)
+    real = Path(os.path.realpath(p))
+    if not any(real == r or real.is_relative_to(r) for r in roots):
+        raise error(f"{p}: is a link to {real}, outside the checkpoint folder; refusing to read it "
+                    "(copy the file into the folder if it is meant)")
+    require_regular(p, error)  # a FIFO, a device, a folder (a missing target: the reader's words)
 
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -267,6 +298,7 @@ class CheckpointReader:
         if index_path.exists():
             self._load_index(index_path)
         elif single.exists():
+            require_inside(single, self.folder, CheckpointError)
             f = SafetensorsFile(single)
             self._files[SINGLE_NAME] = f
             for n in f.names():
@@ -275,7 +307,7 @@ class CheckpointReader:
             raise _err(f"{self.folder}: neither {SINGLE_NAME} nor {INDEX_NAME} found")
 
     def _load_index(self, index_path: Path) -> None:
-        require_regular(index_path, CheckpointError)
+        require_inside(index_path, self.folder, CheckpointError)
         try:
             index = json.loads(index_path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -289,6 +321,7 @@ class CheckpointReader:
             if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
                 raise _err(f"{index_path}: bad shard file name {fname!r}")
             p = self.folder / fname
+            require_inside(p, self.folder, CheckpointError)
             if not p.exists():
                 raise _err(f"{index_path}: shard file {fname} is missing from {self.folder}")
             self._files[fname] = SafetensorsFile(p)

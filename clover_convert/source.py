@@ -16,7 +16,8 @@ from typing import NamedTuple
 from clover_cpp._files import file_kind
 
 from .config import ConversionError
-from .safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, read_header
+from .safetensors_io import (
+    INDEX_NAME, SINGLE_NAME, CheckpointError, CheckpointReader, checkpoint_roots, read_header, require_inside)
 
 __all__ = ["HUB_PATTERNS", "Source", "TensorHeader", "Inventory", "resolve_source", "open_inventory",
            "check_regular_inputs"]
@@ -35,6 +36,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 #: what the converter reads from a checkpoint folder (besides the shards an index names)
 _CHECKPOINT_SUFFIXES = (".json", ".safetensors", ".jinja")
+#: and by name (gguf-py's Metadata reads the model card's front matter into general.*)
+_CHECKPOINT_NAMES = ("README.md",)
 
 
 class TensorHeader(NamedTuple):
@@ -128,15 +131,22 @@ def _download(repo: str, dry_run: bool) -> tuple[Path, dict[str, TensorHeader] |
 
 
 def check_regular_inputs(folder: Path, error: type[Exception]) -> None:
-    """Refuse a checkpoint folder whose files the converter reads (JSON, safetensors, the chat
-    template) include a FIFO, a device or a socket, before anything is opened (a FIFO would
-    block a read forever)."""
+    """Refuse a checkpoint folder whose files the converter (or gguf-py's model-card reader)
+    reads (JSON, safetensors, the chat template, README.md) include a FIFO, a device or a
+    socket, before anything is opened (a FIFO would block a read forever), or a link that
+    resolves outside the folder (a ``chat_template.jinja`` linked to ``/etc/passwd`` or
+    ``/proc/self/environ`` would be embedded in the GGUF, and ``clover serve`` hands the
+    template to any client: issue 40). A hub cache snapshot's links into its repo's blobs are
+    its own files. Each reader checks its file again (:func:`require_inside`)."""
     try:
         entries = sorted(folder.iterdir())
     except OSError as e:
         raise error(f"{folder}: cannot list: {e.strerror or e}") from None
+    roots = checkpoint_roots(folder)
     for p in entries:
-        if p.name.endswith(_CHECKPOINT_SUFFIXES):
+        if p.name.endswith(_CHECKPOINT_SUFFIXES) or p.name in _CHECKPOINT_NAMES:
+            if p.is_symlink():
+                require_inside(p, folder, error, roots)
             try:
                 mode = os.stat(p).st_mode
             except OSError:
@@ -205,8 +215,10 @@ def _headers_inventory(folder: Path) -> Inventory | None:
     nothing usable is found."""
     p = folder / INDEX_NAME
     if not p.exists():
+        require_inside(folder / SINGLE_NAME, folder, ConversionError)
         h = _read_header(folder / SINGLE_NAME)
         return Inventory(None, h) if h is not None else None
+    require_inside(p, folder, ConversionError)
     try:
         index = json.loads(p.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -219,7 +231,10 @@ def _headers_inventory(folder: Path) -> Inventory | None:
     meta = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     headers: dict[str, dict[str, TensorHeader] | None] = {}
     for fname in set(wm.values()):
+        if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+            raise ConversionError(f"{p}: bad shard file name {fname!r}")
         fp = folder / str(fname)
+        require_inside(fp, folder, ConversionError)
         headers[fname] = _read_header(fp) if fp.exists() else None
     tensors: dict[str, TensorHeader] = {}
     for name, fname in wm.items():

@@ -31,7 +31,7 @@ from typing import Any
 from gguf import GGUFWriter, TokenType
 
 from .config import CloverConfig, ConversionError
-from clover_cpp._files import require_regular
+from .safetensors_io import require_inside
 
 __all__ = ["TokenizerInfo", "load_tokenizer", "add_tokenizer"]
 
@@ -51,7 +51,7 @@ class TokenizerInfo:
 
 
 def _read_json(path: Path) -> Any:
-    require_regular(path, ConversionError)  # a FIFO would block the read forever
+    require_inside(path, path.parent, ConversionError)  # a FIFO; a link out of the checkpoint (issue 40)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -177,7 +177,7 @@ def load_tokenizer(folder: Path, cfg: CloverConfig) -> TokenizerInfo:
     template = tc.get("chat_template")
     jinja = folder / "chat_template.jinja"
     if template is None and jinja.exists():
-        require_regular(jinja, ConversionError)
+        require_inside(jinja, folder, ConversionError)  # a link to /etc/passwd would be served by /props
         template = jinja.read_text(encoding="utf-8")
     named = isinstance(template, list) and all(
         isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
