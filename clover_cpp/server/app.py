@@ -13,11 +13,13 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import Clover, CloverError, GenerationResult
@@ -31,6 +33,24 @@ from .types import (
     parse_body, unsupported, validate)
 
 __all__ = ["create_app"]
+
+#: the chat page's files (``GET /`` and ``/static/``; docs/server.md, "The web page")
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+class PublicPage:
+    """``GET /`` and ``/static/*`` past the API key: the page's files hold no secret (the page
+    asks for the key and sends it with each request); everything else goes through ``guard``."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard, self.app = guard, guard.app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and (
+                path == "/" or path.startswith("/static/")):
+            return await self.app(scope, receive, send)
+        return await self.guard(scope, receive, send)
 
 
 def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max_queue: int = 64,
@@ -62,6 +82,11 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
 
     app = FastAPI(title="clover serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.clover = st
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:  # the chat page (static/index.html)
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors += 1
@@ -306,4 +331,4 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         job = Job(req, lambda slot: slot.reuse(prompt), lambda slot: prompt, None, chunk, final)
         return await gen.run(request, job, "prompt")
 
-    return Guard(app, api_key, limits, on_error=lambda: setattr(metrics, "errors", metrics.errors + 1))
+    return PublicPage(Guard(app, api_key, limits, on_error=lambda: setattr(metrics, "errors", metrics.errors + 1)))

@@ -30,9 +30,21 @@ def clover_stats(r: GenerationResult) -> dict[str, Any]:
         out["mode"] = s.mode
         out["blocks"] = {"autoregressive": s.n_blocks_ar, "diffusion": s.n_blocks_diffusion,
                          "draft-self": s.n_blocks_draft_self}
+    if getattr(s, "n_verifications", 0):
+        # draft-self: verifications, the drafted tokens they verified and those they accepted
+        out["draft_self"] = {"verifications": s.n_verifications, "drafted": s.n_drafted, "accepted": s.n_accepted}
     if getattr(s, "grammar_mode", ""):
         out["grammar_mode"] = s.grammar_mode  # "ar" or "draft-self": how a constrained request decoded
     return out
+
+
+def canvas_event(offset: int, block_start: int, block_size: int, step: int, n_masked: int,
+                 tokens: list[str | None], steps: list[int | None], verified: bool) -> dict[str, Any]:
+    """One ``clover.canvas`` event (docs/server.md, "The canvas events"): the block after a
+    denoising step. ``offset``: the reply's token index of ``tokens[0]``; ``tokens``: each
+    position's text, None while masked; ``steps``: the step of this block that fixed it."""
+    return {"object": "clover.canvas", "offset": offset, "block_start": block_start, "block_size": block_size,
+            "step": step, "n_masked": n_masked, "tokens": tokens, "steps": steps, "verified": verified}
 
 
 def _text(b: bytes) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -47,6 +48,63 @@ def api_error(e: CloverError, param: str | None = None, req: Knobs | None = None
     if e.status in (CLOVER_ERR_INVALID_ARG, CLOVER_ERR_CONTEXT_FULL):
         return APIError(400, e.message, param=req.field_of(e.param) if req is not None and e.param else param)
     return APIError(500, e.message, code="generation_failed")
+
+
+class CanvasEvents:
+    """The canvas view's events of one streamed request (``stream_options.include_canvas``;
+    docs/server.md): after every denoising step, the block's positions (the prompt's left out),
+    each token's text (None while masked) and the step of the block that fixed it. The step
+    callback builds them on the decode thread; a pump thread reads the text stream; both go,
+    in the order they happened, into one queue that the SSE loop reads."""
+
+    def __init__(self, model: Clover, n_prompt: int, verified: bool) -> None:
+        self.model, self.n_prompt, self.verified = model, n_prompt, verified
+        self.mask = model.mask_token
+        self.q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.block, self.n_step, self.fixed = -1, 0, []  # type: ignore[var-annotated]
+        self.pieces: dict[int, str] = {}
+
+    def piece(self, t: int) -> str:
+        s = self.pieces.get(t)
+        if s is None:
+            s = self.pieces[t] = self.model.token_to_piece(t, special=True).decode("utf-8", "replace")
+        return s
+
+    def step(self, canvas: list[int], n_masked: int, block_start: int) -> None:
+        """From the decode thread, after every denoising step."""
+        if block_start != self.block or len(canvas) != len(self.fixed):
+            self.block, self.n_step, self.fixed = block_start, 0, [None] * len(canvas)
+        self.n_step += 1
+        skip = min(len(canvas), max(0, self.n_prompt - block_start))  # (positions of the prompt)
+        tokens: list[str | None] = []
+        for i in range(skip, len(canvas)):
+            t = canvas[i]
+            if t == self.mask:
+                self.fixed[i] = None
+                tokens.append(None)
+            else:
+                if self.fixed[i] is None:
+                    self.fixed[i] = self.n_step
+                tokens.append(self.piece(t))
+        self.q.put(("canvas", fmt.canvas_event(block_start + skip - self.n_prompt, block_start, len(canvas), self.n_step,
+                                               n_masked, tokens, self.fixed[skip:], self.verified)))
+
+    def pump(self, it: Any) -> None:
+        """Reads the text stream ``it`` into the queue on a thread of its own; then ("end", None)."""
+        def run() -> None:
+            try:
+                for piece in it:
+                    self.q.put(("piece", piece))
+                self.q.put(("end", None))
+            except BaseException as e:  # noqa: BLE001 - raised by the SSE loop
+                self.q.put(("error", e))
+        threading.Thread(target=run, name="clover-serve-canvas", daemon=True).start()
+
+    def next(self) -> tuple[str, Any]:
+        kind, v = self.q.get()
+        if kind == "error":
+            raise v
+        return kind, v
 
 
 def constraint_param(req: Knobs) -> str | None:
@@ -138,6 +196,9 @@ class Generator:
         req = job.req
         if st.shutting_down:
             raise self._shutting_down()
+        want_canvas = bool(req.stream_options and req.stream_options.include_canvas)
+        if want_canvas and not req.stream:
+            raise APIError(400, "stream_options.include_canvas needs stream: true", param="stream_options")
         metrics.requests += 1
         slot = await pool.acquire(job.score)
         cancel = threading.Event()
@@ -169,9 +230,15 @@ class Generator:
             await finish(None, [])
             raise
 
+        cv = CanvasEvents(slot.model, len(prompt), req.draft_self is True) if want_canvas else None
+
+        def on_step(canvas: list[int], n_masked: int, start: int) -> bool:
+            if cv is not None:
+                cv.step(canvas, n_masked, start)
+            return slot.step(n_masked, start)
+
         def generate(stream: bool) -> Any:
-            call = dict(stream=stream, on_step=lambda canvas, n_masked, start: slot.step(n_masked, start),
-                        on_block=lambda text, toks: slot.block(), **kw)
+            call = dict(stream=stream, on_step=on_step, on_block=lambda text, toks: slot.block(), **kw)
             if job.chat_prompt is not None:  # it reads the same tokens (chat_tokens) and keeps the exchange
                 return slot.model.generate_chat(job.chat_prompt, **call)
             return slot.model.generate(prompt, **call)
@@ -208,12 +275,27 @@ class Generator:
             except StopIteration:
                 return None
 
+        def next_item() -> tuple[str, Any] | None:
+            """("piece", text) or ("canvas", event); None at the end."""
+            if cv is None:
+                piece = next_piece()
+                return None if piece is None else ("piece", piece)
+            kind, v = cv.next()
+            return None if kind == "end" else (kind, v)
+
+        if cv is not None:
+            cv.pump(it)
+
         async def events() -> AsyncIterator[dict[str, str]]:
             ended = False
             ts = ToolStream(job.tools) if job.tools is not None and job.tools.active else None
             try:
                 yield {"data": json.dumps(job.make_chunk(None))}
-                while (piece := await asyncio.to_thread(next_piece)) is not None:
+                while (item := await asyncio.to_thread(next_item)) is not None:
+                    kind, piece = item
+                    if kind == "canvas":
+                        yield {"event": "clover.canvas", "data": json.dumps(piece)}
+                        continue
                     for ev in (ts.feed(piece) if ts else [("content", piece)]):
                         yield {"data": json.dumps(job.make_chunk(ev))}
                 for ev in (ts.finish() if ts else []):

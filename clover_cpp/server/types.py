@@ -114,6 +114,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    include_canvas: bool = False  # Clover's: the block's positions after every step (docs/server.md)
 
 
 class JsonSchema(BaseModel):
