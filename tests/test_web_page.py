@@ -144,6 +144,39 @@ def test_canvas_events_only_when_asked(tiny_server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_canvas"
 
 
+def test_a_canvas_stream_left_early_is_cancelled(tiny_server) -> None:
+    """A client that goes away mid-stream (the page's Stop) cancels the generation on the canvas
+    path too (its text is read by a pump thread), and that thread ends."""
+    import threading
+    import time
+
+    s, _ = tiny_server
+
+    def cancelled() -> float:
+        text = httpx.get(s.url + "/metrics", headers=_auth()).text
+        return float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("clover_cancelled_total ")))
+
+    before = cancelled()
+    # threshold 1.0 at B = 64: one token per 64-token pass, 384 of them: seconds of work
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 384, "block_size": 64, "threshold": 1.0,
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_canvas": True}}
+    n = 0
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, headers=_auth(), timeout=60) as r:
+        for line in r.iter_lines():
+            n += line == "event: clover.canvas"
+            if n == 3:
+                break
+    deadline = time.monotonic() + 20
+    while (cancelled() == before or any(t.name == "clover-serve-canvas" for t in threading.enumerate())) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() == before + 1
+    assert not [t for t in threading.enumerate() if t.name == "clover-serve-canvas"]
+    r = httpx.post(s.url + "/v1/chat/completions", headers=_auth(), timeout=30,
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4})
+    assert r.status_code == 200
+
+
 # ----------------------------------------------------------------------------- a real browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
