@@ -63,6 +63,7 @@ def test_the_page_is_served_without_the_key(tiny_server) -> None:
     s, _ = tiny_server
     r = httpx.get(s.url + "/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert httpx.head(s.url + "/").status_code == 200
     assert "<title>Clover</title>" in r.text and "/static/app.js" in r.text and "/static/style.css" in r.text
     for f, kind in (("app.js", "javascript"), ("style.css", "text/css")):
         r = httpx.get(f"{s.url}/static/{f}")
@@ -134,6 +135,12 @@ def test_canvas_events_only_when_asked(tiny_server) -> None:
     assert ds_canvas and all(e["verified"] is True for e in ds_canvas)
     final = json.loads([d for _, d in ds if d != "[DONE]"][-1])
     assert final["clover"]["draft_self"]["verifications"] >= 1
+
+    # completions too
+    with httpx.stream("POST", s.url + "/v1/completions", headers=_auth(), timeout=60,
+                      json={"prompt": "def add(a, b):", "max_tokens": 8, "block_size": 4, "stream": True,
+                            "stream_options": {"include_canvas": True}}) as r:
+        assert sum(line == "event: clover.canvas" for line in r.iter_lines()) >= 2
 
     # asked without streaming: a 400 naming the field
     r = httpx.post(s.url + "/v1/chat/completions", headers=_auth(),

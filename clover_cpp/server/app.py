@@ -84,7 +84,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     app.state.clover = st
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page() -> FileResponse:  # the chat page (static/index.html)
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
