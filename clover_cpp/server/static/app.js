@@ -237,12 +237,15 @@ class ReplyView {
       parts.push(`${stats.decode_passes} passes`);
       if (stats.draft_self) {
         const d = stats.draft_self;
-        parts.push(`draft-self: ${d.accepted}/${d.drafted} drafted accepted in ${d.verifications} verifications`);
+        parts.push(`draft-self: ${d.accepted} of ${d.drafted} drafted tokens accepted, ${d.verifications} verifications`);
       }
       if (stats.reused_prompt_tokens) parts.push(`${stats.reused_prompt_tokens} prompt tokens reused`);
       parts.push(`seed ${stats.seed}`);
     }
-    if (this.nSteps) parts.push(`${this.nSteps} canvas events`);
+    if (this.nSteps) {
+      this.canvasHead.textContent = `canvas · ${this.nBlocks} block${this.nBlocks === 1 ? "" : "s"}, ` +
+        `${this.nSteps} step${this.nSteps === 1 ? "" : "s"} (hover a token for its step)`;
+    }
     this.stats.textContent = parts.join(" · ");
     if (!this.content) this.text.textContent = how === "stopped" ? "(stopped)" : "(no text)";
   }
