@@ -61,8 +61,10 @@ class CanvasEvents:
         self.model, self.n_prompt, self.verified = model, n_prompt, verified
         self.mask = model.mask_token
         self.q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self.block, self.n_step, self.fixed = -1, 0, []  # type: ignore[var-annotated]
-        self.pieces: dict[int, str] = {}
+        self.block = -1                       # block_start of the block being denoised
+        self.n_step = 0                       # its steps so far
+        self.fixed: list[int | None] = []     # per position: the step that fixed its token
+        self.pieces: dict[int, str] = {}      # token id -> text
 
     def piece(self, t: int) -> str:
         s = self.pieces.get(t)
@@ -86,8 +88,9 @@ class CanvasEvents:
                 if self.fixed[i] is None:
                     self.fixed[i] = self.n_step
                 tokens.append(self.piece(t))
-        self.q.put(("canvas", fmt.canvas_event(block_start + skip - self.n_prompt, block_start, len(canvas), self.n_step,
-                                               n_masked, tokens, self.fixed[skip:], self.verified)))
+        offset = block_start + skip - self.n_prompt
+        self.q.put(("canvas", fmt.canvas_event(offset, block_start, len(canvas), self.n_step, n_masked, tokens,
+                                               self.fixed[skip:], self.verified)))
 
     def pump(self, it: Any) -> None:
         """Reads the text stream ``it`` into the queue on a thread of its own; then ("end", None)."""
