@@ -11,6 +11,7 @@ Every error it answers has OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from typing import Any
 
@@ -38,15 +39,38 @@ async def send_error(send: Any, e: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def check_api_key(api_key: str | None, env: str = "CLOVER_API_KEY") -> None:
+    """Refuse a key that would turn auth off or that no client can send (ValueError, one line).
+
+    An empty key used to mean "no key" (a falsy test): ``--api-key ''``, or ``$CLOVER_API_KEY``
+    set but empty (click reads an empty variable as absent), served every endpoint to anyone
+    with no word (issue 40). No key at all (the option absent, the variable unset) is an open
+    server, as before; a set-but-empty one is now a mistake, refused at start-up."""
+    if api_key is None:
+        if os.environ.get(env) is not None and not os.environ[env].strip():
+            raise ValueError(f"${env} is set but empty, which would turn authentication off; set a key, "
+                             f"or unset {env} to serve without one")
+        return
+    if not isinstance(api_key, str):
+        raise ValueError(f"the API key must be a string, got {type(api_key).__name__}")
+    if not api_key.strip():
+        raise ValueError("--api-key is empty, which would turn authentication off; give a key, or leave the "
+                         "option out to serve without one")
+    if api_key != api_key.strip() or any(not (0x20 < ord(c) < 0x7f) for c in api_key):
+        raise ValueError("--api-key must be printable ASCII without spaces (an HTTP header cannot carry "
+                         "anything else, so no client could send it)")
+
+
 class Guard:
     def __init__(self, app: Any, api_key: str | None, limits: Limits, on_error: Any) -> None:
+        check_api_key(api_key)
         self.app, self.api_key, self.limits, self.on_error = app, api_key, limits, on_error
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] != "/health":
+        if self.api_key is not None and scope["path"] != "/health":
             got = headers.get(b"authorization", b"")
             if not secrets.compare_digest(got, f"Bearer {self.api_key}".encode()):
                 self.on_error()

@@ -13,6 +13,7 @@ import uvicorn
 
 from .. import Clover
 from .app import create_app
+from .asgi import check_api_key
 from .pool import ServerState
 from .types import Limits
 
@@ -53,6 +54,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
           rpc_servers: str | None = None, tensor_split: list[float] | None = None,
           override_tensor: str | None = None, limits: Limits | None = None) -> None:
     """Load the model and serve it until interrupted."""
+    check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
     if n_threads is None:
         # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
         # barriers, so one preempted by the server's own threads stalls the others (measured on
