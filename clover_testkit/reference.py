@@ -53,6 +53,11 @@ Project decisions (beyond the spec):
   [tail ; u].
 * MoE: softmax over all E, top-k (ties: lower expert index), renormalised when
   norm_topk_prob; shared expert gated by sigmoid(x . w_shared_gate).
+* The block expert coreset (``coreset=C`` of trace / block_pass / generate; None or 0 = off;
+  spec/model.md "MoE"): in a canvas of n >= 2 rows each MoE layer keeps the C experts with the
+  highest router probability summed over the rows (ties: lower index), and every row routes its
+  top min(k, C) among those only, weights renormalised over them when norm_topk_prob. Commits
+  and one-row canvases keep full routing; C >= E is full routing. ``coreset_select`` is the rule.
 
 The released checkpoint's layout (``cfg.block_operator == "release-bd-softmax"``, detected from
 the weights: bd_softmax_* instead of in_proj_m / block_calib; docs/release-checkpoint.md):
@@ -85,7 +90,7 @@ from clover_testkit.reference_math import (QK_NORM_EPS, bidirectional_conv, bloc
                                            rms_norm_1p, rope_neox, sigmoid, silu, softmax, softplus)
 
 __all__ = ["CloverConfig", "CloverReference", "Memory", "generate", "GenerateResult",
-           "causal_logits", "perplexity", "ubatch_tokens", "bidirectional_conv", "block_tau",
+           "causal_logits", "coreset_select", "perplexity", "ubatch_tokens", "bidirectional_conv", "block_tau",
            "rms_norm_1p"]
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -270,14 +275,14 @@ class CloverReference:
             out[:, h] = (att @ Vv[g]) * sigmoid(gate[:, h])
         return out.reshape(n, nh * dh) @ self.w[p + "o_proj.weight"].T, dict(k=k, v=v)
 
-    def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
+    def _moe(self, i: int, x: np.ndarray, coreset: int | None = None,
+             routed: list | None = None) -> np.ndarray:
         c, p = self.cfg, f"model.layers.{i}.mlp."
         W = lambda name: self.w[p + name]  # noqa: E731
         probs = softmax(x @ W("gate.weight").T, axis=-1)             # [n, E]
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :c.num_experts_per_tok]  # [n, k]
-        pw = np.take_along_axis(probs, top, axis=-1)
-        if c.norm_topk_prob:
-            pw = pw / pw.sum(axis=-1, keepdims=True)
+        top, pw = coreset_select(probs, c.num_experts_per_tok, c.norm_topk_prob, coreset)
+        if routed is not None:
+            routed.append(top)
         out = np.zeros_like(x)
         for e in np.unique(top):  # the tokens routed to expert e (each at most once), together
             rows, slot = np.nonzero(top == e)
@@ -295,14 +300,17 @@ class CloverReference:
             raise ValueError("token id outside the vocabulary")
         return toks
 
-    def trace(self, mem: Memory, tokens: Sequence[int], block_size: int) -> tuple[np.ndarray, list[dict]]:
+    def trace(self, mem: Memory, tokens: Sequence[int], block_size: int,
+              coreset: int | None = None) -> tuple[np.ndarray, list[dict]]:
         """Block pass that also returns per-layer intermediates (for checks and commit).
 
         The canvas is tokens (1 <= n <= block_size) at positions mem.n_committed .. +n-1.
         Each layer's dict has x_in (normed mixer input), mix (mixer output), h (after the
         mixer residual), x_out (layer output); GDN layers add u, conv (pre-silu), q, k
         (L2-normed, per key head), v, b, a, m, z (projections), tau and o (mixed, pre-norm);
-        attention layers add k, v as appended to the KV cache ([nkv, n, dh], k after RoPE).
+        attention layers add k, v as appended to the KV cache ([nkv, n, dh], k after RoPE);
+        every layer adds experts ([n, k'] the routed experts of each row). coreset: the block
+        expert coreset C (None or 0 = off; a canvas of one row always routes fully).
         """
         B = block_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
@@ -322,16 +330,19 @@ class CloverReference:
             else:
                 mix, rec = self._attn(i, xn, mem, pos)
             h = x + mix
+            routed: list = []
             x = h + self._moe(i, rms_norm_1p(h, self.w[p + "post_attention_layernorm.weight"],
-                                             c.rms_norm_eps))
-            rec.update(x_in=xn, mix=mix, h=h, x_out=x)
+                                             c.rms_norm_eps), coreset if len(toks) > 1 else None, routed)
+            rec.update(x_in=xn, mix=mix, h=h, x_out=x, experts=routed[0])
             layers.append(rec)
         logits = rms_norm_1p(x, self.w["model.norm.weight"], c.rms_norm_eps) @ self.lm_head.T
         return logits, layers
 
-    def block_pass(self, mem: Memory, tokens: Sequence[int], block_size: int) -> np.ndarray:
-        """Logits [n, V] of the canvas tokens (row t predicts position t+1); mem unchanged."""
-        return self.trace(mem, tokens, block_size)[0]
+    def block_pass(self, mem: Memory, tokens: Sequence[int], block_size: int,
+                   coreset: int | None = None) -> np.ndarray:
+        """Logits [n, V] of the canvas tokens (row t predicts position t+1); mem unchanged.
+        coreset: the block expert coreset C (None or 0 = full routing)."""
+        return self.trace(mem, tokens, block_size, coreset)[0]
 
     def _write_token(self, mem: Memory, layers: list[dict]) -> None:
         """Write ONE token, traced as a block of one on mem, into mem."""
@@ -368,6 +379,29 @@ class CloverReference:
             self._write_token(mem, layers)
             rows.append(logits[0])
         return np.stack(rows)
+
+
+def coreset_select(probs: np.ndarray, k: int, norm_topk_prob: bool,
+                   coreset: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The routing of n rows: router probabilities [n, E] (softmax over all E) -> (experts
+    [n, k'], weights [n, k']). Full routing: each row's top k (ties: lower index). With a
+    coreset C in [1, E) (spec/model.md, "MoE"; applied by the caller to canvases of n >= 2 rows
+    only): the C experts of highest summed probability over the rows (ties: lower index), each
+    row's top k' = min(k, C) among them. Weights: the rows' probabilities, renormalised over the
+    k' chosen when norm_topk_prob."""
+    probs = np.asarray(probs)
+    n, E = probs.shape
+    if coreset is None or int(coreset) <= 0 or int(coreset) >= E:
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    else:
+        C = int(coreset)
+        core = np.sort(np.argsort(-probs.sum(axis=0), kind="stable")[:C])   # [C], ascending index
+        sub = probs[:, core]                                                 # [n, C]
+        top = core[np.argsort(-sub, axis=-1, kind="stable")[:, :min(k, C)]]  # ties: lower index
+    pw = np.take_along_axis(probs, top, axis=-1)
+    if norm_topk_prob:
+        pw = pw / pw.sum(axis=-1, keepdims=True)
+    return top, pw
 
 
 def causal_logits(model: CloverReference, tokens: Sequence[int]) -> np.ndarray:

@@ -108,10 +108,11 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_at_eos: bool = True,
              step_callback: Callable[[int, list[int], int], Any] | None = None,
-             block_schedule: Sequence[int] | None = None) -> GenerateResult:
+             block_schedule: Sequence[int] | None = None,
+             coreset: int | None = None) -> GenerateResult:
     """Block-diffusion decoding (module docstring, "Decoding"). block_schedule: the B of
     each decode block in turn (the last one repeats), as chosen by block_size="auto";
-    overrides block_size."""
+    overrides block_size. coreset: the block expert coreset of every block pass (None = off)."""
     schedule = [int(b) for b in block_schedule] if block_schedule else [block_size]
     cfg = model.cfg
     if any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in schedule):
@@ -143,7 +144,7 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
             step, cancelled, pass_logits = 0, False, None
             while masked:
                 if any(i > 0 for i in masked):
-                    pass_logits = model.block_pass(mem, canvas, B)
+                    pass_logits = model.block_pass(mem, canvas, B, coreset=coreset)
                     n_steps += 1
                 rows = np.stack([L_last if i == 0 else pass_logits[i - 1] for i in masked])
                 cand, conf = _candidates(rows, mask, temperature, top_k, top_p, rng)
