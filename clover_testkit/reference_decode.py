@@ -144,7 +144,8 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
             step, cancelled, pass_logits = 0, False, None
             while masked:
                 if any(i > 0 for i in masked):
-                    pass_logits = model.block_pass(mem, canvas, B, coreset=coreset)
+                    pass_logits = (model.block_pass(mem, canvas, B, coreset=coreset) if coreset
+                                   else model.block_pass(mem, canvas, B))
                     n_steps += 1
                 rows = np.stack([L_last if i == 0 else pass_logits[i - 1] for i in masked])
                 cand, conf = _candidates(rows, mask, temperature, top_k, top_p, rng)
