@@ -55,9 +55,9 @@ Project decisions (beyond the spec):
   norm_topk_prob; shared expert gated by sigmoid(x . w_shared_gate).
 * The block expert coreset (``coreset=C`` of trace / block_pass / generate; None or 0 = off;
   spec/model.md "MoE"): in a canvas of n >= 2 rows each MoE layer keeps the C experts with the
-  highest router probability summed over the rows (ties: lower index), and every row routes its
-  top min(k, C) among those only, weights renormalised over them when norm_topk_prob. Commits
-  and one-row canvases keep full routing; C >= E is full routing. ``coreset_select`` is the rule.
+  highest router probability summed over the rows (ties: lower index; a C below k is k), and every
+  row routes its top k among those only, weights renormalised over them when norm_topk_prob.
+  Commits and one-row canvases keep full routing; C >= E is full routing. ``coreset_select`` is the rule.
 
 The released checkpoint's layout (``cfg.block_operator == "release-bd-softmax"``, detected from
 the weights: bd_softmax_* instead of in_proj_m / block_calib; docs/release-checkpoint.md):
@@ -384,20 +384,20 @@ class CloverReference:
 def coreset_select(probs: np.ndarray, k: int, norm_topk_prob: bool,
                    coreset: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The routing of n rows: router probabilities [n, E] (softmax over all E) -> (experts
-    [n, k'], weights [n, k']). Full routing: each row's top k (ties: lower index). With a
-    coreset C in [1, E) (spec/model.md, "MoE"; applied by the caller to canvases of n >= 2 rows
-    only): the C experts of highest summed probability over the rows (ties: lower index), each
-    row's top k' = min(k, C) among them. Weights: the rows' probabilities, renormalised over the
-    k' chosen when norm_topk_prob."""
+    [n, k], weights [n, k]). Full routing: each row's top k (ties: lower index). With a
+    coreset C >= 1 (spec/model.md, "MoE"; applied by the caller to canvases of n >= 2 rows
+    only): the max(C, k) experts of highest summed probability over the rows (ties: lower
+    index; all E = full routing), each row's top k among them. Weights: the rows'
+    probabilities, renormalised over the k chosen when norm_topk_prob."""
     probs = np.asarray(probs)
     n, E = probs.shape
-    if coreset is None or int(coreset) <= 0 or int(coreset) >= E:
+    if coreset is None or int(coreset) <= 0 or max(int(coreset), k) >= E:
         top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     else:
-        C = int(coreset)
+        C = max(int(coreset), k)
         core = np.sort(np.argsort(-probs.sum(axis=0), kind="stable")[:C])   # [C], ascending index
         sub = probs[:, core]                                                 # [n, C]
-        top = core[np.argsort(-sub, axis=-1, kind="stable")[:, :min(k, C)]]  # ties: lower index
+        top = core[np.argsort(-sub, axis=-1, kind="stable")[:, :k]]          # ties: lower index
     pw = np.take_along_axis(probs, top, axis=-1)
     if norm_topk_prob:
         pw = pw / pw.sum(axis=-1, keepdims=True)
