@@ -5,8 +5,12 @@
 
 #include <map>
 #include <regex>
+#include <string_view>
+#include <unordered_map>
 
 namespace clover_impl {
+
+static std::string check_vocab(const gguf_context * g);
 
 // The generic llama.cpp loader GGML_ASSERTs (aborts) on some counts; check them first.
 std::string check_hparams(const gguf_context * g) {
@@ -83,6 +87,41 @@ std::string check_hparams(const gguf_context * g) {
                               name.find(".ssm_bd_") != std::string::npos;
         if (must_f32 && gguf_get_tensor_type(g, i) != GGML_TYPE_F32) {
             return "tensor '" + name + "' must be F32, not " + ggml_type_name(gguf_get_tensor_type(g, i));
+        }
+    }
+    return check_vocab(g);
+}
+
+// llama-vocab.cpp GGML_ASSERTs (aborts the process) when one token string is on two ids
+// (id_to_token.size() == token_to_id.size()): refuse it here, naming the string and both ids
+static std::string check_vocab(const gguf_context * g) {
+    const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (id < 0) {
+        return "";  // the loader's own message
+    }
+    if (gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != GGUF_TYPE_STRING) {
+        return "tokenizer.ggml.tokens must be an array of strings";
+    }
+    const size_t n = gguf_get_arr_n(g, id);
+    std::unordered_map<std::string_view, size_t> seen;
+    seen.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+        const char * s = gguf_get_arr_str(g, id, i);
+        const auto [it, fresh] = seen.emplace(std::string_view(s), i);
+        if (!fresh) {
+            std::string shown;
+            for (const char c : std::string_view(s).substr(0, 48)) {  // printable, one line
+                char buf[8];
+                if ((unsigned char) c < 0x20 || c == 0x7f || c == '\\') {
+                    snprintf(buf, sizeof(buf), "\\x%02x", (unsigned char) c);
+                    shown += buf;
+                } else {
+                    shown += c;
+                }
+            }
+            return "tokenizer.ggml.tokens: the token '" + shown + (strlen(s) > 48 ? "...'" : "'") + " is at ids " +
+                   std::to_string(it->second) + " and " + std::to_string(i) +
+                   " (a vocabulary holds each string once; the file is damaged)";
         }
     }
     return "";
