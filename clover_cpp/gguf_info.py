@@ -106,6 +106,144 @@ def _value(field: Any) -> Any:
     return v[0] if isinstance(v, list) and len(v) == 1 else v
 
 
+#: ggml's rules that gguf.cpp (the loader's parser) checks and gguf-py's GGUFReader does not
+GGML_MAX_NAME = 64
+GGML_MAX_DIMS = 4
+_GGUF_VERSION = 3
+#: GGUF value type -> its size in bytes (STRING 8: the length before its bytes; ARRAY: nested)
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _ALIGN_KEY = 8, 9, "general.alignment"
+
+
+def _check_structure(p: Path) -> None:
+    """Walk the header, the keys and the tensor infos with gguf.cpp's rules (the loader's), each
+    count bounded by the bytes left in the file, before gguf-py reads it: GGUFReader takes a
+    string array whose sub-type byte says ARRAY as 248k nested arrays (5 GB of RSS for one
+    changed byte, issue 40) and accepts tensors that overlap or whose type ggml does not know.
+    Also the vocabulary's duplicate strings (llama-vocab.cpp aborts on them). Raises
+    GGUFInfoError naming the first fault."""
+    import mmap  # noqa: PLC0415
+    import struct  # noqa: PLC0415
+
+    from gguf.constants import GGML_QUANT_SIZES  # noqa: PLC0415
+
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise GGUFInfoError(f"{p}: not a valid GGUF file (truncated header)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos = 4
+
+            def bad(why: str) -> GGUFInfoError:
+                return GGUFInfoError(f"{p}: not a valid GGUF file ({why})")
+
+            def take(fmt: str, what: str) -> Any:
+                nonlocal pos
+                n = struct.calcsize(fmt)
+                if pos + n > size:
+                    raise bad(f"truncated at {what}")
+                v = struct.unpack_from(fmt, mm, pos)[0]
+                pos += n
+                return v
+
+            def string(what: str) -> bytes:
+                nonlocal pos
+                n = take("<Q", what)
+                if n > size - pos:
+                    raise bad(f"{what}: a string of {n} bytes, past the end of the file")
+                v = mm[pos:pos + n]
+                pos += n
+                return v
+
+            version = take("<I", "the version")
+            if version == 0 or version == 1 or version > _GGUF_VERSION or (version & 0xFFFF) == 0:
+                raise bad(f"GGUF version {version} is not supported")
+            n_tensors, n_kv = take("<q", "the tensor count"), take("<q", "the key count")
+            if not 0 <= n_tensors <= size // 24 or not 0 <= n_kv <= size // 12:
+                raise bad(f"{n_tensors} tensors and {n_kv} keys cannot fit in {size} bytes")
+            keys: set[bytes] = set()
+            alignment = 32
+            for i in range(n_kv):
+                key = string(f"key {i}")
+                if not key:
+                    raise bad(f"key {i} is empty")
+                if key in keys:
+                    raise bad(f"duplicate key {key.decode('utf-8', 'replace')!r}")
+                keys.add(key)
+                name = key.decode("utf-8", "replace")
+                t = take("<I", f"key {name!r}")
+                n, sub = 1, t
+                if t == _ARRAY:
+                    sub, n = take("<I", f"key {name!r}"), take("<Q", f"key {name!r}")
+                if sub == _ARRAY or (sub != _STRING and sub not in _SCALAR):
+                    raise bad(f"key {name!r} has invalid GGUF type {sub}" + (" (an array of arrays)" if t == _ARRAY else ""))
+                width = 8 if sub == _STRING else _SCALAR[sub]
+                if n > (size - pos) // width:
+                    raise bad(f"key {name!r}: {n} values cannot fit in the {size - pos} bytes left")
+                if sub != _STRING:
+                    if name == _ALIGN_KEY:
+                        if t != 4:
+                            raise bad(f"key {_ALIGN_KEY!r} must be a u32")
+                        alignment = struct.unpack_from("<I", mm, pos)[0]
+                    pos += n * width
+                    continue
+                if name == "tokenizer.ggml.tokens" and t == _ARRAY:
+                    seen: dict[bytes, int] = {}
+                    for j in range(n):
+                        tok = string(f"token {j}").split(b"\0", 1)[0]  # the loader reads a C string
+                        if tok in seen:
+                            shown = tok[:48].decode("utf-8", "replace")
+                            raise GGUFInfoError(f"{p}: tokenizer.ggml.tokens: the token {shown!r} is at ids "
+                                                f"{seen[tok]} and {j} (a vocabulary holds each string once; the "
+                                                "file is damaged)")
+                        seen[tok] = j
+                    continue
+                for j in range(n):
+                    string(f"key {name!r}")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise bad(f"alignment {alignment} is not a power of 2")
+            infos = []
+            names: set[bytes] = set()
+            for i in range(n_tensors):
+                tname = string(f"tensor name {i}")
+                shown = tname.decode("utf-8", "replace")
+                if len(tname) >= GGML_MAX_NAME:
+                    raise bad(f"tensor name {i} is too long ({len(tname)} >= {GGML_MAX_NAME} bytes)")
+                if tname in names:
+                    raise bad(f"duplicate tensor name {shown!r}")
+                names.add(tname)
+                n_dims = take("<I", f"tensor {shown!r}")
+                if n_dims > GGML_MAX_DIMS:
+                    raise bad(f"tensor {shown!r} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
+                ne = [take("<q", f"tensor {shown!r}") for _ in range(n_dims)]
+                if any(d < 0 for d in ne):
+                    raise bad(f"tensor {shown!r} has a negative dimension {ne}")
+                n_el = 1
+                for d in ne:
+                    n_el *= d
+                if n_el >= 2**63:
+                    raise bad(f"tensor {shown!r}: {ne} elements overflow")
+                ttype = take("<i", f"tensor {shown!r}")
+                try:
+                    blck, tsize = GGML_QUANT_SIZES[ttype]  # type: ignore[index]
+                except KeyError:
+                    raise bad(f"tensor {shown!r} has unknown ggml type {ttype}") from None
+                if ne and ne[0] % blck:
+                    raise bad(f"tensor {shown!r}: a row of {ne[0]} elements is not a whole number of "
+                              f"blocks of {blck}")
+                infos.append((shown, n_el // blck * tsize, take("<Q", f"tensor {shown!r}")))
+            data = pos + (-pos % alignment) if n_tensors else pos
+            expected = 0
+            for shown, nbytes, offset in infos:  # gguf.cpp: in file order, each right after the last
+                if offset != expected:
+                    raise bad(f"tensor {shown!r} is at data offset {offset}, expected {expected} (tensors "
+                              "overlap or leave gaps)")
+                expected += nbytes + (-nbytes % alignment)
+            if infos and data + expected - (-infos[-1][1] % alignment) > size:
+                raise bad(f"the tensor data ends past the end of the file ({data + expected} > {size} bytes: "
+                          "truncated?)")
+
+
 def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUFInfo:
     """Header of a GGUF. Raises GGUFInfoError (missing file, not a GGUF, not Clover...)."""
     p = Path(path)
@@ -123,6 +261,10 @@ def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUF
         raise GGUFInfoError(f"{p}: {e.strerror or e}") from None
     if magic != b"GGUF":
         raise GGUFInfoError(f"{p}: not a GGUF file (bad magic)")
+    try:
+        _check_structure(p)
+    except OSError as e:
+        raise GGUFInfoError(f"{p}: {e.strerror or e}") from None
     try:
         from gguf import GGUFReader  # noqa: PLC0415
 
