@@ -15,6 +15,8 @@ import os
 import secrets
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 from .types import APIError, Limits
 
 
@@ -110,4 +112,9 @@ class Guard:
                 state["done"] = True
             return msg
 
-        await self.app(scope, guarded_receive, send)
+        try:
+            await self.app(scope, guarded_receive, send)
+        except ClientDisconnect:
+            # the client left (or uvicorn answered its malformed body, a chunk size of 5,000 hex
+            # digits say, with 400 and logged one line): nobody to answer, no traceback (issue 40)
+            return

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import Clover
 from .app import create_app
@@ -19,6 +24,79 @@ from .types import Limits
 
 #: seconds after SIGTERM / SIGINT at which the process ends even if a generation will not stop
 HARD_EXIT_AFTER = 10.0
+
+
+_TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+             b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_HEAD_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                 b"content-length: %d\r\n\r\n%s")
+
+
+def _raw_error(template: bytes, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if template is _HEAD_TIMEOUT
+                                 else "server_error", "param": None, "code": code}}).encode()
+    return template % (len(body), body)
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with what it lacks (issue 40): a deadline for the request head
+    (uvicorn has a keep-alive timeout for an idle connection but none once bytes trickle in),
+    a cap on open connections and one per client address. ``limits`` is set on a subclass
+    (:func:`protocol_for`)."""
+
+    limits: Limits = Limits()
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        lim = self.limits
+        host = self.client[0] if self.client else None
+        same = sum(1 for c in self.connections if c.client and c.client[0] == host) if host is not None else 0
+        if len(self.connections) > lim.max_connections or same > lim.max_connections_per_client:
+            which = (f"{lim.max_connections_per_client} from one address" if same > lim.max_connections_per_client
+                     else f"{lim.max_connections} in all")
+            self.logger.warning("refused a connection from %s: %s connections open already", host, which)
+            transport.write(_raw_error(_TOO_MANY, f"too many connections ({which}); retry later", "too_many_connections"))
+            transport.close()
+            return
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()  # type: ignore[union-attr]
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return  # a request is in (its body has --body-timeout)
+        if self.conn.our_state is h11.IDLE and self.conn.trailing_data[0]:  # bytes of a head, never finished
+            self.transport.write(_raw_error(_HEAD_TIMEOUT, f"the request head did not arrive within "
+                                            f"{self.limits.header_timeout:g} s", "header_timeout"))
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm_head_timer()  # the head is in
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()  # the next request's head, on a kept-alive connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+
+def protocol_for(limits: Limits) -> type[GuardedH11]:
+    """The protocol class uvicorn instantiates per connection, with these limits."""
+    return type("GuardedH11", (GuardedH11,), {"limits": limits})
 
 
 class _Server(uvicorn.Server):
@@ -62,6 +140,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
         n_threads = max(1, ((os.cpu_count() or 1) - 1) // parallel)
     model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
                    rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor)
+    limits = limits or Limits()  # a prompt of token ids may be as long as the context (and the body counts 2 per id)
+    limits = replace(limits, max_json_values=max(limits.max_json_values, 2 * model.n_ctx + 4096))
     app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue, limits=limits)
     fastapi_app = app.app
 
@@ -74,7 +154,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
     try:
         # uvicorn.Server, not uvicorn.run (which swallows it): after the graceful shutdown, the
         # Ctrl-C comes back as KeyboardInterrupt and the command exits 130 as the others do
-        _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
-                on_exit).run()
+        _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                               http=protocol_for(limits)), on_exit).run()
     finally:
         model.close()

@@ -10,6 +10,7 @@ clover_generate_params_check: its message, in a 400 naming the field, Knobs.fiel
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -26,6 +27,17 @@ class Limits:
     max_block_size: int = 512          # --max-block-size: block_size above it gets 400
     stuck_after: float = 120.0         # --stuck-timeout: a generation with no progress this long is cancelled
     max_json_depth: int = 64           # nesting of the body's JSON
+    # values in the body's JSON (array items and members), counted before it is parsed: a body
+    # under --max-body of 4M token ids grew to 1.2 GB once parsed and validated (issue 40)
+    max_json_values: int = 1 << 18
+    # connections (uvicorn's h11 protocol; run.py): a request head must arrive within
+    # header_timeout seconds of the connection (or of the last reply on it), and at most
+    # max_connections are open, max_connections_per_client from one address; past a cap a new
+    # connection gets 503 and is closed (issue 40: a header trickled at 1 byte/s stayed open
+    # forever, and ~1,100 half-open connections used up the fds and /health with them)
+    header_timeout: float = 10.0
+    max_connections: int = 512
+    max_connections_per_client: int = 64
     max_stop: int = 16                 # stop strings per request
 
 
@@ -69,12 +81,47 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_STRING = re.compile(rb'"[^"]*"')
+_TOO_DEEP = object()
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_values(raw: bytes) -> int:
+    """An upper bound on the number of values in the JSON text ``raw`` (the separators and
+    brackets outside its strings, plus one), counted in linear time without parsing it."""
+    bare = raw.replace(b"\\\\", b"").replace(b'\\"', b"")  # no escaped quote is left: strings are "[^"]*"
+    bare = _STRING.sub(b"", bare)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{") + 1
+
+
+def _surrogate_path(x: Any, path: str = "") -> str | None:
+    """Where in the parsed body a string holds a lone surrogate (not Unicode text: it cannot be
+    tokenized, matched, nor written back as UTF-8), as a field path; None when nowhere."""
+    stack = [(x, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "body"
+        elif isinstance(v, dict):
+            stack.extend((c, f"{at}.{k}" if at else str(k)) for k, c in v.items())
+            stack.extend((k, at or "body") for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((c, f"{at}[{i}]") for i, c in enumerate(v))
+    return None
+
+
 def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     """The request body as a JSON object, or an APIError saying why not."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    if len(raw) > limits.max_json_values and (n := json_values(raw)) > limits.max_json_values:
+        raise APIError(400, f"the request body holds about {n} JSON values (token ids, messages, ...); at most "
+                            f"{limits.max_json_values} are read")
     try:
         body = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
@@ -85,6 +132,8 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
         raise APIError(400, "the request body must be a JSON object")
     if not _depth_ok(body, limits.max_json_depth):
         raise APIError(400, f"the request body nests deeper than {limits.max_json_depth} levels")
+    if _SURROGATE_ESCAPE.search(raw) and (where := _surrogate_path(body)) is not None:
+        raise APIError(400, f"{where}: a lone UTF-16 surrogate (\\ud800-\\udfff) is not Unicode text", param=where)
     return body
 
 
@@ -258,6 +307,11 @@ class Message(BaseModel):
                         args = json.loads(args)
                     except ValueError:
                         pass
+                    except RecursionError:  # a 100,000-deep string was a 500 (issue 40)
+                        args = _TOO_DEEP
+                    if args is _TOO_DEEP or not _depth_ok(args, Limits.max_json_depth):
+                        raise APIError(400, f"a tool call's arguments nest deeper than {Limits.max_json_depth} "
+                                            "levels", param="messages")
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
                                                                           "arguments": args}})
             m["tool_calls"] = calls
