@@ -238,6 +238,9 @@ void normalise_sampling(double & T, int32_t & top_k, double & top_p, int32_t n_v
 // the candidate token of one masked position and its confidence (spec/decoding.md)
 void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
                     std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf);
+// pick_candidate's token at temperature 0 without its confidence (the softmax over the vocabulary):
+// for the rows whose confidence nothing reads (a verification, a step that unmasks every position)
+int32_t greedy_candidate(const float * logits, int32_t V, int32_t mask);
 // draft-self at temperature > 0: keep drafted token x (true) or draw `other` from the residual
 bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::mt19937_64 & rng, int32_t & other);
 // which of n masked positions a denoising step unmasks (most confident first); returns the count

@@ -26,24 +26,43 @@ void normalise_sampling(double & T, int32_t & top_k, double & top_p, int32_t n_v
     }
 }
 
+// the greedy candidate: the highest logit but the mask's (strict: the lowest id wins ties; NaN
+// never wins); -1 when every candidate is -inf/NaN. bl: its logit.
+static int32_t greedy_best(const float * logits, int32_t V, int32_t mask, double & bl) {
+    int32_t best = -1;
+    bl           = -std::numeric_limits<double>::infinity();
+    for (int32_t i = 0; i < V; ++i) {
+        if (i == mask) {
+            continue;
+        }
+        const double l = logits[i];
+        if (l > bl) {
+            bl   = l;
+            best = i;
+        }
+    }
+    return best;
+}
+
+// (degenerate rows: the lowest non-mask id)
+static int32_t degenerate_pick(int32_t V, int32_t mask) {
+    return mask == 0 && V > 1 ? 1 : 0;
+}
+
+int32_t greedy_candidate(const float * logits, int32_t V, int32_t mask) {
+    double        bl   = 0.0;
+    const int32_t best = greedy_best(logits, V, mask, bl);
+    return best < 0 ? degenerate_pick(V, mask) : best;
+}
+
 void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
                            std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
     const double NEG_INF = -std::numeric_limits<double>::infinity();
     if (T == 0.0) {
-        int32_t best = -1;
-        double  bl   = NEG_INF;
-        for (int32_t i = 0; i < V; ++i) {
-            if (i == mask) {
-                continue;
-            }
-            const double l = logits[i];
-            if (l > bl) { // strict: lowest id wins ties; NaN never wins
-                bl   = l;
-                best = i;
-            }
-        }
+        double        bl   = NEG_INF;
+        const int32_t best = greedy_best(logits, V, mask, bl);
         if (best < 0) { // every candidate is -inf/NaN: degenerate, pick the lowest non-mask id
-            tok  = mask == 0 && V > 1 ? 1 : 0;
+            tok  = degenerate_pick(V, mask);
             conf = 0.0;
             return;
         }

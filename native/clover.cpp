@@ -5,6 +5,14 @@
 
 using namespace clover_impl;
 
+// step() and verify() stay functions of their own, so that a profiler can attribute their cost
+// (benchmarks/draft_self_cost.py --callgrind dumps every call of them by name)
+#if defined(__GNUC__) || defined(__clang__)
+#define CLOVER_NOINLINE __attribute__((noinline))
+#else
+#define CLOVER_NOINLINE
+#endif
+
 namespace {
 
 // One generation (spec/decoding.md): the prompt is committed causally, then decode blocks are
@@ -19,6 +27,8 @@ struct decode_run {
     int32_t                        B;
     std::string                    msg;
     clover_detail::gen_extras &    ex; // grammar and log-probabilities (clover-sampling.cpp)
+    // greedy without a grammar: a row whose confidence nothing reads needs its argmax only
+    const bool                     greedy_plain;
 
     std::mt19937_64          rng;
     clover_detail::pick_work work;
@@ -50,7 +60,8 @@ struct decode_run {
 
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b,
                clover_detail::gen_extras & e)
-        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), ex(e), rng(p.seed) {}
+        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), ex(e),
+          greedy_plain(p.temperature == 0.0 && !(p.grammar && p.grammar[0])), rng(p.seed) {}
 
     // commit the prompt past the reused prefix (L_last: its last token's logits)
     int prefill(int32_t reuse) {
@@ -135,7 +146,7 @@ struct decode_run {
     // one denoising step of the current block: position 0's candidate from L_last, position
     // i > 0's from the pass's row i - 1; a pass (fused with the pending commit) only when some
     // masked i > 0 needs one; the unmasked ones are written into the canvas
-    int step(int32_t s, int32_t cap) {
+    CLOVER_NOINLINE int step(int32_t s, int32_t cap) {
         ds_rows = false;
         std::fill(want.begin(), want.end(), 0);
         bool need_pass = false;
@@ -180,8 +191,15 @@ struct decode_run {
         if (keep_q) {
             draft_q.resize((size_t) B * m->n_vocab);
         }
+        // the step cap unmasks every position now (select_unmask): no confidence is read
+        const bool all_now = greedy_plain && cap > 0 && cap - s <= 1;
         for (int32_t j = 0; j < nm; ++j) {
             const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
+            if (all_now) {
+                cand_tok[j]  = clover_detail::greedy_candidate(row, m->n_vocab, m->mask);
+                cand_conf[j] = 1.0;
+                continue;
+            }
             ex.pick_at(row, masked[j], gp, rng, work, cand_tok[j], cand_conf[j]);
             if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
                 std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
@@ -328,7 +346,7 @@ struct decode_run {
     // the draft (a copy on the spare sequence, taken before the forward), the canvas is dropped,
     // and the kept tokens become the pending commit, which rides on the next block's first pass.
     // block_out: the kept tokens.
-    int verify(int32_t n) {
+    CLOVER_NOINLINE int verify(int32_t n) {
         const clover_model * m   = ctx->model;
         const size_t         V   = (size_t) m->n_vocab;
         llama_memory_t       mem = llama_get_memory(ctx->lctx);
@@ -342,7 +360,7 @@ struct decode_run {
                                    auto_ds_canvas_pays(ctx, B, n)
                                        ? nb
                                        : 0;
-        last_before              = ctx->last_logits;
+        last_before.swap(ctx->last_logits); // (back on a rejection; a kept draft sets a new one)
         llama_memory_seq_rm(mem, other, -1, -1);
         llama_memory_seq_cp(mem, cur, other, -1, -1);
         ctx->batch.n_tokens = 0;
@@ -375,7 +393,11 @@ struct decode_run {
         auto row_of = [&](int32_t i) { return i == 0 ? last_before.data() : vrows[i - 1]; };
         ex.verify_begin();
         for (; k < n; ++k) {
-            ex.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
+            if (greedy_plain) { // (its confidence is never read)
+                next = clover_detail::greedy_candidate(row_of(k), m->n_vocab, m->mask);
+            } else {
+                ex.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
+            }
             if (gp.temperature == 0.0 ? next != canvas[k]
                                       : !clover_detail::accept_draft(work.p.data(), draft_q.data() + (size_t) k * V,
                                                                      m->n_vocab, canvas[k], rng, next)) {
@@ -408,7 +430,7 @@ struct decode_run {
         llama_memory_seq_rm(mem, other, -1, -1);
         ctx->n_committed = P;
         ctx->mem_tokens.resize(P);
-        ctx->last_logits = last_before;
+        ctx->last_logits.swap(last_before);
         block_out.assign(canvas.begin(), canvas.begin() + k);
         block_out.push_back(next);
         pending = block_out;
