@@ -7,6 +7,10 @@
 #   ./dev.sh bench   set up, build the benchmark tools, run the benchmarks
 #   ./dev.sh asan    build libllama + libclover with AddressSanitizer, run the decoding tests on it
 #   ./dev.sh upstream-tests  build llama.cpp's own tests on the patched tree, run them with ctest
+#   ./dev.sh vulkan  build libllama + libclover + clover-cli with ggml's Vulkan backend in
+#                    build-vulkan/, run tests/vulkan and test-backend-ops on it (Mesa's llvmpipe)
+#   ./dev.sh cuda-compile [SECONDS]  configure build-cuda/ (-DGGML_CUDA=ON) and compile it
+#                    (every target, or what fits in SECONDS), printing the time
 #
 # Needs only python3 (>= 3.11), gcc/g++, cmake and the package registries. Re-running
 # reuses the venv, the patched tree and the build. Environment knobs:
@@ -94,6 +98,7 @@ configure() {
 build_native() {
     local args
     args="-DGGML_RPC=ON $(ccache_args) ${CLOVER_CMAKE_ARGS:-} ${CMAKE_ARGS:-}"
+    case " $args " in *" -DGGML_VULKAN=ON "*|*" -DGGML_VULKAN=1 "*) vulkan_deps ;; esac
     fresh_cache "$BUILD" "$args"
     log "building and installing clover-cpp (pip install -e .: llama.cpp + libclover + tools in build/)"
     CMAKE_ARGS="$args" "$PY" -m pip install -q --no-build-isolation -e ".[test]"
@@ -166,6 +171,118 @@ run_tests() {
     esac
 }
 
+# Debian's packages for ggml's Vulkan backend (the loader and vulkan.hpp, glslc and the SPIR-V
+# headers for the shaders, Mesa's drivers: llvmpipe is a Vulkan 1.3 device that runs on the
+# CPU), installed when missing
+VULKAN_PACKAGES=(libvulkan-dev glslc spirv-headers mesa-vulkan-drivers)
+vulkan_deps() {
+    if [ -f /usr/include/vulkan/vulkan.hpp ] && command -v glslc >/dev/null \
+            && [ -d /usr/include/spirv ] && compgen -G "/usr/share/vulkan/icd.d/*.json" >/dev/null; then
+        return 0
+    fi
+    if ! command -v apt-get >/dev/null; then
+        echo "error: the Vulkan build needs the Vulkan headers and loader, glslc and a Vulkan driver" \
+             "(Debian/Ubuntu: ${VULKAN_PACKAGES[*]})" >&2
+        exit 1
+    fi
+    local sudo=()
+    [ "$(id -u)" = 0 ] || sudo=(sudo)
+    log "installing Debian's Vulkan packages (${VULKAN_PACKAGES[*]})"
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${VULKAN_PACKAGES[@]}" >/dev/null
+}
+
+# llama.cpp's CI settings for Mesa's llvmpipe (.github/workflows/build-vulkan.yml, ubuntu-llvmpipe):
+# the first device only, no f16 arithmetic and no cooperative matrices (llvmpipe's are slow or absent)
+VULKAN_ENV=(GGML_VK_VISIBLE_DEVICES=0 GGML_VK_DISABLE_F16=1 GGML_VK_DISABLE_COOPMAT=1)
+VULKAN_BUILD=$ROOT/build-vulkan
+
+# libllama + libclover + clover-cli + ggml-rpc-server with the Vulkan backend beside the CPU one,
+# in build-vulkan/ (never build/), plus clover-ops and llama.cpp's test-backend-ops
+vulkan_build() {
+    vulkan_deps
+    configure "$VULKAN_BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_VULKAN=ON -DCLOVER_UPSTREAM_TESTS=ON
+    log "building libllama + libclover + clover-cli with ggml's Vulkan backend in $VULKAN_BUILD"
+    local t0=$SECONDS
+    cmake --build "$VULKAN_BUILD" -j "$JOBS" --target llama clover clover-cli ggml-rpc-server clover-ops
+    log "Vulkan build of libllama + libclover + clover-cli: $((SECONDS - t0)) s"
+    cmake --build "$VULKAN_BUILD" -j "$JOBS" --target test-backend-ops  # (+ llama.cpp's common library)
+    log "Vulkan build with test-backend-ops: $((SECONDS - t0)) s"
+}
+
+# test-backend-ops for the ops of the clover graph (clover-ops on the tiny preset: a causal
+# commit and a commit fused with a block pass), the Vulkan device against the CPU backend.
+# MUL_MAT, MUL_MAT_ID and FLASH_ATTN_EXT run only in the types the clover graph uses them with
+# (f32 weights and activations; f16 KV): their full sweeps are thousands of cases.
+vulkan_backend_ops() {
+    local dir; dir=$(mktemp -d)
+    "$PY" -c "import sys; from clover_testkit.checkpoints import write_checkpoint; from clover_convert import convert; \
+write_checkpoint(sys.argv[1] + '/ck', preset='tiny', dtype='f32'); \
+convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f32', progress=False)" "$dir"
+    local ops op plain=() heavy=()
+    ops=$(env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/clover-ops" "$dir/tiny.gguf" 8)
+    rm -rf "$dir"
+    for op in $ops; do
+        case $op in
+            NONE|VIEW|RESHAPE|PERMUTE|TRANSPOSE) ;;
+            MUL_MAT|MUL_MAT_ID|FLASH_ATTN_EXT) heavy+=("$op") ;;
+            *) plain+=("$op") ;;
+        esac
+    done
+    log "test-backend-ops, Vulkan0 against CPU: ${plain[*]}"
+    local IFS=,
+    env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/test-backend-ops" test -b Vulkan0 -o "${plain[*]}"
+    unset IFS
+    for op in "${heavy[@]}"; do
+        log "test-backend-ops, Vulkan0 against CPU: $op (f32 and f16 cases)"
+        env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/test-backend-ops" test -b Vulkan0 -o "$op" -p "type_a=f32,type_b=f32|type_K=f16,type_V=f16"
+    done
+}
+
+# The Vulkan variant end to end: the CPU set-up (venv, build/), build-vulkan/, then tests/vulkan
+# (layers offloaded to the Vulkan device, against the CPU build and the numpy reference) and
+# test-backend-ops, both on the first Vulkan device with llama.cpp's llvmpipe settings.
+# Arguments go to pytest.
+vulkan() {
+    setup
+    vulkan_build
+    log "tests/vulkan on $(env "${VULKAN_ENV[@]}" vulkaninfo --summary 2>/dev/null | sed -n 's/^[[:space:]]*deviceName *= *//p' | head -1)"
+    env "${VULKAN_ENV[@]}" CLOVER_LIB_PATH="$VULKAN_BUILD/bin/libclover.so" CLOVER_CLI_PATH="$VULKAN_BUILD/bin/clover-cli" \
+        CLOVER_RPC_SERVER_PATH="$VULKAN_BUILD/bin/ggml-rpc-server" CLOVER_VULKAN_BUILD="$VULKAN_BUILD" \
+        "$PY" -m pytest -q tests/vulkan "$@"
+    vulkan_backend_ops
+}
+
+# CUDA: build-cuda/ configured with -DGGML_CUDA=ON (CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH, default
+# 90: H100/H200) and compiled: every target the package builds, or, with SECONDS, what fits in
+# that many seconds (the ggml-cuda kernels take over an hour on two cores). Prints the time and
+# how many of ggml-cuda's CUDA objects exist. No GPU is needed to compile.
+cuda_compile() {
+    local dir=$ROOT/build-cuda budget=${1:-0} rc=0
+    if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+        export PATH=/usr/local/cuda/bin:$PATH
+    fi
+    command -v nvcc >/dev/null || { echo "error: nvcc not found (the CUDA toolkit)" >&2; exit 1; }
+    configure "$dir" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_CUDA=ON \
+        "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" -DCMAKE_CUDA_COMPILER_LAUNCHER="$(command -v ccache || true)"
+    log "compiling $dir with $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/CUDA \1/p')${budget:+ (at most $budget s)}"
+    local t0=$SECONDS targets=(clover clover-cli ggml-rpc-server)
+    if [ "$budget" -gt 0 ]; then
+        timeout "$budget" cmake --build "$dir" -j "$JOBS" --target "${targets[@]}" || rc=$?
+    else
+        cmake --build "$dir" -j "$JOBS" --target "${targets[@]}" || rc=$?
+    fi
+    local total built
+    total=$(cd "$dir" && ninja -t commands ggml-cuda 2>/dev/null | grep -c 'nvcc.* -c ' || true)
+    built=$(find "$dir" -name '*.cu.o' | wc -l)
+    if [ "$rc" = 124 ]; then
+        log "CUDA build stopped at its budget after $((SECONDS - t0)) s: ggml-cuda objects compiled: $built of $total (re-run to go on)"
+        return 0
+    fi
+    log "CUDA build: $((SECONDS - t0)) s, rc $rc; ggml-cuda objects compiled: $built of $total"
+    return "$rc"
+}
+
 case "${1:-}" in
     setup) setup ;;
     demo)  setup; "$VENV/bin/clover" demo ;;
@@ -173,5 +290,7 @@ case "${1:-}" in
     asan)  setup; asan ;;
     upstream-tests) shift; upstream_tests "$@" ;;
     bench) setup llama-bench llama-diffusion-cli llama-quantize; shift; "$PY" benchmarks/run_all.py "$@" ;;
-    *)     sed -n '2,16p' "$0"; exit 2 ;;
+    vulkan) shift; vulkan "$@" ;;
+    cuda-compile) shift; cuda_compile "$@" ;;
+    *)     sed -n '2,20p' "$0"; exit 2 ;;
 esac
