@@ -179,7 +179,7 @@ def _load_log(gguf, **kw) -> str:
     """llama.cpp's whole log (-v -v) of a clover-cli run with these placement flags."""
     cli = os.environ.get("CLOVER_CLI_PATH")
     assert cli, "CLOVER_CLI_PATH (./dev.sh vulkan sets it) names the Vulkan build's clover-cli"
-    args = [cli, "-m", str(gguf), "-p", "hello", "-n", "2", "-c", "64", "-v", "-v"]
+    args = [cli, "-m", str(gguf), "-p", "hello", "-n", "2", "-c", "64", "--block-size", "1", "-v", "-v"]  # (auto would calibrate)
     if "n_gpu_layers" in kw:
         args += ["-ngl", str(kw["n_gpu_layers"])]
     if "override_tensor" in kw:
