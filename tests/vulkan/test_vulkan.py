@@ -184,7 +184,7 @@ def _load_log(gguf, **kw) -> str:
         args += ["-ngl", str(kw["n_gpu_layers"])]
     if "override_tensor" in kw:
         args += ["-ot", kw["override_tensor"]]
-    res = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(args, capture_output=True, text=True, errors="replace", timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout + res.stderr
 
@@ -199,7 +199,8 @@ def test_layers_are_on_the_device(gguf, vulkan_device, name) -> None:
     assert m and int(m.group(1)) == want and int(m.group(2)) == n_layers + 1, log[-3000:]
     assert re.search(rf"{vulkan_device[0]} model buffer size = *[0-9.]+ MiB", log), log[-3000:]
     if name == "experts-cpu":
-        assert re.search(r"ffn_gate_exps\.weight .*buffer type overridden to CPU", log), log[-3000:]
+        # (llama.cpp places "CPU" in the device's pinned host buffer type: CPU memory)
+        assert re.search(r"ffn_gate_exps\.weight .*buffer type overridden to (CPU|Vulkan_Host)", log), log[-3000:]
 
 
 def test_calibration_keyed_by_the_device(gguf, tmp_path, monkeypatch, vulkan_device) -> None:
@@ -259,13 +260,13 @@ def test_every_op_of_the_graph_runs_on_the_device(gguf) -> None:
     cli = os.environ.get("CLOVER_CLI_PATH")
     env = dict(os.environ, GGML_SCHED_DEBUG="2")
     res = subprocess.run([cli, "-m", str(gguf), "-p", "hello world", "-n", "12", "-c", "128", "-ngl", "-1",
-                          "--block-size", "4", "-fa", "off", "-v", "-v"], capture_output=True, text=True, env=env,
+                          "--block-size", "4", "-fa", "off", "-v", "-v"], capture_output=True, text=True, errors="replace", env=env,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     nodes = SCHED_NODE.findall(res.stderr)
     assert len(nodes) > 100, res.stderr[-3000:]
     on_cpu = {(op, name) for op, name, be in nodes if not be.startswith("Vulka")}
-    assert on_cpu <= {("GET_ROWS", "inp_embd")}, sorted(on_cpu)
+    assert on_cpu <= {("GET_ROWS", "embd"), ("GET_ROWS", "inp_embd")}, sorted(on_cpu)
     ops = {op for op, _, _ in nodes}  # (the log cuts op names at 10 characters)
     for op in ("GATED_DELT", "SSM_CONV", "MUL_MAT_ID", "SOFT_MAX", "ROPE", "CONCAT"):
         assert op in ops, sorted(ops)
