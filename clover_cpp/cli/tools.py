@@ -102,10 +102,14 @@ def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
               help="Largest block_size a request may ask for.")
 @click.option("--stuck-timeout", type=click.FloatRange(min=0.1), default=120.0, show_default=True, metavar="S",
               help="A generation without progress this long is stopped, and /health answers 503 meanwhile.")
+@click.option("-a", "--alias", default=None, metavar="NAME",
+              help="The model's name in the API (/v1/models, replies' \"model\"), as llama-server's --alias "
+                   "[default: the file's general.name, else its file name].")
+@click.option("--access-log", is_flag=True, help="A line per request on stdout (uvicorn's access log; also with --verbose).")
 @runtime_options
 def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None, max_body: int,
-          max_messages: int, body_timeout: float, max_block_size: int, stuck_timeout: float,
-          threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
+          max_messages: int, body_timeout: float, max_block_size: int, stuck_timeout: float, alias: str | None,
+          access_log: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
           tensor_split: list[float] | None, override_tensor: str | None, verbose: bool) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /props, /tokenize, /detokenize. Clover's knobs are extra request
@@ -119,10 +123,15 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
         raise UserError(f"{model}: is a folder, not a GGUF file")
     if verbose:
         set_verbose()
-    click.echo(f"clover serve: http://{host}:{port}/v1 ({parallel} context(s)); Ctrl-C to stop", err=True)
+    if alias is not None and not alias.strip():
+        raise UserError("--alias: the model's name must not be empty")
+
+    def banner(url: str) -> None:  # the port is bound and the model loaded
+        click.echo(f"clover serve: {url} ({parallel} context(s)); Ctrl-C to stop", err=True)
+
     run_server(model, host=host, port=port, parallel=parallel, api_key=api_key, n_ctx=ctx_size, n_threads=threads,
                n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
                flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
-               override_tensor=override_tensor,
+               override_tensor=override_tensor, model_name=alias, access_log=access_log, on_ready=banner,
                limits=Limits(max_body_bytes=max_body, max_messages=max_messages, body_timeout=body_timeout,
                              max_block_size=max_block_size, stuck_after=stuck_timeout))

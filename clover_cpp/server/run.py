@@ -1,10 +1,13 @@
-"""``clover serve``: the process: load the model, serve the app under uvicorn, end on a signal."""
+"""``clover serve``: the process: bind the port, load the model, serve the app under uvicorn, end
+on a signal."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -126,23 +129,47 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use (or an address this
+    machine does not have) is an OSError of one line at once, not a failure after the load."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+
+
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
           api_key: str | None = None, n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
           max_queue: int = 64, log_level: str = "warning", flash_attn: bool | None = None,
           rpc_servers: str | None = None, tensor_split: list[float] | None = None,
-          override_tensor: str | None = None, limits: Limits | None = None) -> None:
-    """Load the model and serve it until interrupted."""
+          override_tensor: str | None = None, limits: Limits | None = None, model_name: str | None = None,
+          access_log: bool = False, on_ready: Callable[[str], None] | None = None) -> None:
+    """Bind the port, load the model and serve it until interrupted. ``model_name``: the model's
+    id in the API (llama-server's --alias; default: the file's general.name, else its stem);
+    ``access_log``: uvicorn's line per request (on stdout); ``on_ready(url)`` runs once the port
+    is bound and the model loaded, just before the first request is served."""
     check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
-    if n_threads is None:
-        # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
-        # barriers, so one preempted by the server's own threads stalls the others (measured on
-        # 2 cores, --parallel 1: 17.6 req/s with 1 thread, 11.3 with 2, and 2.9 with 2 clients)
-        n_threads = max(1, ((os.cpu_count() or 1) - 1) // parallel)
-    model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-                   rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor)
+    with listen(host, port) as sock:
+        if n_threads is None:
+            # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
+            # barriers, so one preempted by the server's own threads stalls the others (measured on
+            # 2 cores, --parallel 1: 17.6 req/s with 1 thread, 11.3 with 2, and 2.9 with 2 clients)
+            n_threads = max(1, ((os.cpu_count() or 1) - 1) // parallel)
+        model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
+                       rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor)
+        try:
+            _run(sock, model, parallel, api_key, max_queue, log_level, limits, model_name, access_log, on_ready)
+        finally:
+            model.close()
+
+
+def _run(sock: socket.socket, model: Clover, parallel: int, api_key: str | None, max_queue: int, log_level: str,
+         limits: Limits | None, model_name: str | None, access_log: bool,
+         on_ready: Callable[[str], None] | None) -> None:
     limits = limits or Limits()  # a prompt of token ids may be as long as the context (and the body counts 2 per id)
     limits = replace(limits, max_json_values=max(limits.max_json_values, 2 * model.n_ctx + 4096))
-    app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue, limits=limits)
+    app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue, model_name=model_name,
+                     limits=limits)
     fastapi_app = app.app
 
     def on_exit() -> None:  # cancel every generation at its next step: shutdown need not wait for them
@@ -151,10 +178,12 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
         if st.pool is not None:
             st.pool.cancel_all()
 
-    try:
-        # uvicorn.Server, not uvicorn.run (which swallows it): after the graceful shutdown, the
-        # Ctrl-C comes back as KeyboardInterrupt and the command exits 130 as the others do
-        _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                               http=protocol_for(limits)), on_exit).run()
-    finally:
-        model.close()
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, http=protocol_for(limits))
+    if access_log:  # its lines are INFO: the access logger's level only, uvicorn's own stays at log_level
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    if on_ready is not None:
+        host, port = sock.getsockname()[:2]
+        on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1")
+    # uvicorn.Server, not uvicorn.run (which swallows it): after the graceful shutdown, the
+    # Ctrl-C comes back as KeyboardInterrupt and the command exits 130 as the others do
+    _Server(config, on_exit).run(sockets=[sock])
