@@ -14,6 +14,8 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 
+from clover_cpp import gguf_keys
+
 from . import config as keys
 from .config import ARCH, CloverConfig
 from .tokenizer import TokenizerInfo, add_tokenizer
@@ -166,4 +168,9 @@ def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: 
     w.add_string(keys.KEY_SEMANTICS.format(arch=w.arch), cfg.clover_semantics)
     w.add_string(keys.KEY_BLOCK_OPERATOR.format(arch=w.arch), cfg.block_operator)
     w.add_expert_shared_count(cfg.num_shared_experts)
+    coreset = cfg.raw.get(gguf_keys.CONFIG_EXPERT_CORESET)  # the file's default block expert coreset, if given
+    if coreset is not None:
+        if isinstance(coreset, bool) or not isinstance(coreset, int) or not 0 <= coreset <= 0xFFFFFFFF:
+            raise ValueError(f"config.json: {gguf_keys.CONFIG_EXPERT_CORESET} must be an integer >= 0, got {coreset!r}")
+        w.add_uint32(gguf_keys.KEY_EXPERT_CORESET.format(arch=w.arch), coreset)
     add_tokenizer(w, tok)

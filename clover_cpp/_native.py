@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 3
+CLOVER_API_VERSION = 4
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -47,6 +47,7 @@ CLOVER_BLOCK_SIZE_CONTEXT = -2
 CLOVER_DEFAULT_MAX_TOKENS = 256
 CLOVER_CLI_DEFAULT_N_PREDICT = 128
 CLOVER_DRAFT_SELF_AUTO = -1
+CLOVER_CORESET_MODEL = -1  # clover_context_params.coreset: the GGUF's clover.expert_coreset
 # clover_stats.mode
 DECODE_MODES = {1: "autoregressive", 2: "diffusion", 3: "draft-self"}
 CLOVER_MAX_TOP_LOGPROBS = 20
@@ -83,6 +84,7 @@ class clover_context_params(Structure):
         ("flash_attn", c_int32),
         ("kv_f32", c_int32),
         ("calib_cache", c_int32),
+        ("coreset", c_int32),
     ]
 
 
@@ -339,6 +341,14 @@ def clover_set_block_size(ctx: int | None, block_size: int, err: Any, err_len: i
 def clover_set_n_threads(ctx: int | None, n_threads: int, /) -> int: ...
 
 
+@_c("clover_set_coreset", [clover_context_p, c_int32, c_char_buf, c_size_t], c_int)
+def clover_set_coreset(ctx: int | None, coreset: int, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_coreset", [clover_context_p], c_int32)
+def clover_coreset(ctx: int | None, /) -> int: ...
+
+
 @_c("clover_block_pass", [clover_context_p, c_int32_p, c_int32, c_float_p, c_char_buf, c_size_t], c_int)
 def clover_block_pass(ctx: int | None, tokens: Any, n: int, logits_out: Any, err: Any, err_len: int, /) -> int: ...
 
@@ -451,7 +461,7 @@ CONSTANTS = ("CLOVER_API_VERSION", "CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVE
              "CLOVER_ERR_CANCELLED", "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL",
              "CLOVER_FINISH_NONE", "CLOVER_FINISH_EOS", "CLOVER_FINISH_MAX_TOKENS", "CLOVER_FINISH_CANCELLED",
              "CLOVER_FINISH_STOP_TOKEN", "CLOVER_BLOCK_SIZE_TRAIN", "CLOVER_BLOCK_SIZE_AUTO", "CLOVER_BLOCK_SIZE_CONTEXT",
-             "CLOVER_DRAFT_SELF_AUTO", "CLOVER_MAX_TOP_LOGPROBS", "CLOVER_DEFAULT_MAX_TOKENS",
+             "CLOVER_DRAFT_SELF_AUTO", "CLOVER_CORESET_MODEL", "CLOVER_MAX_TOP_LOGPROBS", "CLOVER_DEFAULT_MAX_TOKENS",
              "CLOVER_CLI_DEFAULT_N_PREDICT")
 
 

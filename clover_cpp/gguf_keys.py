@@ -17,6 +17,8 @@ __all__ = [
     "BLOCK_OPERATOR_CLOVER",
     "BLOCK_OPERATOR_RELEASE",
     "BLOCK_OPERATORS",
+    "KEY_EXPERT_CORESET",
+    "CONFIG_EXPERT_CORESET",
 ]
 
 ARCH = "clover"
@@ -24,6 +26,9 @@ KEY_RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # bool per layer: GD
 KEY_CONV_LOOKAHEAD = "{arch}.ssm.conv_lookahead"            # R, the lookahead conv taps
 KEY_DIFFUSION_BLOCK_SIZE = "{arch}.diffusion.block_size"    # B0, the training block size
 KEY_SEMANTICS = "{arch}.semantics"                          # string: SEMANTICS, what the weights were trained for
+KEY_EXPERT_CORESET = "{arch}.expert_coreset"                # uint32: the file's default block expert coreset C
+                                                            # (spec/model.md "MoE"; 0 or absent = off)
+CONFIG_EXPERT_CORESET = "expert_coreset"                    # config.json's key for it (the converter writes it)
 
 # Which semantics the weights were trained for (spec/model.md): the GGUF's KEY_SEMANTICS (and
 # config.json's clover_convert.config.CONFIG_SEMANTICS). "causal-shift" (spec v2) is the only

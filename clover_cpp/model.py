@@ -30,6 +30,7 @@ parameter ranges and defaults, "does it fit" (:meth:`Clover.room`), stop tokens 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import os
 import threading
@@ -44,7 +45,7 @@ import numpy as np
 from . import _handles as H
 from . import _native as N
 from . import decoding as D
-from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int_arg, str_arg, text_bytes, token_id, \
+from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, str_arg, text_bytes, token_id, \
     token_ids, tristate_arg
 from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat
 from .compat import LlamaCompat
@@ -65,6 +66,25 @@ Prompt = Union[str, Sequence[int], np.ndarray]
 StopMatcher = OutputFollower
 _current_verbosity = current_verbosity  # (_lib.py's)
 __all__ += ["CHATML_TEMPLATE", "StopMatcher"]
+
+
+def coreset_value(value: Any) -> int:
+    """A coreset argument as libclover's value: None or 0 = off (0), "model" = CLOVER_CORESET_MODEL,
+    an int N >= 1 = N; the range is libclover's (clover_context_params_check's message)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        if value == "model":
+            return N.CLOVER_CORESET_MODEL
+        raise CloverValueError(f"coreset must be an integer >= 0, None or 'model', got {value!r}",
+                               N.CLOVER_ERR_INVALID_ARG, param="coreset")
+    v = int32_arg("coreset", value)
+    cp = lib().clover_context_default_params()
+    cp.coreset = v
+    err, n = N.err_buffer()
+    if lib().clover_context_params_check(ctypes.byref(cp), err, n) != N.CLOVER_OK:
+        raise CloverValueError(err.value.decode(), N.CLOVER_ERR_INVALID_ARG, param="coreset")
+    return v
 
 
 class Clover(ChatCalls, ContextPasses, LlamaCompat):
@@ -104,7 +124,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False,
                  rpc_servers: str | Sequence[str] | None = None,
                  tensor_split: Sequence[float] | None = None, override_tensor: str | None = None,
-                 _model: H.ModelRef | None = None) -> None:
+                 coreset: int | str | None = "model", _model: H.ModelRef | None = None) -> None:
         # (_model: new_context's, a loaded model this object shares instead of loading one)
         self._model: int | None = None
         self._shared: H.ModelRef | None = None
@@ -117,6 +137,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         self.model_path = Path(model_path)
         self._ctx_args = H.ContextArgs(n_ctx, n_threads, block_size, flash_attn, kv_f32)
         self._ctx_args.checked()  # bad context arguments fail before anything is loaded
+        self._coreset_arg = coreset_value(coreset)
         self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor)
         if _model is None:
             H.check_model_path(self.model_path)
@@ -127,6 +148,25 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         else:
             self._shared, self._model = _model, _model.acquire()
         self._make_context(own_thread=_model is not None)
+
+    def _apply_coreset(self, c: int, value: int) -> None:
+        err, n = N.err_buffer()
+        check(lib().clover_set_coreset(c, value, err, n), err)
+
+    @property
+    def coreset(self) -> int:
+        """The block expert coreset C of this context's block passes (0 = off; spec/model.md,
+        "MoE"): each MoE layer of a canvas routes among the C experts of highest summed router
+        probability only; committed tokens keep full routing, so draft-self's output never
+        changes. Set it to N, None or 0 (off) or "model" (the GGUF's clover.expert_coreset)."""
+        with self._op() as c:
+            return int(lib().clover_coreset(c))
+
+    @coreset.setter
+    def coreset(self, value: int | str | None) -> None:
+        v = coreset_value(value)
+        with self._op() as c:
+            self._apply_coreset(c, v)
 
     def _make_context(self, own_thread: bool = False) -> None:
         """This object's decoding context, from self._ctx_args, over its loaded model."""
@@ -141,6 +181,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         self._default_block_size: int | str = B if B is not None else H.BLOCK_SIZE_AUTO
         self._n_ctx = int(lib().clover_n_ctx(c))
         self._ctx = c
+        if self._coreset_arg != N.CLOVER_CORESET_MODEL:  # (the context's default is the model's)
+            self._apply_coreset(c, self._coreset_arg)
         self._own_decoder = own_thread
         self._decoder = DecodeThread() if own_thread else shared_decoder()
         self._eot_cache: list[int] | None = None
@@ -434,7 +476,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
                  draft_self: bool | str | None = False, draft_steps: int = 1, grammar: str | None = None,
                  logprobs: int | None = None,
-                 response_format: Mapping[str, Any] | None = None) -> Any:
+                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context") -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -479,6 +521,9 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         under the distribution it was chosen from: the log-softmax of the logits that predicted
         it, at the step that unmasked it) and ``result.top_logprobs`` (the N most probable
         (token, log-probability) pairs there).
+        coreset: the block expert coreset of this call's block passes (see :attr:`coreset`):
+        "context" (default) = the context's, N, None or 0 = off, "model" = the GGUF's default;
+        the context's own setting is back after the call.
         A cancelled generation returns what the finished blocks produced (finish_reason
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 
@@ -503,6 +548,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                 raise CloverTypeError(f"generate() has no argument {k!r}", param=k)
         a.update(kwargs)
         D.GenParams.of_kwargs(a, "auto" if a["block_size"] == "default" else a["block_size"]).check()
+        if a["coreset"] != "context":
+            coreset_value(a["coreset"])
 
     def _generate(self, a: Mapping[str, Any], chat_text: str | None) -> Any:
         """generate() with its arguments ``a``; ``chat_text``: the rendered chat prompt of the
@@ -515,9 +562,18 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         stream = bool_arg("stream", a["stream"])
         on_step, on_block = callable_arg("on_step", a["on_step"]), callable_arg("on_block", a["on_block"])
         self._close_my_streams()  # a stream this thread left unfinished must not keep decoding
+        coreset = None if a.get("coreset", "context") == "context" else coreset_value(a["coreset"])
 
         def run(push: Callable[[str, list[int]], bool] | None, cancel: threading.Event) -> GenerationResult:
-            return self._run(toks, p, chat_text, on_step, on_block, push, cancel)
+            if coreset is None:
+                return self._run(toks, p, chat_text, on_step, on_block, push, cancel)
+            c = self._c()
+            kept = int(lib().clover_coreset(c))
+            self._apply_coreset(c, coreset)
+            try:
+                return self._run(toks, p, chat_text, on_step, on_block, push, cancel)
+            finally:
+                self._apply_coreset(c, kept)
 
         if not stream:
             # on the object's decode thread (see DecodeThread), in this object's turn; Ctrl-C

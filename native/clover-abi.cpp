@@ -37,6 +37,7 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_FIELD(clover_context_params, flash_attn),
     CLOVER_ABI_FIELD(clover_context_params, kv_f32),
     CLOVER_ABI_FIELD(clover_context_params, calib_cache),
+    CLOVER_ABI_FIELD(clover_context_params, coreset),
 
     CLOVER_ABI_STRUCT(clover_generate_params),
     CLOVER_ABI_FIELD(clover_generate_params, block_size),
@@ -113,6 +114,7 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_VALUE(CLOVER_BLOCK_SIZE_AUTO),
     CLOVER_ABI_VALUE(CLOVER_BLOCK_SIZE_CONTEXT),
     CLOVER_ABI_VALUE(CLOVER_DRAFT_SELF_AUTO),
+    CLOVER_ABI_VALUE(CLOVER_CORESET_MODEL),
     CLOVER_ABI_VALUE(CLOVER_MAX_TOP_LOGPROBS),
     CLOVER_ABI_VALUE(CLOVER_DEFAULT_MAX_TOKENS),
     CLOVER_ABI_VALUE(CLOVER_CLI_DEFAULT_N_PREDICT),

@@ -63,6 +63,9 @@ void usage(const char * argv0) {
             "                         --block-size 1); auto (also --draft-self=auto) with --block-size auto:\n"
             "                         the mode too is chosen per block (B = 1, block diffusion or\n"
             "                         draft-self); the stats line names the mode chosen\n"
+            "  --coreset N|off|model  block expert coreset: each MoE layer of a block pass routes among the\n"
+            "                         N experts the block weighs most (default model: the GGUF's\n"
+            "                         clover.expert_coreset, off when absent; draft-self's output is unchanged)\n"
             "  --grammar GBNF         constrain the output to a GBNF grammar (llama.cpp's format); decoded\n"
             "                         at block size 1, or verified by --draft-self (spec/decoding.md)\n"
             "  --grammar-file FILE    the grammar from a file\n"
@@ -365,6 +368,11 @@ int main(int argc, char ** argv) {
                     die("option " + a + " expects a non-negative integer or -1, got '" + v + "'");
                 }
             }
+        } else if (a == "--coreset") { // (its range: clover_context_new's check)
+            const std::string v = val();
+            cp.coreset = v == "model" ? CLOVER_CORESET_MODEL
+                       : v == "off"   ? 0
+                                      : (int32_t) parse_int(a, v.c_str(), INT32_MIN, INT32_MAX);
         } else if (a == "-fa" || a == "--flash-attn") {
             const std::string v = val();
             if (v != "on" && v != "off" && v != "auto") {

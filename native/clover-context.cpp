@@ -194,6 +194,7 @@ int run_decode(clover_context * c, const char * what, std::string & msg) {
 // the next decode: n_canvas trailing tokens form a canvas of block size B (0 = a causal commit)
 void set_canvas(clover_context * c, int32_t n_canvas) {
     llama_set_canvas(c->lctx, n_canvas, c->B);
+    llama_set_expert_coreset(c->lctx, c->coreset); // read for canvases only (spec/model.md, "MoE")
 }
 
 // the logits of batch row i become L_last, the prediction of the next position
@@ -396,6 +397,7 @@ clover_context_params clover_context_default_params(void) {
     p.flash_attn = -1;
     p.kv_f32     = 0;
     p.calib_cache = 1;
+    p.coreset    = CLOVER_CORESET_MODEL;
     return p;
 }
 
@@ -433,6 +435,7 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         c->flash_attn  = cp.flash_attn;
         c->kv_f32      = cp.kv_f32 != 0;
         c->use_calib_cache = cp.calib_cache != 0;
+        c->coreset     = resolve_coreset(model, cp.coreset);
         std::string msg;
         const int rc = make_lctx(c, B, msg);
         if (rc != CLOVER_OK) {

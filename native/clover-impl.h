@@ -66,6 +66,7 @@ struct clover_context {
     int32_t         n_threads   = 0;
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
+    int32_t         coreset     = 0; // the block expert coreset of canvases (0 = off; clover_set_coreset)
     int32_t         n_committed = 0;
     std::vector<int32_t> mem_tokens;  // the committed tokens (n_committed of them): prefix reuse
     std::vector<float>   last_logits; // L_last: the logits of the last committed token (empty: none)
@@ -203,6 +204,10 @@ int32_t training_block_size(const clover_model * m, int32_t n_ctx);
 int check_params(const clover_generate_params & gp, std::string & msg);
 // clover_context_params' rules that need no model (clover_context_params_check, clover_context_new)
 int check_context_params(const clover_context_params & cp, std::string & msg);
+// the block expert coreset: its rule (>= 0 or CLOVER_CORESET_MODEL) and CLOVER_CORESET_MODEL resolved
+// from the GGUF's clover.expert_coreset (clover_context_new, clover_set_coreset)
+int     check_coreset(int32_t coreset, std::string & msg);
+int32_t resolve_coreset(const clover_model * m, int32_t coreset);
 // clover_stats' rates from its counts and times: tokens_per_forward, tokens_per_second (clover_generate,
 // clover_stats_cut)
 void set_rates(clover_stats & s);

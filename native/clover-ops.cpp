@@ -49,6 +49,7 @@ int main(int argc, char ** argv) {
     bool ok = ctx && decode(ctx, toks, 0, 0, false);            // a causal commit
     if (ok) {                                                   // a commit fused with a block pass
         llama_set_canvas(ctx, block / 2 > 0 ? block / 2 : 1, block);
+        llama_set_expert_coreset(ctx, 1); // the canvas's expert coreset ops too (spec/model.md, "MoE")
         ok = decode(ctx, toks, block, 0, true);
     }
     for (const auto & op : ops) {

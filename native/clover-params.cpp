@@ -90,7 +90,30 @@ int check_context_params(const clover_context_params & cp, std::string & msg) {
         msg = "flash_attn must be -1, 0 or 1, got " + std::to_string(cp.flash_attn);
         return CLOVER_ERR_INVALID_ARG;
     }
+    return check_coreset(cp.coreset, msg);
+}
+
+int check_coreset(int32_t coreset, std::string & msg) {
+    if (coreset < 0 && coreset != CLOVER_CORESET_MODEL) {
+        msg = "coreset must be >= 0 (0 = off) or " + std::to_string(CLOVER_CORESET_MODEL) +
+              " (the model's default), got " + std::to_string(coreset);
+        return CLOVER_ERR_INVALID_ARG;
+    }
     return CLOVER_OK;
+}
+
+// CLOVER_CORESET_MODEL -> the GGUF's clover.expert_coreset (0 when absent or not a count >= 0)
+int32_t resolve_coreset(const clover_model * m, int32_t coreset) {
+    if (coreset != CLOVER_CORESET_MODEL) {
+        return coreset;
+    }
+    char buf[32];
+    if (llama_model_meta_val_str(m->lm, "clover.expert_coreset", buf, sizeof(buf)) <= 0) {
+        return 0;
+    }
+    char *     end = nullptr;
+    const long v   = strtol(buf, &end, 10);
+    return end != buf && *end == '\0' && v >= 0 && v <= INT32_MAX ? (int32_t) v : 0;
 }
 
 void set_rates(clover_stats & s) {
@@ -223,6 +246,21 @@ clover_generate_params clover_generate_default_params(void) {
 int clover_generate_params_check(const clover_generate_params * params, char * err, size_t err_len) {
     return check_entry(params, check_params, err, err_len);
 }
+
+int clover_set_coreset(clover_context * ctx, int32_t coreset, char * err, size_t err_len) {
+    clear_err(err, err_len);
+    if (!ctx || !ctx->model) {
+        return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context is NULL");
+    }
+    std::string msg;
+    if (check_coreset(coreset, msg) != CLOVER_OK) {
+        return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, msg);
+    }
+    ctx->coreset = resolve_coreset(ctx->model, coreset); // read by set_canvas before every decode
+    return CLOVER_OK;
+}
+
+int32_t clover_coreset(const clover_context * ctx) { return ctx ? ctx->coreset : -1; }
 
 int clover_stats_cut(clover_stats * stats, int32_t n_generated) {
     if (!stats || n_generated < 0) {

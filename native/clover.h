@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 3
+#define CLOVER_API_VERSION 4
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -167,6 +167,10 @@ CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tok
                                           running tokens per pass (see clover_generate) */
 #define CLOVER_BLOCK_SIZE_CONTEXT (-2) /* the context's current B (clover_block_size) */
 
+/* clover_context_params.coreset: the model file's default block expert coreset (its GGUF key
+ * clover.expert_coreset; off when the key is absent) */
+#define CLOVER_CORESET_MODEL (-1)
+
 typedef struct clover_context_params {
     int32_t n_ctx;      /* positions the memory can hold (prompt + generation), >= 3; default 4096 */
     int32_t n_threads;  /* CPU threads; <= 0 = a default from the hardware; default 4 */
@@ -177,13 +181,19 @@ typedef struct clover_context_params {
                            ($CLOVER_CACHE_DIR, else $XDG_CACHE_HOME/clover-cpp, else
                            ~/.cache/clover-cpp), keyed by model file, backend, build and threads;
                            0 = measure once per context */
+    int32_t coreset;    /* the block expert coreset C of every block pass (spec/model.md "MoE",
+                           spec/decoding.md): each MoE layer of a canvas routes among the C experts
+                           of highest summed router probability only; committed tokens keep full
+                           routing (draft-self's output never changes). 0 = off, C >= 1, or
+                           CLOVER_CORESET_MODEL (default: the GGUF's clover.expert_coreset) */
 } clover_context_params;
 
 CLOVER_API clover_context_params clover_context_default_params(void);
 
 /* The rules of clover_context_params (clover_context_new checks them first; front ends call this
  * to refuse bad options before loading anything): n_ctx >= 3; block_size >= 1 and at most n_ctx,
- * or CLOVER_BLOCK_SIZE_TRAIN (at most n_ctx by definition); flash_attn -1, 0 or 1. CLOVER_OK, or
+ * or CLOVER_BLOCK_SIZE_TRAIN (at most n_ctx by definition); flash_attn -1, 0 or 1; coreset >= 0 or
+ * CLOVER_CORESET_MODEL. CLOVER_OK, or
  * CLOVER_ERR_INVALID_ARG and the first broken rule in err ("n_ctx must be >= 3, got 2"). */
 CLOVER_API int clover_context_params_check(const clover_context_params * params, char * err, size_t err_len);
 
@@ -197,6 +207,11 @@ CLOVER_API int32_t clover_n_ctx     (const clover_context * ctx);
  * when a commit and a pass of B no longer fit its ubatch. No-op if unchanged (the memory stays). */
 CLOVER_API int clover_set_block_size(clover_context * ctx, int32_t block_size, char * err, size_t err_len);
 CLOVER_API int clover_set_n_threads (clover_context * ctx, int32_t n_threads);
+/* The block expert coreset of the passes from now on (clover_context_params.coreset's values and
+ * rule): the memory stays. clover_coreset: the C in use (0 = off; a C >= the model's expert count
+ * routes fully), -1 for a NULL context. */
+CLOVER_API int     clover_set_coreset(clover_context * ctx, int32_t coreset, char * err, size_t err_len);
+CLOVER_API int32_t clover_coreset    (const clover_context * ctx);
 
 /* ---------------------------------------------------------------- low-level passes
  * For research and parity tests. Positions are implicit: a pass or commit starts at

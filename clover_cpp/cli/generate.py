@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,32 @@ import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (check_flags, flag_errors, gen_kwargs, model_option, open_model, runtime_options,
+from .options import (check_flags, coreset_option, flag_errors, gen_kwargs, model_option, open_model, runtime_options,
                       sampling_options, until_context_end, use_visual, visual_option)
 
 CHAT_SEPARATOR = "----"
+
+# common's escape processing (string_process_escapes): \n \r \t \' \" \\ and \xHH
+_ESCAPE = re.compile(rb"\\(?:([nrt'\"\\])|x([0-9A-Fa-f]{2}))")
+_ESCAPED = {b"n": b"\n", b"r": b"\r", b"t": b"\t"}
+
+
+def _unescape(m: re.Match[bytes]) -> bytes:
+    if m.group(1) is not None:
+        return _ESCAPED.get(m.group(1), m.group(1))
+    return bytes([int(m.group(2), 16)])
+
+
+def _read_llama_text_file(path: Path, escape: bool) -> bytes:
+    """A text file as llama.cpp's tools read -f: the bytes less one trailing newline, escape
+    sequences processed unless --no-escape (so that the same file gives the same tokens)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the text ({e.strerror or e})") from None
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    return _ESCAPE.sub(_unescape, data) if escape else data
 
 
 def _read_prompt(prompt: str | None, file: str | None) -> str:
@@ -39,6 +62,7 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("-p", "--prompt", default=None, help="Prompt text ('-' = read stdin).")
 @click.option("-f", "--file", default=None, metavar="FILE", help="Read the prompt from FILE.")
 @sampling_options
+@coreset_option
 @runtime_options
 @visual_option
 @click.option("--echo/--no-echo", default=True, show_default=True,
@@ -52,15 +76,15 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("--json", "json_object", is_flag=True, help="Constrain the output to a JSON object.")
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str,
-        ignore_eos: bool, reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int,
-        flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+        ignore_eos: bool, reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int,
+        n_gpu_layers: int, flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
         verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
         grammar_file: str | None = None, json_object: bool = False) -> None:
     """Generate text from a prompt with block-diffusion decoding (the prompt is echoed first,
     as llama-cli does; --no-echo leaves it out)."""
     text = _read_prompt(prompt, file)
     kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
-                    reverse_prompt, draft_self)
+                    reverse_prompt, draft_self, coreset)
     if grammar_file and json_object:
         raise UserError("give either --grammar-file or --json, not both")
     if grammar_file:
@@ -90,33 +114,36 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
 @model_option
 @click.argument("file", metavar="TEXT_FILE", required=False)
 @click.option("-f", "--file", "file_opt", default=None, metavar="TEXT_FILE", help="The text (as llama-perplexity's -f).")
-@click.option("-c", "--ctx-size", "chunk", type=click.IntRange(min=2), default=512, show_default=True,
+@click.option("-c", "--ctx-size", "chunk", type=int, default=512, show_default=True,
               help="Tokens per chunk (as llama-perplexity's -c): each chunk is scored on its second half.")
+@click.option("--chunks", "n_chunks", type=int, default=-1, show_default=True,
+              help="At most this many chunks (as llama-perplexity's --chunks; -1 = all).")
 @click.option("-t", "--threads", "threads", type=click.IntRange(1, 512), default=None,
               help="CPU threads (default: from the hardware).")
 @click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0, show_default=True,
               help="Layers to offload to the GPU (-1 = all).")
+@click.option("--escape/--no-escape", "-e", "escape", default=True, show_default=True,
+              help="Process escape sequences (\\n, \\t, ...) in the text, as llama-perplexity does by default.")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's log.")
-def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, threads: int | None,
-               n_gpu_layers: int, verbose: bool) -> None:
-    """Perplexity of the causal model over a text file, computed and printed as llama-perplexity does."""
+def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, n_chunks: int, escape: bool,
+               threads: int | None, n_gpu_layers: int, verbose: bool) -> None:
+    """Perplexity of the causal model over a text file, computed and printed as llama-perplexity does:
+    the file read as its -f reads it (one trailing newline dropped, escapes processed) and tokenized
+    as plain text (special-token text such as <|im_end|> is not parsed)."""
     if (file is None) == (file_opt is None):
         raise UserError("give the text file once, as TEXT_FILE or with -f")
-    path = Path(file or file_opt)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read the text ({e.__class__.__name__}: {e})") from None
+    text = _read_llama_text_file(Path(file or file_opt), escape)
     with open_model(model, threads, chunk, n_gpu_layers, 1, verbose) as m:
-        r = m.perplexity(text, n_ctx=chunk)
-    click.echo(f"Final estimate: PPL = {r.ppl:.4f} ({r.n_chunks} chunks of {r.n_ctx} tokens, "
-               f"{r.n_tokens} positions scored)")
+        r = m.perplexity(text, n_ctx=chunk, n_chunks=None if n_chunks == -1 else n_chunks)
+    click.echo(f"Final estimate: PPL = {r.ppl:.4f} +/- {r.uncertainty:.5f} ({r.n_chunks} chunks of {r.n_ctx} "
+               f"tokens, {r.n_tokens} positions scored)")
 
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
 @model_option
 @click.option("--system", default=None, help="System message.")
 @sampling_options
+@coreset_option
 @runtime_options
 @visual_option
 @click.option("--stats/--no-stats", default=False, show_default=True, help="Statistics line after each reply.")
@@ -124,7 +151,8 @@ def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, t
               help="Line written between replies when stdout is not a terminal ('' = none).")
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str, ignore_eos: bool,
-         reverse_prompt: tuple[str, ...], threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
+         reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int, n_gpu_layers: int,
+         flash_attn: str,
          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
          verbose: bool, visual: bool | None, stats: bool, separator: str) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
@@ -132,7 +160,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     not read again (prefix reuse). When stdout is not a terminal, a separator line is written
     between replies."""
     kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
-                    reverse_prompt, draft_self)
+                    reverse_prompt, draft_self, coreset)
     check_flags(kw)
     interactive = sys.stdin.isatty()
     visual = use_visual(visual)

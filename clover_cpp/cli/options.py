@@ -73,13 +73,39 @@ class BlockSizeType(click.ParamType):
 BLOCK_SIZE = BlockSizeType()
 
 
+class CoresetType(click.ParamType):
+    """A block expert coreset: an integer (0 = off), "off" or "model"; its range is libclover's."""
+    name = "N|off|model"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None or isinstance(value, int) or value == "model":
+            return value
+        if value == "off":
+            return 0
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer >= 0, 'off' or 'model'", param, ctx)
+
+
+CORESET = CoresetType()
+
+
+def coreset_option(f: Any) -> Any:
+    return click.option("--coreset", "coreset", type=CORESET, default="model", show_default=True,
+                        help="Block expert coreset C: each MoE layer of a block pass routes among the C experts "
+                             "the block's tokens weigh most (fewer expert bytes read per pass); 0 or off = every "
+                             "expert; model = the GGUF's clover.expert_coreset (off when absent). Draft-self's "
+                             "output does not depend on it.")(f)
+
+
 # The generating flags' values go to Clover as given: their ranges are libclover's rules (one owner),
 # and a value it refuses is reported under the flag that set it (CloverError.param -> the flag)
 FLAGS = {"max_tokens": "--n-predict", "block_size": "--block-size", "threshold": "--threshold",
          "max_steps": "--step-cap", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "draft_self": "--draft-self", "stop": "--reverse-prompt", "n_ctx": "--ctx-size", "n_threads": "--threads",
          "n_gpu_layers": "--n-gpu-layers", "flash_attn": "--flash-attn", "rpc_servers": "--rpc",
-         "tensor_split": "--tensor-split", "override_tensor": "--override-tensor"}
+         "tensor_split": "--tensor-split", "override_tensor": "--override-tensor", "coreset": "--coreset"}
 
 
 def refused(e: Any) -> UserError:
@@ -205,13 +231,13 @@ def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int,
 
 def gen_kwargs(n_predict: int, block_size: Any, threshold: float, max_steps: int, temperature: float,
                top_k: int, top_p: float, seed: int, ignore_eos: bool, reverse_prompt: Sequence[str] = (),
-               draft_self: bool | str = False) -> dict[str, Any]:
+               draft_self: bool | str = False, coreset: Any = "context") -> dict[str, Any]:
     """The sampling flags as Clover.generate's keyword arguments (their values as the flags spell
     them: Clover reads block_size "auto", draft_self "on"/"off"/"auto" and seed -1 = a fresh random
     seed per call itself)."""
     return dict(max_tokens=n_predict, block_size=block_size, threshold=threshold, max_steps=max_steps,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=not ignore_eos,
-                stop=list(reverse_prompt), draft_self=draft_self)
+                stop=list(reverse_prompt), draft_self=draft_self, coreset=coreset)
 
 
 def until_context_end(m: Any, n_prompt: int, block_size: Any, draft_self: bool | str = False) -> int:

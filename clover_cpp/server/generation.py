@@ -173,7 +173,7 @@ class Generator:
                                 f"({n_ctx} tokens{f', in blocks of {B}' if room < n_ctx - n_prompt else ''})",
                            code="context_length_exceeded", param=which)
         # (the fields a request left out: Clover.generate's defaults, libclover's)
-        given = {k: v for k in ("threshold", "max_steps", "top_k", "top_p") if (v := getattr(req, k)) is not None}
+        given = {k: v for k in ("threshold", "max_steps", "top_k", "top_p", "coreset") if (v := getattr(req, k)) is not None}
         return dict(max_tokens=max_tokens, block_size=B, temperature=req.temperature, seed=req.seed,
                     stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos, draft_self=req.draft_self,
                     **given, **self.constraints(req, tools))

@@ -8,6 +8,9 @@
 // everything before it, bidirectional inside the canvas (KV mask, block softmax, look-ahead
 // taps), and not written into the GDN state or conv tail (native/clover.cpp drops the canvas's
 // KV cells). So one llama_decode can commit a block causally and run the next block's first pass.
+// With llama_set_expert_coreset(ctx, C) (spec/model.md, "MoE"), the MoE layers of a canvas of two or
+// more tokens route its tokens among the C experts of highest router probability summed over the
+// canvas only; committed tokens keep full routing.
 //
 // clover.block_operator = "release-bd-softmax" (the released checkpoint, spec/gguf-layout.md): no
 // ssm_mix / ssm_block_calib; the release's block softmax (ssm_bd_*) is loaded and never run. The
@@ -27,12 +30,22 @@
 // write has beta = 0 and no decay too, so the final state is that of the committed tokens.
 class llm_graph_input_clover_blocks : public llm_graph_input_i {
 public:
-    llm_graph_input_clover_blocks(const llama_cparams & cparams, const llama_ubatch & ub) :
-        n_tok(ub.n_seq_tokens), n_seqs(ub.n_seqs), n_canvas(canvas_len(cparams, n_tok)) {}
+    llm_graph_input_clover_blocks(const llama_cparams & cparams, const llama_ubatch & ub, int64_t n_expert,
+                                  int64_t n_used) :
+        n_tok(ub.n_seq_tokens), n_seqs(ub.n_seqs), n_canvas(canvas_len(cparams, n_tok)), n_expert(n_expert), n_used(n_used),
+        n_coreset(coreset_of(cparams, n_canvas, n_expert, n_used)) {}
 
     // canvas tokens at the end of each sequence of a ubatch of n_tok tokens per sequence
     static int64_t canvas_len(const llama_cparams & cparams, int64_t n_tok) {
         return std::min<int64_t>(cparams.n_canvas, n_tok);
+    }
+
+    // the expert coreset of the canvas's MoE layers: 0 = full routing (no coreset, C >= n_expert,
+    // or a canvas of fewer than two tokens); a C below the experts per token k is k (each token
+    // keeps k experts: build_moe_ffn sums the model's k per layer)
+    static int64_t coreset_of(const llama_cparams & cparams, int64_t n_canvas, int64_t n_expert, int64_t n_used) {
+        const int64_t c = std::max<int64_t>(cparams.n_expert_coreset, n_used);
+        return n_canvas >= 2 && cparams.n_expert_coreset > 0 && c < n_expert ? c : 0;
     }
 
     void set_input(const llama_ubatch * ubatch) override {
@@ -51,11 +64,14 @@ public:
 
     bool can_reuse(const llm_graph_params & params) override {
         return params.ubatch.n_seq_tokens == (uint32_t) n_tok && params.ubatch.n_seqs == (uint32_t) n_seqs &&
-               canvas_len(params.cparams, n_tok) == n_canvas;
+               canvas_len(params.cparams, n_tok) == n_canvas &&
+               coreset_of(params.cparams, n_canvas, n_expert, n_used) == n_coreset;
     }
 
     const int64_t n_tok, n_seqs;
     const int64_t n_canvas; // the graph's shape: look-ahead taps, block softmax and conv tail depend on it
+    const int64_t n_expert, n_used;
+    const int64_t n_coreset; // the canvas's MoE routes among this many experts (0 = all): the graph's shape too
 
     ggml_tensor * gdn_write = nullptr; // F32 [1, 1, 2 n_tok, n_seqs]: 1 = the step writes (a committed token's write);
                                        // none for the release's layout (no ssm_mix)
@@ -205,7 +221,7 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     GGML_ASSERT(cparams.n_rs_seq == 0 && "clover keeps no per-token state snapshots");
     GGML_ASSERT(ubatch.equal_seqs());
     {
-        auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams, ubatch);
+        auto inp = std::make_unique<llm_graph_input_clover_blocks>(cparams, ubatch, n_expert, n_expert_used);
         bool release = false; // clover.block_operator = release-bd-softmax: GDN layers without ssm_mix
         for (int il = 0; il < n_layer; ++il) {
             release = release || (hparams.is_recr(il) && model.layers[il].ssm_mix == nullptr);
@@ -223,6 +239,8 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     auto * inp         = build_inp_mem_hybrid();
     ggml_tensor * pos  = build_inp_pos();
     ggml_tensor * outs = build_inp_out_ids();
+    // the coreset sums the router over all canvas rows: the last layer keeps every row until its MoE ran
+    const bool rows_after_moe = blocks->n_coreset > 0;
 
     for (int il = 0; il < n_layer; ++il) {
         const auto & layer = model.layers[il];
@@ -233,7 +251,7 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
         cur = hparams.is_recr(il) ? build_layer_gdn(inp->get_recr(), cur, il)
                                   : build_layer_attn(inp->get_attn(), cur, pos, il);
 
-        if (il == n_layer - 1 && outs) {
+        if (il == n_layer - 1 && outs && !rows_after_moe) {
             cur  = ggml_get_rows(ctx0, cur,  outs);
             inpL = ggml_get_rows(ctx0, inpL, outs);
         }
@@ -245,6 +263,9 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
         cb(cur, "attn_post_norm", il);
 
         cur = ggml_add(ctx0, build_layer_moe(cur, il), h);
+        if (il == n_layer - 1 && outs && rows_after_moe) {
+            cur = ggml_get_rows(ctx0, cur, outs);
+        }
         cur = build_cvec(cur, il);
         cb(cur, "l_out", il);
 
@@ -498,11 +519,51 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
 ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int il) {
     const auto & layer = model.layers[il];
 
-    ggml_tensor * routed = build_moe_ffn(cur,
-            layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
-            nullptr, n_expert, n_expert_used, LLM_FFN_SILU, hparams.expert_weights_norm,
-            hparams.expert_weights_scale, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, il,
-            nullptr, layer.ffn_gate_up_exps, layer.ffn_up_exps_s, layer.ffn_gate_exps_s, layer.ffn_down_exps_s);
+    // routed experts of rows x: selection bias (0 / -inf per expert and row, nullptr = none), router
+    // logits (nullptr = computed here), experts per row
+    auto routed_ffn = [&](ggml_tensor * x, ggml_tensor * bias, ggml_tensor * logits, int64_t n_used) {
+        return build_moe_ffn(x,
+                layer.ffn_gate_inp, layer.ffn_up_exps, layer.ffn_gate_exps, layer.ffn_down_exps,
+                bias, n_expert, n_used, LLM_FFN_SILU, hparams.expert_weights_norm,
+                hparams.expert_weights_scale, LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, il,
+                logits, layer.ffn_gate_up_exps, layer.ffn_up_exps_s, layer.ffn_gate_exps_s, layer.ffn_down_exps_s);
+    };
+
+    ggml_tensor * routed = nullptr;
+    const int64_t C = blocks->n_coreset;
+    if (C == 0) {
+        routed = routed_ffn(cur, nullptr, nullptr, n_expert_used);
+    } else {
+        // the block expert coreset (spec/model.md, "MoE"): the canvas rows of each sequence elect the
+        // C >= k experts of highest summed router probability; each canvas row routes its top k
+        // among them (a -inf selection bias elsewhere; the weights stay the rows' own
+        // probabilities, renormalised as the model says). The committed rows route fully.
+        const int64_t n_tok = blocks->n_tok, n_seqs = blocks->n_seqs, n_canvas = blocks->n_canvas;
+        const int64_t n_commit = n_tok - n_canvas;
+        GGML_ASSERT(cur->ne[1] == n_tok * n_seqs); // every row: the output rows are taken after the last MoE
+        ggml_tensor * x3   = ggml_reshape_3d(ctx0, cur, n_embd, n_tok, n_seqs);
+        auto          rows = [&](int64_t t0, int64_t n) {
+            ggml_tensor * v = ggml_view_3d(ctx0, x3, n_embd, n, n_seqs, x3->nb[1], x3->nb[2], t0 * x3->nb[1]);
+            return ggml_reshape_2d(ctx0, ggml_cont(ctx0, v), n_embd, n * n_seqs);
+        };
+        ggml_tensor * xc     = rows(n_commit, n_canvas);
+        ggml_tensor * logits = build_lora_mm(layer.ffn_gate_inp, xc);                             // [E, n_canvas * n_seqs]
+        ggml_tensor * probs  = ggml_reshape_3d(ctx0, ggml_soft_max(ctx0, logits), n_expert, n_canvas, n_seqs);
+        ggml_tensor * score  = ggml_sum_rows(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, probs, 1, 0, 2, 3))); // [1, E, n_seqs]
+        ggml_tensor * core   = ggml_argsort_top_k(ctx0, ggml_reshape_2d(ctx0, score, n_expert, n_seqs), C); // [C, n_seqs]
+        cb(core, "ffn_moe_coreset", il);
+        ggml_tensor * bias = ggml_set_rows(ctx0, ggml_fill(ctx0, score, -INFINITY),
+                                           ggml_fill(ctx0, ggml_get_rows(ctx0, score, core), 0.0f), core); // [1, E, n_seqs]
+        bias = ggml_repeat_4d(ctx0, ggml_reshape_3d(ctx0, bias, n_expert, 1, n_seqs), n_expert, n_canvas, n_seqs, 1);
+        bias = ggml_reshape_2d(ctx0, bias, n_expert, n_canvas * n_seqs);
+        cb(bias, "ffn_moe_coreset_bias", il);
+        routed = ggml_reshape_3d(ctx0, routed_ffn(xc, bias, logits, n_expert_used), n_embd, n_canvas, n_seqs);
+        if (n_commit > 0) {
+            ggml_tensor * rm = routed_ffn(rows(0, n_commit), nullptr, nullptr, n_expert_used);
+            routed = ggml_concat(ctx0, ggml_reshape_3d(ctx0, rm, n_embd, n_commit, n_seqs), routed, 1);
+        }
+        routed = ggml_reshape_2d(ctx0, routed, n_embd, n_tok * n_seqs);
+    }
     cb(routed, "ffn_moe_out", il);
 
     ggml_tensor * shared = build_ffn(cur,
