@@ -612,3 +612,34 @@ def test_the_server_uses_public_names_only() -> None:
             if isinstance(node, ast.Attribute) and node.attr in ("memory", "chat_text"):
                 found.append(f"{where} .{node.attr} (a copy of what the model holds)")
     assert not found, found
+
+
+def test_a_client_that_leaves_the_queue_gives_its_place_back(gguf) -> None:
+    """A request waiting for a context whose client goes away leaves the queue: the next one is
+    queued, not refused with queue_full (the place used to stay taken until a context freed)."""
+    s = Server(gguf, "--parallel", "1", "--queue-size", "1", "-t", "1")
+    body = {"prompt": "hello", "max_tokens": 1000, "stream": True, "block_size": 500, "threshold": 1.0,
+            "ignore_eos": True}
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as first:
+            def read_all() -> None:
+                try:
+                    for _ in first.iter_lines():
+                        pass
+                except httpx.HTTPError:  # the stream is closed when the test leaves the block
+                    pass
+
+            threading.Thread(target=read_all, daemon=True).start()
+            deadline = time.monotonic() + 20
+            while "clover_contexts_busy 1" not in httpx.get(s.url + "/metrics").text:
+                assert time.monotonic() < deadline, "the streaming request never took the context"
+                time.sleep(0.02)
+            short = {"prompt": "x", "max_tokens": 2}
+            # each waits in the one queue place, then its client gives up: were the place kept,
+            # the second would be answered at once with 503 queue_full
+            for _ in range(3):
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(s.url + "/v1/completions", json=short, timeout=1.5)
+                time.sleep(0.3)
+    finally:
+        s.stop()

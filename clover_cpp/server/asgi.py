@@ -11,6 +11,7 @@ Every error it answers has OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import secrets
 from typing import Any
@@ -63,6 +64,13 @@ def check_api_key(api_key: str | None, env: str = "CLOVER_API_KEY") -> None:
                          "anything else, so no client could send it)")
 
 
+#: set while a request runs: its client has gone (the connection closed). Watched from the end
+#: of the body on, so that a request waiting for a context gives its queue place back when its
+#: client leaves (pool.Pool.acquire); issue 40: such places were kept, and live clients got 503
+CLIENT_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("clover_client_gone",
+                                                                                   default=None)
+
+
 class Guard:
     def __init__(self, app: Any, api_key: str | None, limits: Limits, on_error: Any) -> None:
         check_api_key(api_key)
@@ -91,10 +99,30 @@ class Guard:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         state = {"done": scope.get("method") in ("GET", "HEAD"), "got": 0}
+        gone, ended = asyncio.Event(), asyncio.Event()
+        watcher: list[asyncio.Task[None]] = []
+
+        async def watch() -> None:
+            """After the body the server's next message is the disconnect (or the end of the
+            response): one reader takes it, every receive() of the app waits for it."""
+            try:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    gone.set()
+            finally:
+                ended.set()
+
+        def body_done() -> None:
+            state["done"] = True
+            if not watcher:
+                watcher.append(asyncio.create_task(watch()))
 
         async def guarded_receive() -> dict[str, Any]:
             if state["done"]:
-                return await receive()
+                if not watcher:
+                    body_done()
+                await ended.wait()
+                return {"type": "http.disconnect"}
             left = deadline - loop.time()
             try:
                 if left <= 0:
@@ -107,14 +135,24 @@ class Guard:
                 if state["got"] > limit:
                     raise BodyTooLarge(limit)
                 if not msg.get("more_body", False):
-                    state["done"] = True
+                    body_done()
             else:
                 state["done"] = True
+                if msg["type"] == "http.disconnect":
+                    gone.set()
+                    ended.set()
             return msg
 
+        if state["done"]:
+            body_done()
+        token = CLIENT_GONE.set(gone)
         try:
             await self.app(scope, guarded_receive, send)
         except ClientDisconnect:
             # the client left (or uvicorn answered its malformed body, a chunk size of 5,000 hex
             # digits say, with 400 and logged one line): nobody to answer, no traceback (issue 40)
             return
+        finally:
+            CLIENT_GONE.reset(token)
+            for t in watcher:
+                t.cancel()

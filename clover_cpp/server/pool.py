@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import Clover, GenerationResult
+from .asgi import CLIENT_GONE
 from .types import APIError
 
 
@@ -86,18 +87,30 @@ class Pool:
 
     async def acquire(self, score: Callable[[Slot], int]) -> Slot:
         """A free slot, the one with the highest ``score`` (the prompt's part it holds)."""
+        gone = CLIENT_GONE.get()  # the request's client has left (asgi.Guard watches it)
         async with self._cond:
             if not self.free and self.waiting >= self.max_queue:
                 raise APIError(503, "the server is busy: every context is in use and the queue is full",
                                "server_error", "queue_full", headers={"Retry-After": "1"})
             self.waiting += 1
+            wake = asyncio.create_task(self._wake_when(gone)) if gone is not None and not self.free else None
             try:
-                await self._cond.wait_for(lambda: bool(self.free))
+                await self._cond.wait_for(lambda: bool(self.free) or (gone is not None and gone.is_set()))
             finally:
                 self.waiting -= 1
+                if wake is not None:
+                    wake.cancel()
+            if not self.free:  # its place in the queue is given back (it was kept: issue 40)
+                raise APIError(499, "the client closed the connection while its request waited for a context",
+                               code="client_closed")
             best = self.free[0] if len(self.free) == 1 else max(self.free, key=score)
             self.free.remove(best)
             return best
+
+    async def _wake_when(self, gone: asyncio.Event) -> None:
+        await gone.wait()
+        async with self._cond:
+            self._cond.notify_all()
 
     async def release(self, slot: Slot) -> None:
         slot.cancel = None
