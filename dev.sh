@@ -257,14 +257,46 @@ vulkan() {
 # 90: H100/H200) and compiled: every target the package builds, or, with SECONDS, what fits in
 # that many seconds (the ggml-cuda kernels take over an hour on two cores). Prints the time and
 # how many of ggml-cuda's CUDA objects exist. No GPU is needed to compile.
+# cuBLAS, which ggml-cuda links, when the toolkit lacks it (an nvcc-only install, as here): NVIDIA's
+# wheel of the toolkit's CUDA version from PyPI, unpacked in DIR/cublas; its paths go to CMake's
+# FindCUDAToolkit through the cache variables it reads (CUDA_cublas_LIBRARY, ...) and the include flag.
+cuda_cublas() {
+    local dir=$1 root
+    local -n out=$2
+    root=$(dirname "$(dirname "$(command -v nvcc)")")
+    [ -f "$root/include/cublas_v2.h" ] && return 0
+    local ver major wheel
+    ver=$(nvcc --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+    major=${ver%%.*}
+    wheel=$([ "$major" -ge 13 ] && echo "nvidia-cublas==$ver.*" || echo "nvidia-cublas-cu$major==$ver.*")
+    if [ ! -f "$dir/cublas/STAMP" ] || [ "$(cat "$dir/cublas/STAMP")" != "$wheel" ]; then
+        log "the CUDA toolkit has no cuBLAS: fetching $wheel"
+        rm -rf "$dir/cublas" && mkdir -p "$dir/cublas"
+        "$PY" -m pip download -q --no-deps -d "$dir/cublas" "$wheel"
+        "$PY" -m zipfile -e "$dir"/cublas/*.whl "$dir/cublas"
+        echo "$wheel" > "$dir/cublas/STAMP"
+    fi
+    local inc lib lt
+    inc=$(dirname "$(find "$dir/cublas" -name cublas_v2.h | head -1)")
+    lib=$(find "$dir/cublas" -name 'libcublas.so.*' | head -1)
+    lt=$(find "$dir/cublas" -name 'libcublasLt.so.*' | head -1)
+    out=("-DCUDA_cublas_LIBRARY=$lib" "-DCUDA_cublasLt_LIBRARY=$lt" "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_CXX_FLAGS=-I$inc")
+    # no driver either (libcuda comes with the GPU's driver): ggml-cuda's VMM pool links it, so the
+    # compile check goes without it (the kernels compiled are the same)
+    find "$root" -name 'libcuda.so*' | grep -q . || out+=(-DGGML_CUDA_NO_VMM=ON)
+}
+
 cuda_compile() {
     local dir=$ROOT/build-cuda budget=${1:-0} rc=0
     if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
         export PATH=/usr/local/cuda/bin:$PATH
     fi
     command -v nvcc >/dev/null || { echo "error: nvcc not found (the CUDA toolkit)" >&2; exit 1; }
+    local cublas_args=()
+    cuda_cublas "$dir" cublas_args
     configure "$dir" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON -DGGML_CUDA=ON \
-        "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" -DCMAKE_CUDA_COMPILER_LAUNCHER="$(command -v ccache || true)"
+        "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}" -DCMAKE_CUDA_COMPILER_LAUNCHER="$(command -v ccache || true)" \
+        "${cublas_args[@]}"
     log "compiling $dir with $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/CUDA \1/p')${budget:+ (at most $budget s)}"
     local t0=$SECONDS targets=(clover clover-cli ggml-rpc-server)
     if [ "$budget" -gt 0 ]; then
