@@ -12,11 +12,22 @@ Two native libraries are involved:
 Importing ``llama_cpp`` installs llama-cpp-python's own log callback in libllama, which would
 replace libclover's (libclover keeps llama.cpp's error lines for its error messages), so
 :func:`import_llama_cpp` saves the callback in place before the import and restores it after.
+A user's own ``import llama_cpp`` after libclover started is kept the same way (:class:`_KeepLog`,
+a finder on ``sys.meta_path``): llama-cpp-python's callback would print every line of llama.cpp's
+log, debug lines included (a few per block), until a ``Llama`` sets its logger from ``verbose``,
+and its levels predate this ggml's (it would print warnings and hide errors). So in a process
+that uses clover_cpp, libllama logs at Clover's verbosity (:func:`clover_cpp.set_verbosity`),
+``Llama``'s log included.
+
+``import llama_cpp`` before ``clover_cpp``: packaging/_clover_cpp_llama.py, installed beside the
+packages, imports clover_cpp first.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
+import importlib.util
 import os
 import sys
 import threading
@@ -141,4 +152,41 @@ def import_llama_cpp() -> ModuleType:
         return llama_cpp
 
 
+class _KeepingLoader(importlib.abc.Loader):
+    """llama_cpp's own loader, but libclover's log callback, if installed, is put back after the
+    package has run (its _logger module installs llama-cpp-python's callback)."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def]
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        saved = get_log_callback()
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if saved is not None and saved[0]:
+                set_log_callback(saved)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.loader, name)  # resources and the rest, as the loader has them
+
+
+class _KeepLog(importlib.abc.MetaPathFinder):
+    """On llama_cpp's first import (anyone's), its spec from the other finders, with _KeepingLoader."""
+
+    def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+        if name != "llama_cpp":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _KeepingLoader(spec.loader)
+        return spec
+
+
 configure_llama_cpp_env()
+if "llama_cpp" not in sys.modules:
+    sys.meta_path.insert(0, _KeepLog())
