@@ -435,6 +435,11 @@ def clover_stop_matcher_flush(m: int | None, n_out: Any, /) -> Any: ...
 def clover_stop_matcher_hit(m: int | None, /) -> int: ...
 
 
+@_c("clover_json_schema_to_grammar", [c_char_p, c_char_buf, c_int32, c_int32_p, c_char_buf, c_size_t], c_int)
+def clover_json_schema_to_grammar(schema_json: bytes, buf: Any, buf_size: int, n_out: Any, err: Any, err_len: int,
+                                  /) -> int: ...
+
+
 @_c("clover_pick_candidate", [c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64, c_int32_p,
                               c_double_p], c_int)
 def clover_pick_candidate(logits: Any, n_vocab: int, mask_token: int, temperature: float, top_k: int, top_p: float,

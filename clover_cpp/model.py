@@ -514,7 +514,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         grammar: GBNF text (llama.cpp's grammar format): every output token is one the grammar
         allows (llama.cpp's grammar sampler). response_format: {"type": "json_object"} or
         {"type": "json_schema", "json_schema": {"schema": {...}}} (OpenAI's), turned into a grammar
-        by llama-cpp-python's converter (:mod:`clover_cpp.grammar`). Under block diffusion a
+        by llama.cpp's converter, llama-server's (:mod:`clover_cpp.grammar`); a schema keyword it
+        would not enforce is a CloverValueError naming it. Under block diffusion a
         grammar runs at block_size=1, or with draft_self (verification applies it; the output is
         that of the constrained block_size=1): ``stats.grammar_mode`` "ar" / "draft-self".
         logprobs: None = off; N in [0, 20] = ``result.logprobs`` (each token's log-probability

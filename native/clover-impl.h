@@ -10,6 +10,7 @@
 //   clover-params.cpp    generate's parameter rules: defaults, ranges, block_size values, room
 //   clover-stop.cpp      stop strings (clover_stop_matcher)
 //   clover-abi.cpp       clover_api_version, clover_abi_query (what bindings check at load)
+//   clover-json-schema.cpp  clover_json_schema_to_grammar: llama.cpp's converter behind a keyword check
 #pragma once
 
 #include "clover.h"

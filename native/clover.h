@@ -484,6 +484,26 @@ CLOVER_API const char * clover_stop_matcher_flush(clover_stop_matcher * m, int32
 /* 1 once a stop string was seen, else 0. */
 CLOVER_API int32_t clover_stop_matcher_hit(const clover_stop_matcher * m);
 
+/* ---------------------------------------------------------------- JSON schema
+ * A JSON schema as a GBNF grammar for clover_generate_params.grammar, by llama.cpp's own converter
+ * (common/json-schema-to-grammar.cpp, that of llama-server's json_schema and response_format).
+ * What it enforces: type (one or a list), properties / required / additionalProperties, items
+ * (a schema, or a tuple: an array or prefixItems) with minItems / maxItems, integer minimum /
+ * maximum / exclusiveMinimum / exclusiveMaximum (|bound| <= 1e15), string pattern (^...$ without
+ * lookarounds), minLength / maxLength and format date, time, date-time, uuid (a date's day is
+ * 01-31 whatever the month), const, enum, $ref into the same document ($defs), anyOf, oneOf whose
+ * alternatives exclude each other (by type, constants, or a required property's const), allOf of
+ * objects or of enums; annotations (title, description, default, examples, ...) are ignored.
+ * Any other keyword, or one where the converter would not enforce it (a number's minimum,
+ * multipleOf, not, format email, pattern beside format, ...), is refused, never dropped:
+ * CLOVER_ERR_INVALID_ARG with err naming the keyword and its path ("JSON schema: 'multipleOf'
+ * at #/properties/age: ..."), as for a schema that is not valid JSON or that the converter
+ * refuses. Otherwise CLOVER_OK with the grammar in buf (NUL-terminated) and *n_out (if not NULL)
+ * = its length without the terminator; CLOVER_ERR_BUFFER_TOO_SMALL with *n_out = that length
+ * when buf_size is below it + 1 (buf may be NULL with buf_size 0 to ask). */
+CLOVER_API int clover_json_schema_to_grammar(const char * schema_json, char * buf, int32_t buf_size, int32_t * n_out,
+                                             char * err, size_t err_len);
+
 /* ---------------------------------------------------------------- decoding pieces
  * The pure functions the decoding loop is made of, exposed for tests and research. */
 

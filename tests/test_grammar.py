@@ -3,8 +3,8 @@ llama.cpp's grammar sampler; Clover.generate(grammar=, response_format=) and clo
 --grammar / --grammar-file.
 
 * 50 outputs of the default model (models/clover-default, converted to f16 here) under a JSON
-  schema (llama-cpp-python's converter) all parse and validate: greedy and sampled, at block
-  size 1 and with draft-self;
+  schema (llama.cpp's converter; tests/test_json_schema.py for the schema suite) all parse and
+  validate: greedy and sampled, at block size 1 and with draft-self;
 * response_format json_object: every output that ends (EOS) is a JSON object;
 * a GBNF restricted to digits, and to two words;
 * the constraint holds for the emitted text under block diffusion: a grammar without draft-self
@@ -184,9 +184,9 @@ def test_bad_constraint_arguments(model, kw, why) -> None:
 
 def test_llama_cpp_python_grammar_object(model) -> None:
     """Code written for llama-cpp-python's Llama passes a LlamaGrammar: its GBNF is used."""
-    from clover_cpp.grammar import _llama_grammar
+    from clover_cpp._lib import import_llama_cpp
 
-    g = _llama_grammar().LlamaGrammar.from_string(DIGITS)
+    g = import_llama_cpp().LlamaGrammar.from_string(DIGITS, verbose=False)
     assert model.generate("Hello", max_tokens=16, grammar=g).text == model.generate("Hello", max_tokens=16,
                                                                                     grammar=DIGITS).text
 

@@ -38,7 +38,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_carries_the_native_parts(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    lib = {"libclover", "libllama", "libggml", "libggml-base", "libggml-cpu", "libggml-rpc"}
+    lib = {"libclover", "libllama", "libllama-common", "libggml", "libggml-base", "libggml-cpu", "libggml-rpc"}
     for stem in lib:
         assert any(n.startswith(f"clover_cpp/lib/{stem}.") for n in names), stem
     for tool in ("clover-cli", "ggml-rpc-server"):

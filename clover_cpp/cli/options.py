@@ -5,6 +5,7 @@ open the model, turn the flags into Clover.generate's arguments, the budget of -
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -97,6 +98,62 @@ def coreset_option(f: Any) -> Any:
                              "the block's tokens weigh most (fewer expert bytes read per pass); 0 or off = every "
                              "expert; model = the GGUF's clover.expert_coreset (off when absent). Draft-self's "
                              "output does not depend on it.")(f)
+
+
+def constraint_options(f: Any) -> Any:
+    """llama-cli's output constraints: a GBNF grammar or a JSON schema (one of them)."""
+    note = " Decoded at block size 1, or verified by --draft-self."
+    for option in reversed([
+        click.option("--grammar", "grammar", default=None, metavar="GBNF",
+                     help="Constrain the output to this GBNF grammar (llama.cpp's format)." + note),
+        click.option("--grammar-file", "grammar_file", default=None, metavar="FILE",
+                     help="Constrain the output to the GBNF grammar in FILE." + note),
+        click.option("-j", "--json-schema", "json_schema", default=None, metavar="SCHEMA",
+                     help="Constrain the output to this JSON schema, as llama.cpp converts it; a keyword it cannot "
+                          "enforce is refused." + note),
+        click.option("-jf", "--json-schema-file", "json_schema_file", default=None, metavar="FILE",
+                     help="Constrain the output to the JSON schema in FILE." + note),
+        click.option("--json", "json_object", is_flag=True, help="Constrain the output to a JSON object." + note),
+    ]):
+        f = option(f)
+    return f
+
+
+def _read_flag_file(flag: str, path: str) -> str:
+    if not Path(path).is_file():  # (a FIFO would block the read)
+        raise UserError(f"{flag} {path}: not a readable file")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag} {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+
+
+def constraint_kwargs(grammar: str | None, grammar_file: str | None, json_schema: str | None,
+                      json_schema_file: str | None, json_object: bool) -> dict[str, Any]:
+    """Clover.generate's grammar for the constraint flags (a schema converted now, before the model
+    loads, so that a schema the converter cannot enforce is one line under its flag)."""
+    from ..grammar import GrammarError, json_schema_grammar
+
+    given = {"--grammar": grammar, "--grammar-file": grammar_file, "--json-schema": json_schema,
+             "--json-schema-file": json_schema_file, "--json": json_object or None}
+    flags = [flag for flag, value in given.items() if value is not None]
+    if len(flags) > 1:
+        raise UserError(f"give one of {', '.join(flags)}, not several")
+    if grammar is not None or grammar_file is not None:
+        return {"grammar": grammar if grammar is not None else _read_flag_file("--grammar-file", grammar_file)}
+    if not flags:
+        return {}
+    flag = flags[0]
+    text = (json_schema if json_schema is not None else
+            _read_flag_file(flag, json_schema_file) if json_schema_file is not None else '{"type": "object"}')
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{flag}: not JSON ({e})") from None
+    try:
+        return {"grammar": json_schema_grammar(schema)}
+    except GrammarError as e:
+        raise UserError(f"{flag}: {e}") from None
 
 
 # The generating flags' values go to Clover as given: their ranges are libclover's rules (one owner),

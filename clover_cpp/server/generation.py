@@ -111,7 +111,8 @@ class CanvasEvents:
 
 
 def constraint_param(req: Knobs) -> str | None:
-    return "grammar" if req.grammar else "response_format" if req.response_format is not None else None
+    return ("grammar" if req.grammar else "response_format" if req.response_format is not None
+            else "json_schema" if req.json_schema is not None else None)
 
 
 def message_of(r: GenerationResult, tp: ToolPlan | None) -> tuple[dict[str, Any], str]:
@@ -137,9 +138,10 @@ class Generator:
         """logprobs, response_format and grammar as Clover.generate takes them (a constrained
         request decodes autoregressively or with draft-self: stats.grammar_mode)."""
         req.check_neutral()
-        rf = req.response_format.for_runtime() if req.response_format is not None else None
+        rf = req.structured_output()
         if rf is not None and req.grammar:
-            raise APIError(400, "grammar and response_format: give one", param="grammar")
+            other = "json_schema" if req.json_schema is not None else "response_format"
+            raise APIError(400, f"grammar and {other}: give one", param="grammar")
         forced = tools.grammar if tools is not None else None
         if forced and (rf is not None or req.grammar):
             raise APIError(400, "tool_choice forces a call: grammar and response_format cannot apply too",

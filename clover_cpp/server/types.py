@@ -218,6 +218,7 @@ class Knobs(BaseModel):
     # structured output: a JSON object / schema (OpenAI's) or a GBNF grammar (llama-server's)
     response_format: ResponseFormat | None = None
     grammar: str | None = Field(default=None, max_length=1 << 20)
+    json_schema: Union[dict[str, Any], bool, None] = None  # llama-server's: the reply follows this JSON schema
     # Clover's own knobs
     block_size: Union[int, Literal["auto"], None] = None
     threshold: float | None = None
@@ -255,6 +256,15 @@ class Knobs(BaseModel):
     def n_logprobs(self) -> int | None:
         """generate()'s logprobs: None = off, N = each token's and the N most probable."""
         return None
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The response_format Clover.generate takes: OpenAI's response_format, or llama-server's
+        top-level json_schema (None: plain text)."""
+        if self.json_schema is None:
+            return self.response_format.for_runtime() if self.response_format is not None else None
+        if self.response_format is not None:
+            raise APIError(400, "json_schema and response_format: give one", param="json_schema")
+        return {"type": "json_schema", "json_schema": {"schema": self.json_schema}}
 
     def field_of(self, param: str) -> str:
         """The request's field for a keyword of Clover.generate (CloverError.param)."""
