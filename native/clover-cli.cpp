@@ -69,6 +69,9 @@ void usage(const char * argv0) {
             "  --grammar GBNF         constrain the output to a GBNF grammar (llama.cpp's format); decoded\n"
             "                         at block size 1, or verified by --draft-self (spec/decoding.md)\n"
             "  --grammar-file FILE    the grammar from a file\n"
+            "  -j, --json-schema JSON constrain the output to a JSON schema, as llama.cpp's converter writes\n"
+            "                         it (a keyword it cannot enforce is refused; docs/server.md)\n"
+            "  -jf, --json-schema-file FILE  the JSON schema from a file\n"
             "  --temp X               temperature (default 0 = greedy, as clover run; llama-cli: 0.8)\n"
             "  --top-k N              top-k (default 0 = off; llama-cli: 40)\n"
             "  --top-p X              top-p (default 1 = off; 0 = the most probable token; llama-cli: 0.95)\n"
@@ -88,6 +91,40 @@ void usage(const char * argv0) {
 [[noreturn]] void die(const std::string & msg) {
     fprintf(stderr, "error: %s\n", msg.c_str());
     exit(1);
+}
+
+// the text of a --grammar-file / --json-schema-file (not empty)
+std::string read_option_file(const std::string & what, const std::string & path) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(path, ec)) {  // (a FIFO would block the read)
+        die(what + " file '" + path + "' is not a readable file");
+    }
+    std::ifstream     f(path, std::ios::binary);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    if (!f) {
+        die("cannot read " + what + " file '" + path + "'");
+    }
+    if (ss.str().find_first_not_of(" \t\r\n") == std::string::npos) {
+        die(what + " file '" + path + "' is empty");
+    }
+    return ss.str();
+}
+
+// the GBNF of a JSON schema (libclover: llama.cpp's converter); a schema it refuses ends the run
+std::string schema_grammar(const std::string & schema) {
+    char    err[1024];
+    int32_t n  = 0;
+    int     rc = clover_json_schema_to_grammar(schema.c_str(), nullptr, 0, &n, err, sizeof(err));
+    if (rc == CLOVER_ERR_BUFFER_TOO_SMALL) {
+        std::string out((size_t) n + 1, '\0');
+        rc = clover_json_schema_to_grammar(schema.c_str(), out.data(), n + 1, &n, err, sizeof(err));
+        if (rc == CLOVER_OK) {
+            out.resize((size_t) n);
+            return out;
+        }
+    }
+    die(std::string("--json-schema: ") + err);
 }
 
 long parse_int(const std::string & opt, const char * v, long lo, long hi) {
@@ -248,7 +285,7 @@ int on_block(int32_t /*block_start*/, const int32_t * tokens, int32_t n, void * 
 int main(int argc, char ** argv) {
     signal(SIGINT, on_sigint);
     signal(SIGPIPE, SIG_IGN); // a closed pipe or a lost RPC server is an error return, not a kill
-    std::string model_path, prompt, prompt_file, grammar, grammar_file;
+    std::string model_path, prompt, prompt_file, grammar, grammar_file, json_schema, json_schema_file;
     bool        have_prompt = false, parse_special = true;
     int         verbose     = 0;
     clover_model_params    mp = clover_model_default_params();
@@ -346,6 +383,10 @@ int main(int argc, char ** argv) {
             grammar = val();
         } else if (a == "--grammar-file") {
             grammar_file = val();
+        } else if (a == "-j" || a == "--json-schema") {
+            json_schema = val();
+        } else if (a == "-jf" || a == "--json-schema-file") {
+            json_schema_file = val();
         } else if (a == "--threshold") {
             gp.threshold = parse_double(a, val()); // (its range: clover_generate_params_check below)
         } else if (a == "--step-cap" || a == "--max-steps") { // (the ranges: clover_generate_params_check below)
@@ -434,24 +475,17 @@ int main(int argc, char ** argv) {
     if (!have_prompt) {
         die("no prompt given (-p TEXT or -f FILE)");
     }
+    if (!grammar.empty() + !grammar_file.empty() + !json_schema.empty() + !json_schema_file.empty() > 1) {
+        die("give one of --grammar, --grammar-file, --json-schema, --json-schema-file");
+    }
     if (!grammar_file.empty()) {
-        if (!grammar.empty()) {
-            die("give either --grammar or --grammar-file, not both");
-        }
-        std::error_code ec;
-        if (!std::filesystem::is_regular_file(grammar_file, ec)) {
-            die("grammar file '" + grammar_file + "' is not a readable file");
-        }
-        std::ifstream f(grammar_file, std::ios::binary);
-        std::stringstream ss;
-        ss << f.rdbuf();
-        if (!f) {
-            die("cannot read grammar file '" + grammar_file + "'");
-        }
-        grammar = ss.str();
-        if (grammar.find_first_not_of(" \t\r\n") == std::string::npos) {
-            die("grammar file '" + grammar_file + "' is empty");
-        }
+        grammar = read_option_file("grammar", grammar_file);
+    }
+    if (!json_schema_file.empty()) {
+        json_schema = read_option_file("JSON schema", json_schema_file);
+    }
+    if (!json_schema.empty()) {
+        grammar = schema_grammar(json_schema);
     }
     if (grammar.find('\0') != std::string::npos) {
         die("the grammar contains a NUL byte");

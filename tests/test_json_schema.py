@@ -11,7 +11,8 @@ converter of llama-server's json_schema / response_format, common/json-schema-to
 * the C call: buffer negotiation, NULL and invalid JSON, one-line errors;
 * the server: response_format json_schema and llama-server's top-level json_schema field (400
   naming a refused keyword); the CLIs: `clover run` / `chat` --json-schema, --json-schema-file,
-  --grammar, --grammar-file (a refused schema: one line, exit 1, before the model loads).
+  --grammar, --grammar-file, and clover-cli -j / -jf (a refused schema: one line, exit 1, before the
+  model loads).
 """
 from __future__ import annotations
 
@@ -323,3 +324,26 @@ def test_cli_json_schema_and_grammar_flags(tiny_artifacts, tmp_path) -> None:
         r = _clover(cmd, *args, *flags, stdin="")
         assert r.returncode == 1 and r.stdout == "" and why in r.stderr, (flags, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_clover_cli_json_schema(tiny_artifacts, tmp_path) -> None:
+    from pathlib import Path
+
+    cli = Path(__file__).resolve().parents[1] / "build" / "bin" / "clover-cli"
+    if not cli.is_file():
+        pytest.skip("clover-cli is not built")
+    schema = SUITE["refs and defs"]
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    base = [str(cli), "-m", str(tiny_artifacts["f32"]), "-p", "v:", "-n", "600", "-t", "1", "--temp", "1", "--no-echo"]
+    for seed, flags in enumerate((["-j", json.dumps(schema)], ["--json-schema-file", str(f)], ["-jf", str(f)])):
+        r = subprocess.run(base + ["-s", str(seed), *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "grammar: decoded at block size 1" in r.stderr, r.stderr
+        _validate(schema, r.stdout)
+    for flags, why in [(["-j", '{"type": "integer", "multipleOf": 3}'], "--json-schema: JSON schema: 'multipleOf' at #"),
+                       (["-j", "{nope"], "--json-schema: JSON schema: not valid JSON"),
+                       (["-jf", str(tmp_path)], "not a readable file"),
+                       (["-j", "{}", "--grammar-file", str(f)], "give one of --grammar")]:
+        r = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and r.stdout == "" and why in r.stderr, (flags, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
