@@ -7,8 +7,11 @@ from __future__ import annotations
 import inspect
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from . import _native as N
 from ._args import bool_arg, int_arg, strings_arg
@@ -24,6 +27,78 @@ def finish_reason(r: "GenerationResult", max_tokens: int) -> str:
         r.finish_reason not in ("eos", "stop") and len(r.tokens) >= max_tokens) else "stop"
 
 
+#: prompt positions per causal commit in :meth:`LlamaCompat.prompt_logprobs` (the logits of one
+#: commit are [rows, n_vocab] float32: 64 MiB at a 256k vocabulary)
+SCORE_ROWS = 64
+
+
+@dataclass
+class PromptLogprobs:
+    """:meth:`LlamaCompat.prompt_logprobs`: per prompt token, its log-probability given the
+    tokens before it (None for the first: nothing predicts it) and the N most probable
+    (token id, log-probability) pairs there, most probable first ([] for the first)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def _log_softmax(rows: np.ndarray, mask: int) -> np.ndarray:
+    """In double precision, the mask token excluded (as generate()'s logprobs: clover.h)."""
+    z = rows.astype(np.float64)
+    if mask >= 0:
+        z[:, mask] = -np.inf
+    z -= z.max(axis=1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+
+def _top(row: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n largest entries of ``row``, largest first, ties: lower id first (as libclover's)."""
+    if n <= 0:
+        return []
+    cut = np.partition(row, -n)[-n]
+    ids = np.flatnonzero(row >= cut)
+    ids = ids[np.lexsort((ids, -row[ids]))][:n]
+    return [(int(i), float(row[i])) for i in ids]
+
+
+def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[float | None],
+                        top: Sequence[Sequence[tuple[int, float]] | None] | None, piece: Callable[[int], str],
+                        offset: int) -> dict[str, Any]:
+    """The legacy completions' ``logprobs`` object (OpenAI's, llama-cpp-python's): ``tokens``,
+    ``text_offset`` (from ``offset``: where the first token's text starts in prompt + reply),
+    ``token_logprobs`` and ``top_logprobs`` (a dict of the N most probable and the token's own,
+    as OpenAI: up to N + 1 entries); a position with no log-probability (None: the prompt's
+    first token) has None in both."""
+    texts, offsets, tops = [], [], []
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        text = piece(t)
+        texts.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if top is None:
+            continue
+        if lp is None:
+            tops.append(None)
+        else:
+            row = {piece(a): b for a, b in top[i] or ()}
+            row[text] = lp
+            tops.append(row)
+    return {"tokens": texts, "text_offset": offsets, "token_logprobs": list(logprobs),
+            "top_logprobs": tops if top is not None else None}
+
+
+def echoed_prompt(scored: PromptLogprobs, bos: int) -> tuple[list[int], list[float | None], list[Any]]:
+    """The prompt's part of echo's logprobs (tokens, logprobs, top ones): a leading BOS left out
+    (its text is not echoed), the first listed token's log-probability None (OpenAI's, even after
+    a BOS; llama-cpp-python's)."""
+    skip = 1 if bos >= 0 and scored.tokens[:1] == [bos] else 0
+    lps: list[float | None] = list(scored.logprobs[skip:])
+    if lps:
+        lps[0] = None
+    return scored.tokens[skip:], lps, list(scored.top_logprobs[skip:])
+
+
 class LlamaCompat:
     """The llama-cpp-python-compatible methods of :class:`Clover` (a mixin over its generate,
     generate_chat, tokenizer and room)."""
@@ -37,8 +112,36 @@ class LlamaCompat:
     token_to_piece: Any
     room: Any
     _tokens: Any
+    _op: Any
+    reset: Any
+    commit: Any
+    mask_token: Any
+    bos_token: Any
     model_path: Any
     n_ctx: Any
+
+    def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> PromptLogprobs:
+        """The log-probability of each token of ``prompt`` (text: tokenized as generate() does)
+        given the ones before it, from the causal commit of the prompt (the log-softmax, in
+        double precision and the mask token excluded, of the logits row that predicts it, as
+        generate()'s ``logprobs`` are read), and the ``top_logprobs`` most probable there (at
+        most CLOVER_MAX_TOP_LOGPROBS). What lm-eval's loglikelihood scores; llama-cpp-python's
+        ``create_completion(echo=True, logprobs=N)`` reports it. Leaves the memory holding the
+        prompt (a generate() of a prompt that starts with it reads none of it again)."""
+        toks = self.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) \
+            else self._tokens(prompt)
+        n_top = int_arg("top_logprobs", top_logprobs, 0, N.CLOVER_MAX_TOP_LOGPROBS)
+        out = PromptLogprobs(tokens=toks, logprobs=[None] if toks else [], top_logprobs=[[]] if toks else [])
+        mask = self.mask_token
+        with self._op():
+            self.reset()
+            for start in range(0, len(toks), SCORE_ROWS):
+                rows = self.commit(toks[start:start + SCORE_ROWS], logits=True)
+                nxt = toks[start + 1:start + SCORE_ROWS + 1]  # (row i predicts token start + i + 1)
+                lp = _log_softmax(rows[:len(nxt)], mask)
+                out.logprobs += [float(x) for x in lp[np.arange(len(nxt)), nxt]]
+                out.top_logprobs += [_top(row, n_top) for row in lp]
+        return out
 
     def _llama_kwargs(self, where: str, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any,
                       stop: Any, logprobs: Any, grammar: Any, response_format: Any, stream: Any,
@@ -80,17 +183,19 @@ class LlamaCompat:
     def _piece(self, t: int) -> str:
         return self.token_to_piece(t).decode("utf-8", "replace")
 
-    def _completion_logprobs(self, r: "GenerationResult", offset: int) -> dict[str, Any] | None:
+    def _completion_logprobs(self, r: "GenerationResult", prompt_text: str,
+                             prompt: PromptLogprobs | None = None) -> dict[str, Any] | None:
+        """The reply's logprobs, its text offsets counted from the prompt's start (as
+        llama-cpp-python and OpenAI); with ``prompt`` (echo) the prompt's tokens first, a leading
+        BOS left out (its text is not echoed) and the first listed token's log-probability None."""
         if getattr(r, "logprobs", None) is None:
             return None
-        pieces = [self._piece(t) for t in r.tokens]
-        offsets, pos = [], offset
-        for p in pieces:
-            offsets.append(pos)
-            pos += len(p)
-        tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
-        return {"tokens": pieces, "token_logprobs": list(r.logprobs), "text_offset": offsets,
-                "top_logprobs": [{self._piece(t): lp for t, lp in row} for row in tops]}
+        toks, lps = list(r.tokens), list(r.logprobs)
+        tops: list[Any] = list(getattr(r, "top_logprobs", None) or [[] for _ in r.tokens])
+        if prompt is None:
+            return completion_logprobs(toks, lps, tops, self._piece, len(prompt_text))
+        p_toks, p_lps, p_tops = echoed_prompt(prompt, self.bos_token)
+        return completion_logprobs(p_toks + toks, p_lps + lps, p_tops + tops, self._piece, 0)
 
     def _chat_logprobs(self, r: "GenerationResult") -> dict[str, Any] | None:
         if getattr(r, "logprobs", None) is None:
@@ -120,6 +225,9 @@ class LlamaCompat:
         Arguments Clover's sampler lacks (min_p, typical_p, penalties, mirostat, tfs_z,
         logit_bias, suffix, stopping_criteria, logits_processor) are refused unless left at
         their neutral values; ``logprobs`` / ``grammar`` need a build whose generate() has them.
+        ``logprobs=N`` gives llama-cpp-python's ``logprobs`` object (text offsets from the prompt's
+        start, each top dict the N most probable and the token's own); with ``echo=True`` the
+        prompt's tokens come first, scored by :meth:`prompt_logprobs` (the first one's None).
         Extra keyword arguments go to :meth:`generate` (block_size, threshold, ...)."""
         where = "create_completion"
         kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, grammar, None,
@@ -155,10 +263,11 @@ class LlamaCompat:
                 yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None,
                                             "finish_reason": finish_reason(s.result, kw["max_tokens"])}]}
             return chunks()
+        scored = self.prompt_logprobs(toks, kw["logprobs"]) if echo and kw.get("logprobs") is not None else None
         r = self.generate(toks, **kw, **gen_kwargs)
         text = (prompt_text if echo else "") + r.text
         return {**head, "choices": [{"text": text, "index": 0,
-                                     "logprobs": self._completion_logprobs(r, len(prompt_text) if echo else 0),
+                                     "logprobs": self._completion_logprobs(r, prompt_text, scored),
                                      "finish_reason": finish_reason(r, kw["max_tokens"])}],
                 "usage": {"prompt_tokens": len(toks), "completion_tokens": len(r.tokens),
                           "total_tokens": len(toks) + len(r.tokens)}}

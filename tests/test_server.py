@@ -161,7 +161,7 @@ def _post(server, path: str, body, headers=None) -> httpx.Response:
     ({"prompt": "x", "block_size": 0}, "block_size"),
     ({"prompt": "x", "block_size": "big"}, "block_size"),
     ({"prompt": "x", "threshold": 2}, "threshold"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": [99999]}, "prompt"),
     ({"prompt": "hello " * 1100}, None),  # longer than the context
@@ -392,7 +392,7 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
     ({"prompt": "x", "frequency_penalty": -1.0}, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"5": 3.0}}, "logit_bias"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
-    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "x", "frobnicate": True}, "frobnicate"),
     ({"prompt": "x", "temperature": "0.5"}, "temperature"),
     ({"prompt": "x", "stream": "yes"}, "stream"),

@@ -66,13 +66,15 @@ def test_chat_logprobs_are_the_librarys(tiny) -> None:
 def test_completion_logprobs(tiny) -> None:
     s, local = tiny
     r = s.client().completions.create(model="x", prompt="class A:", max_tokens=8, temperature=0, logprobs=2,
-                                      echo=True, extra_body={"block_size": 4, "ignore_eos": True})
+                                      extra_body={"block_size": 4, "ignore_eos": True})
     want = local.generate("class A:", max_tokens=8, logprobs=2, block_size=4, stop_at_eos=False, reuse_prefix=False)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(want.logprobs, abs=1e-6)
-    assert len(lp.tokens) == len(want.tokens) == 8 and r.choices[0].text == "class A:" + want.text
+    assert len(lp.tokens) == len(want.tokens) == 8 and r.choices[0].text == want.text
+    # (offsets from the prompt's start, as OpenAI's; each top dict: the 2 most probable and the token's own)
     assert lp.text_offset[0] == len("class A:") and len(lp.top_logprobs) == 8
-    assert all(len(t) <= 2 and all(math.isfinite(v) for v in t.values()) for t in lp.top_logprobs)
+    assert all(len(t) <= 3 and all(math.isfinite(v) for v in t.values()) for t in lp.top_logprobs)
+    # (echo + logprobs: the prompt's tokens first, tests/test_server_choices.py)
 
 
 def test_grammar_and_refusals(tiny) -> None:

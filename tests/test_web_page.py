@@ -104,9 +104,9 @@ def test_canvas_events_only_when_asked(tiny_server) -> None:
                            for c in (json.loads(d) for _, d in plain if d != "[DONE]") if c.get("choices"))
     n_prompt = usage["prompt_tokens"]
     for e in canvas:
-        assert set(e) == {"object", "offset", "block_start", "block_size", "step", "n_masked", "tokens", "steps",
-                          "verified"}
-        assert e["object"] == "clover.canvas" and e["block_size"] == 4 and e["verified"] is False
+        assert set(e) == {"object", "index", "offset", "block_start", "block_size", "step", "n_masked", "tokens",
+                          "steps", "verified"}
+        assert e["object"] == "clover.canvas" and e["block_size"] == 4 and e["verified"] is False and e["index"] == 0
         assert e["offset"] == e["block_start"] + e["block_size"] - len(e["tokens"]) - n_prompt >= 0
         assert len(e["steps"]) == len(e["tokens"]) and e["step"] >= 1
         assert e["n_masked"] == sum(t is None for t in e["tokens"])

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import Clover, CloverError, GenerationResult
 from . import format as fmt
 from .asgi import Guard
-from .generation import Generator, Job, api_error, message_of
+from .generation import Choice, Generator, Job, Prompt, api_error, message_of
 from .pool import Pool, ServerState, watchdog
 from .tools import ToolPlan, plan
 from .types import (
@@ -240,9 +240,6 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     def chat_logprobs(r: GenerationResult) -> dict[str, Any] | None:
         return fmt.chat_logprobs(r, token_bytes)
 
-    def completion_logprobs(r: GenerationResult, offset: int) -> dict[str, Any] | None:
-        return fmt.completion_logprobs(r, token_bytes, offset)
-
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -253,35 +250,59 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         cid, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         base = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": name}
 
-        def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        def choice(c: Choice, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        def chunk(ev: tuple[str, Any] | None) -> dict[str, Any]:
+        def chunk(c: Choice | None, ev: tuple[str, Any] | None) -> dict[str, Any]:
+            if c is None:  # ("usage", the results)
+                return {**base, "choices": [], "usage": fmt.usage(ev[1], req.n)}  # type: ignore[index]
             if ev is None:
-                return choice({"role": "assistant", "content": ""})
+                return choice(c, {"role": "assistant", "content": ""})
             kind, v = ev
             if kind == "content":
-                return choice({"content": v})
+                return choice(c, {"content": v})
             if kind == "call":
                 i, call = v
-                return choice({"tool_calls": [{"index": i, **call}]})
-            if kind == "usage":
-                return {**base, "choices": [], "usage": fmt.usage(v)}
+                return choice(c, {"tool_calls": [{"index": i, **call}]})
             r, ts = v
             finish = "tool_calls" if ts is not None and ts.calls else fmt.finish_reason(r)
-            end = choice({}, finish)
+            end = choice(c, {}, finish)
             end["choices"][0]["logprobs"] = chat_logprobs(r)  # streamed: all of them with the last chunk
             return {**end, "clover": fmt.clover_stats(r)}
 
-        def final(r: GenerationResult) -> dict[str, Any]:
-            msg, finish = message_of(r, tp)
-            return {"id": cid, "object": "chat.completion", "created": now, "model": name,
-                    "choices": [{"index": 0, "message": msg, "logprobs": chat_logprobs(r), "finish_reason": finish}],
-                    "usage": fmt.usage(r), "clover": fmt.clover_stats(r)}
+        def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:
+            choices = []
+            for c in kept:
+                r = c.result
+                assert r is not None
+                msg, finish = message_of(r, tp)
+                choices.append({"index": c.index, "message": msg, "logprobs": chat_logprobs(r), "finish_reason": finish,
+                                **per_choice_stats(kept, r)})
+            return {"id": cid, "object": "chat.completion", "created": now, "model": name, "choices": choices,
+                    "usage": fmt.usage(results, req.n), "clover": first_choice_stats(kept)}
 
-        job = Job(req, lambda slot: slot.chat_reuse(text), lambda slot: slot.model.chat_tokens(text), text, chunk,
-                  final, tp)
-        return await gen.run(request, job, "messages")
+        prompt = Prompt(lambda slot: slot.chat_reuse(text), lambda slot: slot.model.chat_tokens(text), chat_prompt=text)
+        return await gen.run(request, Job(req, [prompt], chunk, final, tp, best_of=req.n), "messages")
+
+    def first_choice_stats(kept: list[Choice]) -> dict[str, Any]:
+        assert kept[0].result is not None
+        return fmt.clover_stats(kept[0].result)
+
+    def per_choice_stats(kept: list[Choice], r: GenerationResult) -> dict[str, Any]:
+        """Several choices: each with its own ``clover`` figures (the reply's are the first's)."""
+        return {"clover": fmt.clover_stats(r)} if len(kept) > 1 else {}
+
+    async def completion_prompt(p: str | list[int]) -> Prompt:
+        if isinstance(p, str):
+            toks = await tokenize(p, "prompt")
+        else:
+            if len(p) > model.n_ctx:
+                raise APIError(400, f"the prompt ({len(p)} tokens) does not fit the context ({model.n_ctx} tokens)",
+                               code="context_length_exceeded", param="prompt")
+            toks = list(p)
+            check_ids(toks, "prompt")
+        text = await asyncio.to_thread(model.detokenize, toks)  # (echo's, and where the reply's offsets start)
+        return Prompt(lambda slot: slot.reuse(toks), lambda slot: toks, text=text)
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -290,45 +311,51 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         gen.constraints(req)
         if req.suffix:
             raise unsupported("suffix", "fill-in-the-middle is not supported")
-        p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise APIError(400, "only one prompt per request (n = 1)", param="prompt")
-            p = p[0]
-        if isinstance(p, str):
-            prompt = await tokenize(p, "prompt")
-        else:
-            if len(p) > model.n_ctx:
-                raise APIError(400, f"the prompt ({len(p)} tokens) does not fit the context ({model.n_ctx} tokens)",
-                               code="context_length_exceeded", param="prompt")
-            prompt = list(p)
-            check_ids(prompt, "prompt")
+        best_of = req.candidates()
+        gen.check_generations(len(req.prompts()), best_of, req.n)  # (before any is tokenized)
+        prompts = [await completion_prompt(p) for p in req.prompts()]
         cid, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        echo = await asyncio.to_thread(model.detokenize, prompt) if req.echo else ""
         base = {"id": cid, "object": "text_completion", "created": now, "model": name}
 
-        def choice(text: str, finish: str | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+        def echoed(c: Choice) -> tuple[str, dict[str, Any] | None]:
+            """The echoed prompt's text and, with logprobs, its tokens' (scored: Job.score_prompts)."""
+            if not req.echo:
+                return "", None
+            sc = c.prompt.scored
+            return c.prompt.text, fmt.prompt_logprobs(sc, model.bos_token, token_bytes) if sc is not None else None
 
-        def chunk(ev: tuple[str, Any] | None) -> dict[str, Any]:
-            if ev is None:
-                return choice(echo)
+        def reply_logprobs(c: Choice, r: GenerationResult) -> dict[str, Any] | None:
+            return fmt.completion_logprobs(r, token_bytes, len(c.prompt.text))
+
+        def choice(c: Choice, text: str, logprobs: dict[str, Any] | None = None,
+                   finish: str | None = None) -> dict[str, Any]:
+            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        def chunk(c: Choice | None, ev: tuple[str, Any] | None) -> dict[str, Any]:
+            if c is None:  # ("usage", the results)
+                return {**base, "choices": [], "usage": fmt.usage(ev[1], best_of)}  # type: ignore[index]
+            if ev is None:  # the echo, with its tokens' logprobs
+                return {**base, "choices": [choice(c, *echoed(c))]}
             kind, v = ev
             if kind == "content":
-                return choice(v)
-            if kind == "usage":
-                return {**base, "choices": [], "usage": fmt.usage(v)}
-            r, _ = v
-            end = choice("", fmt.finish_reason(r))
-            end["choices"][0]["logprobs"] = completion_logprobs(r, len(echo))
-            return {**end, "clover": fmt.clover_stats(r)}
+                return {**base, "choices": [choice(c, v)]}
+            r, _ = v  # streamed: the reply's logprobs all with the last chunk
+            return {**base, "choices": [choice(c, "", reply_logprobs(c, r), fmt.finish_reason(r))],
+                    "clover": fmt.clover_stats(r)}
 
-        def final(r: GenerationResult) -> dict[str, Any]:
-            out = choice(echo + r.text, fmt.finish_reason(r))
-            out["choices"][0]["logprobs"] = completion_logprobs(r, len(echo))
-            return {**out, "usage": fmt.usage(r), "clover": fmt.clover_stats(r)}
+        def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:
+            choices = []
+            for c in kept:
+                r = c.result
+                assert r is not None
+                echo_text, echo_lp = echoed(c)
+                lp = fmt.joined(echo_lp, reply_logprobs(c, r)) if r.logprobs is not None else None
+                choices.append({**choice(c, echo_text + r.text, lp, fmt.finish_reason(r)),
+                                **per_choice_stats(kept, r)})
+            return {**base, "choices": choices, "usage": fmt.usage(results, best_of), "clover": first_choice_stats(kept)}
 
-        job = Job(req, lambda slot: slot.reuse(prompt), lambda slot: prompt, None, chunk, final)
+        job = Job(req, prompts, chunk, final, best_of=best_of,
+                  score_prompts=req.echo and req.logprobs is not None)
         return await gen.run(request, job, "prompt")
 
     return PublicPage(Guard(app, api_key, limits, on_error=lambda: setattr(metrics, "errors", metrics.errors + 1)))

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import GenerationResult
+from .. import GenerationResult, compat
+from ..compat import PromptLogprobs
 
 
 def finish_reason(r: GenerationResult) -> str:
-    return "length" if r.stats.finish_reason == "max_tokens" else "stop"
+    # (max_tokens 0: nothing generated and no reason from libclover, a budget spent all the same)
+    return "length" if r.stats.finish_reason == "max_tokens" or (not r.stats.finish_reason and not r.tokens) \
+        else "stop"
 
 
-def usage(r: GenerationResult) -> dict[str, Any]:
-    n_prompt = r.stats.n_prompt
-    return {"prompt_tokens": n_prompt, "completion_tokens": len(r.tokens), "total_tokens": n_prompt + len(r.tokens),
-            "prompt_tokens_details": {"cached_tokens": r.stats.n_reused}}
+def usage(rs: Sequence[GenerationResult], per_prompt: int = 1) -> dict[str, Any]:
+    """A request's usage: each prompt once (the first of its ``per_prompt`` generations), every
+    generated token (best_of's candidates too, as OpenAI counts them)."""
+    firsts = rs[::per_prompt]
+    n_prompt, n_out = sum(r.stats.n_prompt for r in firsts), sum(len(r.tokens) for r in rs)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.n_reused for r in firsts)}}
 
 
 def clover_stats(r: GenerationResult) -> dict[str, Any]:
@@ -39,12 +45,14 @@ def clover_stats(r: GenerationResult) -> dict[str, Any]:
 
 
 def canvas_event(offset: int, block_start: int, block_size: int, step: int, n_masked: int,
-                 tokens: list[str | None], steps: list[int | None], verified: bool) -> dict[str, Any]:
-    """One ``clover.canvas`` event (docs/server.md, "The canvas events"): the block after a
-    denoising step. ``offset``: the reply's token index of ``tokens[0]``; ``tokens``: each
-    position's text, None while masked; ``steps``: the step of this block that fixed it."""
-    return {"object": "clover.canvas", "offset": offset, "block_start": block_start, "block_size": block_size,
-            "step": step, "n_masked": n_masked, "tokens": tokens, "steps": steps, "verified": verified}
+                 tokens: list[str | None], steps: list[int | None], verified: bool, index: int = 0) -> dict[str, Any]:
+    """One ``clover.canvas`` event (docs/server.md, "The canvas events"): the block of choice
+    ``index`` after a denoising step. ``offset``: the reply's token index of ``tokens[0]``;
+    ``tokens``: each position's text, None while masked; ``steps``: the step of this block that
+    fixed it."""
+    return {"object": "clover.canvas", "index": index, "offset": offset, "block_start": block_start,
+            "block_size": block_size, "step": step, "n_masked": n_masked, "tokens": tokens, "steps": steps,
+            "verified": verified}
 
 
 def _text(b: bytes) -> str:
@@ -66,16 +74,21 @@ def chat_logprobs(r: GenerationResult, piece: Callable[[int], bytes]) -> dict[st
 
 
 def completion_logprobs(r: GenerationResult, piece: Callable[[int], bytes], offset: int) -> dict[str, Any] | None:
-    """The legacy completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions' logprobs of a reply (tokens, token_logprobs, top_logprobs: the N
+    most probable and the token's own, text_offset counted from the prompt's start: ``offset``
+    is where the reply's text starts)."""
     if r.logprobs is None:
         return None
-    tokens, offsets, tops = [], [], []
-    for i, t in enumerate(r.tokens):
-        text = _text(piece(t))
-        offsets.append(offset)
-        offset += len(text)
-        tokens.append(text)
-        if r.top_logprobs:
-            tops.append({_text(piece(tt)): tlp for tt, tlp in r.top_logprobs[i]})
-    return {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": tops or None,
-            "text_offset": offsets}
+    return compat.completion_logprobs(r.tokens, r.logprobs, r.top_logprobs, lambda t: _text(piece(t)), offset)
+
+
+def prompt_logprobs(scored: PromptLogprobs, bos: int, piece: Callable[[int], bytes]) -> dict[str, Any]:
+    """The same for an echoed prompt's tokens (from 0; the first one's log-probability null)."""
+    return compat.completion_logprobs(*compat.echoed_prompt(scored, bos), lambda t: _text(piece(t)), 0)
+
+
+def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two logprobs objects of consecutive text (an echoed prompt's, its reply's) as one."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from .. import CLOVER_ERR_CONTEXT_FULL, CLOVER_ERR_INVALID_ARG, Clover, CloverError, GenerationResult
+from ..compat import PromptLogprobs
 from . import format as fmt
 from .pool import ServerState, Slot
 from .tools import ToolPlan, ToolStream
@@ -29,16 +31,71 @@ from .types import APIError, Knobs, Limits
 
 
 @dataclass
+class Prompt:
+    """One prompt of a request, as the pool and its generations need it."""
+
+    score: Callable[[Slot], int]               # how many of its tokens a slot's memory holds
+    tokens_for: Callable[[Slot], list[int]]    # its tokens for that slot (on a thread)
+    chat_prompt: str | None = None             # a chat's rendered prompt: Clover.generate_chat's
+    text: str = ""                             # a completion's prompt text (echo's; the reply's offsets start after it)
+    #: echo with logprobs: its tokens' log-probabilities (Clover.prompt_logprobs, once per prompt)
+    scored: PromptLogprobs | None = None
+
+
+@dataclass
+class Choice:
+    """One generation of a request: its prompt, its seed, where it goes in the reply, its result."""
+
+    prompt: Prompt
+    seed: int | None
+    index: int
+    result: GenerationResult | None = None
+
+
+@dataclass
 class Job:
-    """One generation request, as the endpoints hand it to :meth:`Generator.run`."""
+    """One request, as the endpoints hand it to :meth:`Generator.run`: its prompts, each
+    generated ``best_of`` times (the ``req.n`` best are kept: ``choices`` in OpenAI's order)."""
 
     req: Knobs
-    score: Callable[[Slot], int]               # how many of the prompt's tokens a slot's memory holds
-    tokens_for: Callable[[Slot], list[int]]    # the prompt's tokens for that slot (on a thread)
-    chat_prompt: str | None                    # a chat's rendered prompt: Clover.generate_chat's
-    make_chunk: Callable[..., dict[str, Any]]
-    make_final: Callable[[GenerationResult], dict[str, Any]]
+    prompts: list[Prompt]
+    #: a streamed chunk of a choice: None (its start), ("content", text), ("call", (i, call)),
+    #: ("end", (result, tool stream)); or of the request: ("usage", the results)
+    make_chunk: Callable[[Choice | None, tuple[str, Any] | None], dict[str, Any]]
+    make_final: Callable[[list[Choice], list[GenerationResult]], dict[str, Any]]  # kept choices, all results
     tools: ToolPlan | None = None
+    best_of: int = 1
+    score_prompts: bool = False                # echo + logprobs: the prompts' tokens are scored too
+
+
+def seed_of(seed: int | None, k: int) -> int | None:
+    """The seed of a request's k-th generation: seed + k when one is given (each choice its own
+    stream, as llama-server's n), else None (a fresh random one, reported per choice)."""
+    if seed is None or seed == -1:
+        return None
+    if k == 0 or not 0 <= seed < 2**64:  # (out of range: the runtime's refusal, naming seed)
+        return seed
+    return (seed + k) % 2**64
+
+
+def best_score(r: GenerationResult) -> float:
+    """best_of's ranking: the mean log-probability per token, OpenAI's "highest log probability
+    per token" (an empty output: -inf, no token to judge it by)."""
+    return sum(r.logprobs) / len(r.logprobs) if r.logprobs else -math.inf
+
+
+def keep_best(choices: list[Choice], best_of: int, n: int) -> list[Choice]:
+    """Of each prompt's best_of generations the n best (by best_score, ties: the earlier), indexed
+    prompt by prompt as OpenAI orders them (prompt i's choices are i*n .. i*n + n - 1)."""
+    kept: list[Choice] = []
+    for i in range(0, len(choices), best_of):
+        group = choices[i:i + best_of]
+        if best_of > n:
+            group = sorted(group, key=lambda c: -best_score(c.result))[:n]  # type: ignore[arg-type]
+        for j, c in enumerate(group):
+            c.index = i // best_of * n + j
+            kept.append(c)
+    return kept
 
 
 def api_error(e: CloverError, param: str | None = None, req: Knobs | None = None) -> APIError:
@@ -57,8 +114,8 @@ class CanvasEvents:
     callback builds them on the decode thread; a pump thread reads the text stream; both go,
     in the order they happened, into one queue that the SSE loop reads."""
 
-    def __init__(self, model: Clover, n_prompt: int, verified: bool) -> None:
-        self.model, self.n_prompt, self.verified = model, n_prompt, verified
+    def __init__(self, model: Clover, n_prompt: int, verified: bool, index: int = 0) -> None:
+        self.model, self.n_prompt, self.verified, self.index = model, n_prompt, verified, index
         self.mask = model.mask_token
         self.q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.block = -1                       # block_start of the block being denoised
@@ -90,7 +147,7 @@ class CanvasEvents:
                 tokens.append(self.piece(t))
         offset = block_start + skip - self.n_prompt
         self.q.put(("canvas", fmt.canvas_event(offset, block_start, len(canvas), self.n_step, n_masked, tokens,
-                                               self.fixed[skip:], self.verified)))
+                                               self.fixed[skip:], self.verified, self.index)))
 
     def pump(self, it: Any) -> None:
         """Reads the text stream ``it`` into the queue on a thread of its own; then ("end", None)."""
@@ -180,7 +237,7 @@ class Generator:
                     stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos, draft_self=req.draft_self,
                     **given, **self.constraints(req, tools))
 
-    async def _wait_disconnect(self, request: Request, cancel: threading.Event) -> None:
+    async def wait_disconnect(self, request: Request, cancel: threading.Event) -> None:
         """Sets ``cancel`` when the client goes away (the body has been read: the next ASGI
         message is the disconnect)."""
         while not cancel.is_set():
@@ -190,129 +247,161 @@ class Generator:
                 self.st.metrics.cancelled += 1
                 return
 
-    def _shutting_down(self) -> APIError:
+    def shutting_down_error(self) -> APIError:
         return APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
 
+    def check_generations(self, n_prompts: int, best_of: int, n: int) -> None:
+        """A request's generations (prompts x best_of) within Limits.max_generations."""
+        total = n_prompts * best_of
+        if total > self.limits.max_generations:
+            field = "best_of" if best_of > n else "n"
+            raise APIError(400, f"{total} generations asked (prompts x {field}); at most "
+                                f"{self.limits.max_generations} per request", param=field)
+
     async def run(self, request: Request, job: Job, param: str) -> Any:
-        """The reply to ``job``: a JSON response, or server-sent events when it streams."""
-        st, limits, metrics = self.st, self.limits, self.st.metrics
-        assert st.pool is not None
-        pool = st.pool
-        req = job.req
+        """The reply to ``job``: a JSON response, or server-sent events when it streams. Its
+        generations run one after the other (each on the free context that holds the most of
+        its prompt), under one cancellation: a client that leaves stops them all."""
+        st, req = self.st, job.req
         if st.shutting_down:
-            raise self._shutting_down()
+            raise self.shutting_down_error()
         want_canvas = bool(req.stream_options and req.stream_options.include_canvas)
         if want_canvas and not req.stream:
             raise APIError(400, "stream_options.include_canvas needs stream: true", param="stream_options")
-        metrics.requests += 1
-        slot = await pool.acquire(job.score)
-        cancel = threading.Event()
-        slot.start(cancel)
-        released = False
+        self.check_generations(len(job.prompts), job.best_of, req.n)
+        choices = [Choice(p, seed_of(req.seed, k), k) for k, p in
+                   enumerate(p for p in job.prompts for _ in range(job.best_of))]
+        st.metrics.requests += 1
+        req_run = RequestRun(self, job, param, want_canvas)
+        if not req.stream:
+            return await req_run.reply(request, choices)
+        return await req_run.stream(choices)
 
-        async def finish(r: GenerationResult | None, prompt: list[int]) -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            if r is not None:
-                metrics.add(r, len(prompt))
-            await pool.release(slot)  # what its memory holds now, the next request reads from the model
 
-        def failed() -> APIError | None:
-            if slot.watchdog_fired:
-                return APIError(500, f"the generation made no progress for {limits.stuck_after:g} s and was "
-                                     "stopped (--stuck-timeout)", code="generation_stuck")
-            return self._shutting_down() if st.shutting_down else None
+class RequestRun:
+    """The generations of one request, one after the other, under one cancellation."""
 
+    def __init__(self, gen: Generator, job: Job, param: str, want_canvas: bool) -> None:
+        self.gen, self.job, self.param, self.want_canvas = gen, job, param, want_canvas
+        self.st, self.limits, self.metrics = gen.st, gen.limits, gen.st.metrics
+        self.cancel = threading.Event()
+        self.stuck = False   # the watchdog stopped one of them
+        req = job.req
+        # best_of ranks by logprobs: asked of the runtime even when the request does not want them
+        self.n_top = req.n_logprobs()
+        if self.n_top is None and job.best_of > req.n:
+            self.n_top = 0
+        self.want_logprobs = req.n_logprobs() is not None
+
+    def failed(self) -> APIError | None:
+        if self.stuck:
+            return APIError(500, f"the generation made no progress for {self.limits.stuck_after:g} s and was "
+                                 "stopped (--stuck-timeout)", code="generation_stuck")
+        return self.gen.shutting_down_error() if self.st.shutting_down else None
+
+    async def open(self, c: Choice) -> "OneGeneration":
+        """A slot for ``c``, its prompt's tokens, generate()'s arguments (a bad request: APIError,
+        the slot given back) and, for echo + logprobs, the prompt's scores."""
+        g = OneGeneration(self, c, await self.st.pool.acquire(c.prompt.score))  # type: ignore[union-attr]
         try:
             try:
-                prompt = await asyncio.to_thread(job.tokens_for, slot)
+                g.prompt = await asyncio.to_thread(c.prompt.tokens_for, g.slot)
+                g.kw = self.gen.gen_kwargs(self.job.req, len(g.prompt), self.param, self.job.tools)
+                g.kw.update(seed=c.seed, logprobs=self.n_top)
+                if self.job.score_prompts and c.prompt.scored is None:
+                    c.prompt.scored = await asyncio.to_thread(g.slot.model.prompt_logprobs, g.prompt, self.n_top or 0)
             except CloverError as e:
-                raise api_error(e, param) from None
-            kw = self.gen_kwargs(req, len(prompt), param, job.tools)
+                raise api_error(e, self.param) from None
         except BaseException:
-            await finish(None, [])
+            await g.finish(None)
+            raise
+        return g
+
+    def reported(self, r: GenerationResult) -> GenerationResult:
+        """``r`` as the reply shows it: logprobs asked only for best_of's ranking are left out."""
+        if not self.want_logprobs:
+            r.logprobs = r.top_logprobs = None
+        return r
+
+    async def reply(self, request: Request, choices: list[Choice]) -> JSONResponse:
+        job, req = self.job, self.job.req
+        watcher = asyncio.create_task(self.gen.wait_disconnect(request, self.cancel))
+        try:
+            for c in choices:
+                if self.cancel.is_set():
+                    break
+                g = await self.open(c)
+                result = None
+                try:
+                    result = await asyncio.to_thread(g.generate, False)
+                except CloverError as e:
+                    raise api_error(e, constraint_param(req), req) from None
+                except asyncio.CancelledError:
+                    if not self.st.shutting_down:
+                        raise
+                    # uvicorn gave up waiting at shutdown: answer (if anyone listens), do not log a traceback
+                    raise APIError(503, "the server is shutting down", code="shutting_down") from None
+                finally:
+                    await g.finish(result)
+                c.result = result
+        finally:
+            self.cancel.set()
+            watcher.cancel()
+        if (e := self.failed()) is not None:
+            raise e
+        if any(c.result is None for c in choices):  # (the client left: nobody reads this)
+            raise APIError(499, "the client closed the connection", code="client_closed")
+        kept = keep_best(choices, job.best_of, req.n)
+        results = [self.reported(c.result) for c in choices]  # type: ignore[arg-type]
+        return JSONResponse(job.make_final(kept, results))
+
+    async def stream(self, choices: list[Choice]) -> EventSourceResponse:
+        """Server-sent events: each choice's chunks in turn (best_of = n: every choice is kept,
+        in order). The first generation starts before the response, so a bad request is still
+        an HTTP error."""
+        job, req, metrics = self.job, self.job.req, self.metrics
+        first = await self.open(choices[0])
+        try:
+            await first.start()
+        except BaseException as e:
+            await first.finish(None)
+            if isinstance(e, CloverError):
+                raise api_error(e, constraint_param(req), req) from None
             raise
 
-        cv = CanvasEvents(slot.model, len(prompt), req.draft_self is True) if want_canvas else None
-
-        def on_step(canvas: list[int], n_masked: int, start: int) -> bool:
-            if cv is not None:
-                cv.step(canvas, n_masked, start)
-            return slot.step(n_masked, start)
-
-        def generate(stream: bool) -> Any:
-            call = dict(stream=stream, on_step=on_step, on_block=lambda text, toks: slot.block(), **kw)
-            if job.chat_prompt is not None:  # it reads the same tokens (chat_tokens) and keeps the exchange
-                return slot.model.generate_chat(job.chat_prompt, **call)
-            return slot.model.generate(prompt, **call)
-
-        if not req.stream:
-            watcher = asyncio.create_task(self._wait_disconnect(request, cancel))
-            result = None
-            try:
-                result = await asyncio.to_thread(generate, False)
-            except CloverError as e:
-                raise api_error(e, constraint_param(req), req) from None
-            except asyncio.CancelledError:
-                if not st.shutting_down:
-                    raise
-                # uvicorn gave up waiting at shutdown: answer (if anyone listens), do not log a traceback
-                raise APIError(503, "the server is shutting down", code="shutting_down") from None
-            finally:
-                cancel.set()
-                watcher.cancel()
-                await finish(result, prompt)
-            if (e := failed()) is not None:
-                raise e
-            return JSONResponse(job.make_final(result))
-
-        try:
-            it = await asyncio.to_thread(generate, True)
-        except CloverError as e:
-            await finish(None, prompt)
-            raise api_error(e, constraint_param(req), req) from None
-
-        def next_piece() -> str | None:
-            try:
-                return next(it)
-            except StopIteration:
-                return None
-
-        def next_item() -> tuple[str, Any] | None:
-            """("piece", text) or ("canvas", event); None at the end."""
-            if cv is None:
-                piece = next_piece()
-                return None if piece is None else ("piece", piece)
-            kind, v = cv.next()
-            return None if kind == "end" else (kind, v)
-
-        if cv is not None:
-            cv.pump(it)
-
         async def events() -> AsyncIterator[dict[str, str]]:
+            g: OneGeneration | None = first
+            results: list[GenerationResult] = []
             ended = False
-            ts = ToolStream(job.tools) if job.tools is not None and job.tools.active else None
             try:
-                yield {"data": json.dumps(job.make_chunk(None))}
-                while (item := await asyncio.to_thread(next_item)) is not None:
-                    kind, piece = item
-                    if kind == "canvas":
-                        yield {"event": "clover.canvas", "data": json.dumps(piece)}
-                        continue
-                    for ev in (ts.feed(piece) if ts else [("content", piece)]):
-                        yield {"data": json.dumps(job.make_chunk(ev))}
-                for ev in (ts.finish() if ts else []):
-                    yield {"data": json.dumps(job.make_chunk(ev))}
+                for c in choices:
+                    if g is None:
+                        try:
+                            g = await self.open(c)
+                            await g.start()
+                        except (APIError, CloverError) as e:
+                            ended = True
+                            metrics.errors += 1
+                            err = e if isinstance(e, APIError) else api_error(e, constraint_param(req), req)
+                            yield {"data": json.dumps(err.body())}
+                            return
+                    async for ev in g.events():
+                        yield ev
+                    ts, result = g.ts, await g.finish(None)
+                    g = None
+                    if (e := self.failed()) is not None:
+                        ended = True
+                        metrics.errors += 1
+                        yield {"data": json.dumps(e.body())}
+                        return
+                    if result is None:
+                        return
+                    c.result = self.reported(result)
+                    results.append(result)
+                    yield {"data": json.dumps(job.make_chunk(c, ("end", (result, ts))))}
                 ended = True
-                if (e := failed()) is not None:
-                    metrics.errors += 1
-                    yield {"data": json.dumps(e.body())}
-                    return
-                yield {"data": json.dumps(job.make_chunk(("end", (it.result, ts))))}
-                if (req.stream_options and req.stream_options.include_usage):
-                    yield {"data": json.dumps(job.make_chunk(("usage", it.result)))}
+                if req.stream_options and req.stream_options.include_usage:
+                    yield {"data": json.dumps(job.make_chunk(None, ("usage", results)))}
                 yield {"data": "[DONE]"}
             except CloverError as e:
                 metrics.errors += 1
@@ -322,8 +411,83 @@ class Generator:
                 with anyio.CancelScope(shield=True):
                     if not ended:
                         metrics.cancelled += 1
-                    cancel.set()
-                    await asyncio.to_thread(it.close)
-                    await finish(it.result, prompt)
+                    self.cancel.set()
+                    if g is not None:
+                        await g.finish(None)
 
         return EventSourceResponse(events(), ping=600)
+
+
+class OneGeneration:
+    """One generation of a request on its slot, from the slot's acquisition to its release."""
+
+    def __init__(self, run: RequestRun, choice: Choice, slot: Slot) -> None:
+        self.run, self.choice, self.slot = run, choice, slot
+        self.prompt: list[int] = []
+        self.kw: dict[str, Any] = {}
+        self.it: Any = None           # the stream (stream: true)
+        self.cv: CanvasEvents | None = None
+        self.ts: ToolStream | None = None  # a chat's tool calls, parsed out of the streamed text
+        self.released = False
+        slot.start(run.cancel)
+
+    def _on_step(self, canvas: list[int], n_masked: int, start: int) -> bool:
+        if self.cv is not None:
+            self.cv.step(canvas, n_masked, start)
+        return self.slot.step(n_masked, start)
+
+    def generate(self, stream: bool) -> Any:
+        """Clover.generate (or generate_chat: it reads the same tokens and keeps the exchange)."""
+        call = dict(stream=stream, on_step=self._on_step, on_block=lambda text, toks: self.slot.block(), **self.kw)
+        chat = self.choice.prompt.chat_prompt
+        if chat is not None:
+            return self.slot.model.generate_chat(chat, **call)
+        return self.slot.model.generate(self.prompt, **call)
+
+    async def finish(self, r: GenerationResult | None) -> GenerationResult | None:
+        """Gives the slot back (once): what its memory holds now, the next request reads from the model."""
+        if self.released:
+            return r
+        self.released = True
+        if self.it is not None:
+            await asyncio.to_thread(self.it.close)
+            r = self.it.result
+        if self.slot.watchdog_fired:
+            self.run.stuck = True
+        if r is not None:
+            self.run.metrics.add(r, len(self.prompt))
+        await self.run.st.pool.release(self.slot)  # type: ignore[union-attr]
+        return r
+
+    async def start(self) -> None:
+        """Starts the streamed generation (its argument errors: CloverError, here)."""
+        self.it = await asyncio.to_thread(self.generate, True)
+        if self.run.want_canvas:
+            self.cv = CanvasEvents(self.slot.model, len(self.prompt), self.run.job.req.draft_self is True,
+                                   self.choice.index)
+            self.cv.pump(self.it)
+
+    def _next_item(self) -> tuple[str, Any] | None:
+        """("piece", text) or ("canvas", event); None at the end."""
+        if self.cv is None:
+            try:
+                return "piece", next(self.it)
+            except StopIteration:
+                return None
+        kind, v = self.cv.next()
+        return None if kind == "end" else (kind, v)
+
+    async def events(self) -> AsyncIterator[dict[str, str]]:
+        """This choice's server-sent events up to its end (the caller sends its last chunk)."""
+        job, c = self.run.job, self.choice
+        self.ts = ToolStream(job.tools) if job.tools is not None and job.tools.active else None
+        yield {"data": json.dumps(job.make_chunk(c, None))}
+        while (item := await asyncio.to_thread(self._next_item)) is not None:
+            kind, piece = item
+            if kind == "canvas":
+                yield {"event": "clover.canvas", "data": json.dumps(piece)}
+                continue
+            for ev in (self.ts.feed(piece) if self.ts else [("content", piece)]):
+                yield {"data": json.dumps(job.make_chunk(c, ev))}
+        for ev in (self.ts.finish() if self.ts else []):
+            yield {"data": json.dumps(job.make_chunk(c, ev))}

@@ -39,6 +39,7 @@ class Limits:
     max_connections: int = 512
     max_connections_per_client: int = 64
     max_stop: int = 16                 # stop strings per request
+    max_generations: int = 128         # generations per request: prompts x best_of (chat: x n); OpenAI's n cap
 
 
 # ----------------------------------------------------------------------------- errors
@@ -207,7 +208,7 @@ class Knobs(BaseModel):
     top_k: int | None = None
     seed: int | None = None  # None or -1: a fresh random seed
     stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)  # choices per prompt, each its own seed (seed + i when given)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)  # an end-user id (OpenAI's): not used for output
@@ -373,14 +374,31 @@ class ChatRequest(Knobs):
 
 
 class CompletionRequest(Knobs):
-    prompt: Union[str, list[str], list[int]]
-    echo: bool = False
+    # a text, token ids, or a list of either (one choice per prompt x n)
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False  # the prompt before the reply (with logprobs: the prompt's tokens scored too)
     suffix: str | None = None
-    best_of: int = Field(default=1, ge=1, le=1)
+    best_of: int | None = Field(default=None, ge=1)  # candidates per prompt (None: n); the n best are kept
     logprobs: int | None = None  # the legacy API's: the N most probable (range: libclover's)
 
     def n_logprobs(self) -> int | None:
         return self.logprobs
+
+    def candidates(self) -> int:
+        """Generations per prompt: best_of (at least n, as OpenAI; it cannot stream when above n)."""
+        best_of = self.n if self.best_of is None else self.best_of
+        if best_of < self.n:
+            raise APIError(400, f"best_of ({best_of}) must be at least n ({self.n})", param="best_of")
+        if best_of > self.n and self.stream:
+            raise APIError(400, "best_of above n cannot stream (the best are known at the end)", param="best_of")
+        return best_of
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts: each a text or token ids ([] stays one empty prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(BaseModel):
