@@ -8,9 +8,9 @@ from typing import Any
 
 from . import _native as N
 
-__all__ = ["CloverError", "CloverValueError", "CloverTypeError", "set_verbosity", "CLOVER_OK", "CLOVER_ERR_INVALID_ARG",
-           "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE", "CLOVER_ERR_CANCELLED", "CLOVER_ERR_CONTEXT_FULL",
-           "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL"]
+__all__ = ["CloverError", "CloverValueError", "CloverTypeError", "set_verbosity", "show_notices", "CLOVER_OK",
+           "CLOVER_ERR_INVALID_ARG", "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE", "CLOVER_ERR_CANCELLED",
+           "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL"]
 
 # libclover's status codes (clover.h, enum clover_status): the values of CloverError.status
 CLOVER_OK = N.CLOVER_OK
@@ -80,6 +80,15 @@ def set_verbosity(level: int) -> None:
     global _verbosity
     _verbosity = int(level)
     lib().clover_set_verbosity(_verbosity)
+
+
+def show_notices(on: bool = True) -> None:
+    """libclover's notice of a slow step before the first token (measuring the cost curve of
+    block size auto, once per process) on stderr: the command lines show it; a library shows it
+    only at verbosity 1 and up."""
+    f = lib().clover_set_notices  # (not yet in _native's table: clover.h is being changed)
+    f.argtypes, f.restype = [ctypes.c_int], None
+    f(int(on))
 
 
 def check(status: int, err: Any, what: str = "") -> None:

@@ -67,6 +67,10 @@ constexpr int k_max_depth = 64;
 // integer bounds the converter writes exactly (build_min_max_int writes at most 16 digits)
 constexpr double k_max_bound = 1e15;
 
+// llama.cpp's grammar parser refuses a repetition past this many times and reads a larger upper
+// bound as none at all (llama-grammar.cpp, MAX_REPETITION_THRESHOLD): counts above it are refused
+constexpr int64_t k_max_repeat = 2000;
+
 uint32_t type_bits(const std::string & name) {
     static const std::map<std::string, uint32_t> bits = {
         {"null", T_NULL}, {"boolean", T_BOOLEAN}, {"integer", T_INTEGER}, {"number", T_NUMBER},
@@ -327,7 +331,7 @@ class keyword_check {
         if (s.contains("items") && s.contains("prefixItems")) {
             refuse(path, "prefixItems", "beside items the converter reads items alone");
         }
-        const int64_t min_items = count(s, "minItems"), max_items = count(s, "maxItems");
+        const int64_t min_items = count(s, "minItems", path), max_items = count(s, "maxItems", path);
         if (max_items >= 0 && min_items > max_items) {
             refuse(path, "minItems", "above maxItems: no array is valid");
         }
@@ -351,11 +355,38 @@ class keyword_check {
     }
 
     // a count keyword (minItems, minLength, ...), -1 when absent or not one (the converter refuses those)
-    static int64_t count(const json & s, const char * key) {
+    static int64_t count(const json & s, const char * key, const std::string & path) {
         if (!s.contains(key) || !s.at(key).is_number_integer()) {
             return -1;
         }
+        if (s.at(key).get<double>() > (double) k_max_repeat) {
+            refuse(path, key, "above " + std::to_string(k_max_repeat) + ", the most repetitions llama.cpp's grammar takes");
+        }
         return s.at(key).get<int64_t>();
+    }
+
+    // the largest count of a {m}, {m,} or {m,n} in a pattern (0: none)
+    static int64_t largest_repeat(const std::string & pattern) {
+        int64_t largest = 0;
+        for (size_t i = 0; i < pattern.size(); i++) {
+            if (pattern[i] == '\\') {
+                i++;  // an escaped character, a brace included
+                continue;
+            }
+            if (pattern[i] != '{') {
+                continue;
+            }
+            for (size_t j = i + 1; j < pattern.size() && pattern[j] != '}';) {  // its numbers
+                const size_t end = std::min(pattern.find_first_not_of("0123456789", j), pattern.size());
+                if (end == j) {
+                    j++;  // the comma
+                    continue;
+                }
+                largest = std::max(largest, end - j > 9 ? INT64_MAX : (int64_t) std::stoll(pattern.substr(j, end - j)));
+                j = end;
+            }
+        }
+        return largest;
     }
 
     static void string(const json & s, const std::string & path) {
@@ -376,6 +407,10 @@ class keyword_check {
             if (lengths) {
                 refuse(path, length_key, "beside pattern the converter writes the pattern alone");
             }
+            if (s.at("pattern").is_string() && largest_repeat(s.at("pattern").get<std::string>()) > k_max_repeat) {
+                refuse(path, "pattern", "repeats something more than " + std::to_string(k_max_repeat) +
+                       " times, the most llama.cpp's grammar takes");
+            }
             if (s.at("pattern").is_string() && !pattern_supported(s.at("pattern").get<std::string>())) {
                 refuse(path, "pattern", s.at("pattern").get<std::string>() + " is not one llama.cpp's converter can "
                        "write (it needs ^...$ around a pattern without lookarounds, anchors inside or \\d-style classes)");
@@ -383,7 +418,7 @@ class keyword_check {
         } else if (s.contains("format") && lengths) {
             refuse(path, length_key, "beside format the converter writes the format alone");
         }
-        const int64_t min_length = count(s, "minLength"), max_length = count(s, "maxLength");
+        const int64_t min_length = count(s, "minLength", path), max_length = count(s, "maxLength", path);
         if (max_length >= 0 && min_length > max_length) {
             refuse(path, "minLength", "above maxLength: no string is valid");
         }

@@ -397,6 +397,23 @@ void calib_store(const clover_context * c, const std::string & dir, const std::s
     }
 }
 
+// The measurement can take many seconds on a large model, before the first token:
+// one line says so, once per process, where a front end asked for its notices (clover_set_notices:
+// the command lines) or at verbosity 1 and up; a quiet library prints nothing.
+static std::atomic<bool> g_notices{false};
+static std::once_flag    g_measuring_said;
+
+static void say_measuring(const std::string & dir) {
+    if (!g_notices.load() && g_verbosity.load() < 1) {
+        return;
+    }
+    std::call_once(g_measuring_said, [&] {
+        fprintf(stderr, "clover: measuring the cost curve of block size auto (once per model file and machine%s)\n",
+                dir.empty() ? "" : ("; kept in " + dir).c_str());
+        fflush(stderr);
+    });
+}
+
 // The cost curve from the disk cache, else measured (and stored).
 int calibrate_cached(clover_context * c, std::string & msg) {
     const std::string dir = c->use_calib_cache ? calib_cache_dir() : "";
@@ -413,6 +430,7 @@ int calibrate_cached(clover_context * c, std::string & msg) {
                     path.c_str());
         }
     }
+    say_measuring(dir);
     const int rc = calibrate_impl(c, msg);
     if (rc != CLOVER_OK) {
         return rc;
@@ -570,6 +588,11 @@ int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const dou
         auto_reset_running(ctx);
         return CLOVER_OK;
     });
+}
+
+// The command lines' switch for the measuring notice (say_measuring); to be declared in clover.h.
+CLOVER_API void clover_set_notices(int on) {
+    g_notices.store(on != 0);
 }
 
 } // extern "C"

@@ -493,7 +493,8 @@ CLOVER_API int32_t clover_stop_matcher_hit(const clover_stop_matcher * m);
  * lookarounds), minLength / maxLength and format date, time, date-time, uuid (a date's day is
  * 01-31 whatever the month), const, enum, $ref into the same document ($defs), anyOf, oneOf whose
  * alternatives exclude each other (by type, constants, or a required property's const), allOf of
- * objects or of enums; annotations (title, description, default, examples, ...) are ignored.
+ * objects or of enums; counts (minItems, maxItems, minLength, maxLength, a pattern's {m,n}) up to
+ * 2000, the most llama.cpp's grammar repeats; annotations (title, description, ...) are ignored.
  * Any other keyword, or one where the converter would not enforce it (a number's minimum,
  * multipleOf, not, format email, pattern beside format, ...), is refused, never dropped:
  * CLOVER_ERR_INVALID_ARG with err naming the keyword and its path ("JSON schema: 'multipleOf'

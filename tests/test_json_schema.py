@@ -116,6 +116,10 @@ REFUSED = [
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2}, "'minItems' at #"),
     ({"type": "boolean", "nullable": True}, "'nullable' at #"),
     ({"const": 3, "type": "string"}, "'type' at #"),
+    # llama.cpp's grammar reads an upper bound past 2000 as none, and a count past 2^32 wrapped
+    ({"type": "array", "items": {"type": "integer"}, "maxItems": 5000}, "'maxItems' at #"),
+    ({"type": "string", "minLength": 4294967297}, "'minLength' at #"),
+    ({"type": "string", "pattern": "^a{1,5000}$"}, "'pattern' at #"),
 ]
 
 
@@ -148,6 +152,7 @@ def test_a_keyword_the_converter_cannot_enforce_is_refused_by_name(schema, where
     {"enum": ["a", "b"], "minimum": 3},                         # the values are strings: minimum holds
     {"properties": {"a": {"type": "integer"}}, "maxItems": 2},  # an object is written: maxItems holds
     {"type": "string", "title": "t", "description": "d", "default": "x", "examples": ["y"], "$comment": "c"},
+    {"type": "string", "pattern": "^\\{[0-9]{1,2000}\\}$"},     # (escaped braces repeat nothing)
 ])
 def test_keywords_that_hold_on_every_written_value_are_accepted(schema) -> None:
     assert "root ::=" in _grammar(schema)

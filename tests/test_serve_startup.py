@@ -2,10 +2,12 @@
 loads (it used to print the banner, load the model, then fail); the banner comes once the port
 is bound and the model loaded, with the port bound (``--port 0``: the one the system chose);
 ``--alias NAME`` is the model's id in the API (llama-server's --alias); ``--access-log`` gives
-uvicorn's line per request (on stdout, as uvicorn writes it)."""
+uvicorn's line per request (on stdout, as uvicorn writes it); the first request of block size
+auto says on stderr that it measures the cost curve."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -41,9 +43,10 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path: Path) -> Non
 class _Serving:
     """`clover serve --port 0 ARGS` until the banner (stderr); stop() returns its stderr, stdout."""
 
-    def __init__(self, gguf: Path, *args: str) -> None:
+    def __init__(self, gguf: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(_cli("-m", str(gguf), "--port", "0", "-c", "512", "-t", "1", *args),
-                                     stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -67,8 +70,8 @@ def gguf(tiny_artifacts) -> Path:
     return tiny_artifacts["f32"]
 
 
-def test_the_banner_names_the_bound_port_and_alias_names_the_model(gguf: Path) -> None:
-    s = _Serving(gguf, "--alias", "my-model")
+def test_the_banner_names_the_bound_port_and_alias_names_the_model(gguf: Path, tmp_path: Path) -> None:
+    s = _Serving(gguf, "--alias", "my-model", env={"CLOVER_CACHE_DIR": str(tmp_path)})
     try:
         assert s.port != 0
         # the port is bound before the banner: the first request is answered, no retry needed
@@ -82,6 +85,8 @@ def test_the_banner_names_the_bound_port_and_alias_names_the_model(gguf: Path) -
     finally:
         err, out = s.stop()
     assert "GET /v1/models" not in err + out  # no access log unless asked
+    # the first request of block size auto measured the cost curve (the notice of the command lines)
+    assert err.count("clover: measuring the cost curve of block size auto") == 1, err
 
 
 def test_access_log(gguf: Path) -> None:

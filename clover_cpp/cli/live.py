@@ -106,6 +106,9 @@ def generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any =
     """Run one generation, writing prefix then its text to stdout (live view or plain streaming).
     The prefix (the echoed prompt) is written once the generation runs: a refused call (the
     context too small, a bad argument) prints only its one-line error."""
+    from ..errors import show_notices
+
+    show_notices()  # "measuring the cost curve" before a first block size auto (seconds of silence else)
     if visual:
         # tokenize here so that the view knows which canvas positions hold the prompt
         if chat_messages is not None:

@@ -20,6 +20,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import Clover
+from ..errors import show_notices
 from .app import create_app
 from .asgi import check_api_key
 from .pool import ServerState
@@ -155,6 +156,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
             # barriers, so one preempted by the server's own threads stalls the others (measured on
             # 2 cores, --parallel 1: 17.6 req/s with 1 thread, 11.3 with 2, and 2.9 with 2 clients)
             n_threads = max(1, ((os.cpu_count() or 1) - 1) // parallel)
+        show_notices()  # the first request of block size auto measures the cost curve: the log says so
         model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
                        rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor)
         try:
