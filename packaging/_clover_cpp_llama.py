@@ -22,7 +22,10 @@ class _ImportCloverFirst:
                 try:
                     import clover_cpp  # noqa: F401
                 except Exception:  # noqa: BLE001 - a broken clover-cpp must not break llama_cpp's import
-                    pass
+                    return None
+                import importlib.util
+
+                return importlib.util.find_spec(name)  # through the finder clover_cpp has just put first
         return None
 
 
