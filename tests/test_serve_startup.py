@@ -40,6 +40,13 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path: Path) -> Non
     assert p.stderr.splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"], p.stderr
 
 
+def test_an_address_this_machine_lacks_is_one_line(tmp_path: Path) -> None:
+    p = subprocess.run(_cli("-m", str(tmp_path / "missing.gguf"), "--host", "192.0.2.1", "--port", "8080"),
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # (TEST-NET-1)
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("error: cannot listen on 192.0.2.1:8080: "), p.stderr
+
+
 class _Serving:
     """`clover serve --port 0 ARGS` until the banner (stderr); stop() returns its stderr, stdout."""
 

@@ -131,12 +131,19 @@ class _Server(uvicorn.Server):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads: a port in use (or an address this
-    machine does not have) is an OSError of one line at once, not a failure after the load."""
+    """The listening socket, before the model loads: a port in use (or an address this machine
+    does not have) is an OSError of one line at once, not a failure after the load; a client that
+    connects during the load waits in the backlog. (socket.create_server's message would name
+    the address twice.)"""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own bind
+        sock.bind((host, port))
+        sock.listen()
     except OSError as e:
-        raise OSError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
