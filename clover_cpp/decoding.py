@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import math
 import queue
 import secrets
 import threading
@@ -104,12 +105,26 @@ class GenerationStats:
 
 @dataclass
 class Perplexity:
-    """Clover.perplexity's figure: exp of the mean next-token negative log-likelihood."""
+    """Clover.perplexity's figure: exp of the mean next-token negative log-likelihood, and
+    llama-perplexity's +/- estimate of it."""
 
     ppl: float
     n_tokens: int   # positions scored
     n_chunks: int
     n_ctx: int
+    #: the standard error of the mean negative log-likelihood times the perplexity (llama-perplexity's
+    #: "+/-"); nan with fewer than two positions scored
+    uncertainty: float = math.nan
+
+    @classmethod
+    def of_sums(cls, nll: float, nll2: float, count: int, n_chunks: int, n_ctx: int) -> "Perplexity":
+        """From the sums of the scored positions' negative log-likelihoods and of their squares,
+        as llama-perplexity's perplexity() ends."""
+        mean = nll / count
+        ppl = math.exp(mean)
+        variance = nll2 / count - mean * mean
+        uncertainty = math.sqrt(variance / (count - 1)) * ppl if count > 1 and variance > 0 else math.nan
+        return cls(ppl=ppl, n_tokens=count, n_chunks=n_chunks, n_ctx=n_ctx, uncertainty=uncertainty)
 
 
 @dataclass

@@ -5,7 +5,6 @@ the cost curve of block_size="auto" (calibrate / set_cost_curve)."""
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,31 +116,38 @@ class ContextPasses:
             check(st, err)
             return out[: len(toks)]
 
-    def perplexity(self, text: str | Sequence[int], n_ctx: int = 512) -> "Perplexity":
+    def perplexity(self, text: str | bytes | Sequence[int], n_ctx: int = 512,
+                   n_chunks: int | None = None) -> "Perplexity":
         """Perplexity of the causal model over a text, computed as llama-perplexity computes it:
-        the tokens (with BOS when the model adds one) in chunks of n_ctx, each on an empty
-        memory with its first token replaced by BOS, scoring the second half of every chunk
-        (each position predicted from the one before it). Leaves the memory empty."""
-        toks = self.tokenize(text, add_special=True) if isinstance(text, str) else self._tokens(text)
-        n_ctx = int_arg("n_ctx", n_ctx, 2, self.n_ctx)
-        n_chunk = len(toks) // n_ctx
-        if n_chunk < 2:
+        the text tokenized as plain text (special-token text such as ``<|im_end|>`` is not parsed;
+        BOS when the model adds one), in chunks of n_ctx (at most n_chunks of them, all when
+        None), each on an empty memory with its first token replaced by BOS, scoring the second
+        half of every chunk (each position predicted from the one before it). Leaves the memory
+        empty."""
+        is_text = isinstance(text, (str, bytes))
+        toks = self.tokenize(text, add_special=True, parse_special=False) if is_text else self._tokens(text)
+        n_ctx = int_arg("n_ctx", n_ctx, 3, self.n_ctx)  # (3: one position of each chunk scored)
+        if len(toks) < 2 * n_ctx:
             raise CloverValueError(f"perplexity needs at least {2 * n_ctx} tokens (2 chunks of n_ctx={n_ctx}), "
                                    f"the text has {len(toks)}")
+        n_chunk = len(toks) // n_ctx
+        if n_chunks is not None:
+            n_chunk = min(n_chunk, int_arg("n_chunks", n_chunks, 1))
         bos = self.bos_token
-        first, nll, count = n_ctx // 2, 0.0, 0
+        first, nll, nll2, count = n_ctx // 2, 0.0, 0.0, 0
         with self._op():
             for i in range(n_chunk):
                 chunk = toks[i * n_ctx:(i + 1) * n_ctx]
-                if bos >= 0 and isinstance(text, str):
+                if bos >= 0 and is_text:
                     chunk[0] = bos
                 self.reset()
                 logits = self.commit(chunk, logits=True).astype(np.float64)
                 rows = logits[first:n_ctx - 1]
                 m = rows.max(axis=1, keepdims=True)
                 logp = rows - m - np.log(np.exp(rows - m).sum(axis=1, keepdims=True))
-                nll -= float(logp[np.arange(len(rows)), chunk[first + 1:]].sum())
+                token_nll = -logp[np.arange(len(rows)), chunk[first + 1:]]
+                nll += float(token_nll.sum())
+                nll2 += float((token_nll ** 2).sum())
                 count += len(rows)
             self.reset()
-        return Perplexity(ppl=math.exp(nll / count), n_tokens=count, n_chunks=n_chunk, n_ctx=n_ctx)
-
+        return Perplexity.of_sums(nll, nll2, count, n_chunk, n_ctx)

@@ -451,8 +451,8 @@ def test_perplexity(files, tmp_path: Path) -> None:
     for args in ([text, "-c", n_ctx], ["-f", text, "--ctx-size", n_ctx]):
         res = invoke(["perplexity", "-m", files["model"], *args, "-t", "1"])
         assert res.exit_code == 0, res.output
-        got = re.fullmatch(r"Final estimate: PPL = ([0-9]+\.[0-9]{4}) \((\d+) chunks of (\d+) tokens, (\d+) positions "
-                           r"scored\)\n", res.stdout)
+        got = re.fullmatch(r"Final estimate: PPL = ([0-9]+\.[0-9]{4}) \+/- [0-9]+\.[0-9]{5} \((\d+) chunks of (\d+) "
+                           r"tokens, (\d+) positions scored\)\n", res.stdout)
         assert got, res.stdout
         assert float(got.group(1)) == pytest.approx(want, rel=1e-4)
         assert [int(g) for g in got.groups()[1:]] == [n_chunks, n_ctx, n_scored]
