@@ -3,7 +3,8 @@
 #
 #   ./dev.sh demo    set up everything, then convert + generate on the embedded default model
 #   ./dev.sh test    set up everything, then run the whole test suite
-#   ./dev.sh setup   only the set-up (venv, pip install -e .: pinned llama.cpp + our patches, native build)
+#   ./dev.sh setup   only the set-up (venv, pip install -e .: pinned llama.cpp + our patches, native build,
+#                    llama.cpp's tools: llama-cli, llama-server, llama-perplexity, ... in build/bin)
 #   ./dev.sh bench   set up, build the benchmark tools, run the benchmarks
 #   ./dev.sh asan    build libllama + libclover with AddressSanitizer, run the decoding tests on it
 #   ./dev.sh upstream-tests  build llama.cpp's own tests on the patched tree, run them with ctest
@@ -108,11 +109,15 @@ build_native() {
     fi
 }
 
-setup() { setup_python; build_native "$@"; setup_llama_cpp_python; }
+# llama.cpp's own tools, from the same patched tree: they run clover GGUFs causally (B = 1;
+# tests/test_llama_tools.py, tests/test_causal_path.py). The package build makes only what the wheel
+# ships; on two cores they add ~16 min to a first set-up (ccache: seconds after that).
+LLAMA_TOOLS=(llama-cli llama-server llama-completion llama-perplexity llama-bench llama-tokenize llama-quantize
+             llama-imatrix llama-gguf-split)
+setup() { setup_python; build_native "${LLAMA_TOOLS[@]}" "$@"; setup_llama_cpp_python; }
 
-# llama.cpp's own tools that the tests run on clover GGUFs (the causal path: tests/test_causal_path.py,
-# tests/test_semantics.py); the package build makes only what the wheel ships
-TEST_TOOLS=(llama-perplexity llama-bench llama-simple llama-quantize)
+# the other llama.cpp programs the tests run (tests/test_semantics.py)
+TEST_TOOLS=(llama-simple)
 
 # The native decoding tests, the fuzz corpus and the hardening tests once more, on an
 # AddressSanitizer + UndefinedBehaviorSanitizer build of libllama + libclover + clover-cli.
@@ -321,7 +326,7 @@ case "${1:-}" in
     test)  setup "${TEST_TOOLS[@]}"; shift; run_tests "$@" ;;
     asan)  setup; asan ;;
     upstream-tests) shift; upstream_tests "$@" ;;
-    bench) setup llama-bench llama-diffusion-cli llama-quantize; shift; "$PY" benchmarks/run_all.py "$@" ;;
+    bench) setup llama-diffusion-cli; shift; "$PY" benchmarks/run_all.py "$@" ;;
     vulkan) shift; vulkan "$@" ;;
     cuda-compile) shift; cuda_compile "$@" ;;
     *)     sed -n '2,20p' "$0"; exit 2 ;;
