@@ -86,9 +86,7 @@ def show_notices(on: bool = True) -> None:
     """libclover's notice of a slow step before the first token (measuring the cost curve of
     block size auto, once per process) on stderr: the command lines show it; a library shows it
     only at verbosity 1 and up."""
-    f = lib().clover_set_notices  # (not yet in _native's table: clover.h is being changed)
-    f.argtypes, f.restype = [ctypes.c_int], None
-    f(int(on))
+    lib().clover_set_notices(int(on))
 
 
 def check(status: int, err: Any, what: str = "") -> None:

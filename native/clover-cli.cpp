@@ -491,6 +491,7 @@ int main(int argc, char ** argv) {
         die("the grammar contains a NUL byte");
     }
     clover_set_verbosity(verbose);
+    clover_set_notices(1); // (a command line says when it measures the cost curve)
 
     char err[1024];
     if (!rpc_servers.empty()) {

@@ -590,7 +590,7 @@ int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const dou
     });
 }
 
-// The command lines' switch for the measuring notice (say_measuring); to be declared in clover.h.
+// The command lines' switch for the measuring notice (say_measuring)
 CLOVER_API void clover_set_notices(int on) {
     g_notices.store(on != 0);
 }

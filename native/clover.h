@@ -93,6 +93,10 @@ CLOVER_API const char * clover_status_str(int status);
  * error messages), 1 = errors and warnings to stderr, 2 = everything to stderr. */
 CLOVER_API void clover_set_verbosity(int level);
 
+/* Notices of a slow step before the first token (measuring the cost curve of block size auto,
+ * once per process) on stderr: 1 = always (the command lines), 0 (default) = at verbosity >= 1 only. */
+CLOVER_API void clover_set_notices(int on);
+
 /* ---------------------------------------------------------------- model */
 typedef struct clover_model_params {
     int32_t n_gpu_layers; /* layers to offload (0 = CPU only, -1 = all); default 0 */

@@ -36,6 +36,22 @@ def test_the_command_line_says_it_measures_once_then_not(tiny_artifacts, tmp_pat
     assert _clover_run(gguf, cache) == []  # from the disk cache
 
 
+def test_clover_cli_says_it_measures_once_then_not(tiny_artifacts, tmp_path: Path) -> None:
+    cli = Path(__file__).resolve().parents[1] / "build" / "bin" / "clover-cli"
+    if not cli.exists():
+        pytest.skip("clover-cli is built by ./dev.sh setup")
+    gguf, cache = tiny_artifacts["f32"], tmp_path / "cache"
+
+    def notices() -> list[str]:
+        p = subprocess.run([str(cli), "-m", str(gguf), "-p", "def f(x):", "-n", "8", "-t", "1"], capture_output=True,
+                           text=True, timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "CLOVER_CACHE_DIR": str(cache)})
+        assert p.returncode == 0, p.stderr
+        return [ln for ln in p.stderr.splitlines() if ln.startswith("clover: measuring")]
+
+    assert notices() == [NOTICE.format(cache)]
+    assert notices() == []
+
+
 @pytest.mark.parametrize("verbose", [False, True])
 def test_the_library_says_it_only_when_verbose(tiny_artifacts, tmp_path: Path, verbose: bool) -> None:
     code = (f"from clover_cpp import Clover\nwith Clover({str(tiny_artifacts['f32'])!r}, n_ctx=256, n_threads=1, "
