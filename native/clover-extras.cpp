@@ -340,24 +340,27 @@ void gen_extras::take_block() {
     block_top_lp.clear();
 }
 
-void gen_extras::report(const clover_generate_params & gp, int32_t n_gen, clover_stats * stats) const {
-    if (stats) {
-        stats->grammar_mode = !smpl ? 0 : draft_self ? 2 : 1;
-    }
-    if (!want_lp || n_gen <= 0) {
+void gen_extras::publish(const clover_generate_params & gp, int32_t from, int32_t to) const {
+    if (!want_lp || to <= from) {
         return;
     }
+    // (a token without a record: NaN, and -1 for its top tokens)
     const float   nan  = std::numeric_limits<float>::quiet_NaN();
-    const int32_t have = std::min<int32_t>(n_gen, (int32_t) gen_lp.size());
-    if (gp.logprobs) {
-        std::copy(gen_lp.begin(), gen_lp.begin() + have, gp.logprobs);
-        std::fill(gp.logprobs + have, gp.logprobs + n_gen, nan);
+    const int32_t have = std::min<int32_t>(to, (int32_t) gen_lp.size());
+    for (int32_t i = from; i < to; ++i) {
+        if (gp.logprobs) {
+            gp.logprobs[i] = i < have ? gen_lp[i] : nan;
+        }
+        for (size_t j = (size_t) i * n_top; j < (size_t) (i + 1) * n_top; ++j) {
+            gp.top_tokens[j]   = i < have ? gen_top_tok[j] : -1;
+            gp.top_logprobs[j] = i < have ? gen_top_lp[j] : nan;
+        }
     }
-    if (n_top > 0) {
-        std::copy(gen_top_tok.begin(), gen_top_tok.begin() + (size_t) have * n_top, gp.top_tokens);
-        std::copy(gen_top_lp.begin(), gen_top_lp.begin() + (size_t) have * n_top, gp.top_logprobs);
-        std::fill(gp.top_tokens + (size_t) have * n_top, gp.top_tokens + (size_t) n_gen * n_top, -1);
-        std::fill(gp.top_logprobs + (size_t) have * n_top, gp.top_logprobs + (size_t) n_gen * n_top, nan);
+}
+
+void gen_extras::report(clover_stats * stats) const {
+    if (stats) {
+        stats->grammar_mode = !smpl ? 0 : draft_self ? 2 : 1;
     }
 }
 

@@ -282,8 +282,11 @@ class gen_extras {
     void verified(const float * row, int32_t tok);
     // the block's output joins the generation's (the grammar accepts it, unless a verification did)
     void take_block();
-    // the first n_gen records into gp's buffers; stats->grammar_mode
-    void report(const clover_generate_params & gp, int32_t n_gen, clover_stats * stats) const;
+    // the records of output tokens [from, to) into gp's logprob buffers (each block's as it is
+    // committed, before the block callback: clover.h)
+    void publish(const clover_generate_params & gp, int32_t from, int32_t to) const;
+    // stats->grammar_mode
+    void report(clover_stats * stats) const;
 
   private:
     bool allows(llama_sampler * g, int32_t tok) const;

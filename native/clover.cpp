@@ -235,6 +235,7 @@ struct decode_run {
         }
         const int32_t old_visible = visible;
         visible                   = std::max(visible, std::min(new_visible, gp.max_tokens));
+        ex.publish(gp, old_visible, visible); // (the callback may read the block's logprobs)
         return gp.block_callback ? gp.block_callback(start, gen.data() + old_visible, visible - old_visible,
                                                      gp.user_data)
                                  : 0;
@@ -468,7 +469,7 @@ struct decode_run {
             stats->tokens_per_verification =
                 n_verifications > 0 ? (double) (n_accepted + n_verifications) / n_verifications : 0.0;
         }
-        ex.report(gp, n_gen, stats);
+        ex.report(stats);
     }
 };
 

@@ -270,7 +270,11 @@ typedef int (*clover_step_callback)(int32_t block_start, const int32_t * canvas,
 /* Called once per finished block with the tokens it adds to the output (the generated
  * positions, already cut at EOS / max_tokens; n_tokens may be 0; valid during the call
  * only). The concatenation of everything passed to it equals the final output. Called
- * before the block is committed; return nonzero to cancel (stop now). */
+ * before the block is committed; return nonzero to cancel (stop now). With logprobs buffers
+ * (clover_generate_params.logprobs / top_*), the block's tokens' entries are written before
+ * the call: output token i (counted over the whole output, tokens[0] is the output's token
+ * n_before, the sum of the n_tokens of the calls before) is read at logprobs[i] and row i of
+ * top_tokens / top_logprobs, during the call or later. */
 typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens, int32_t n_tokens,
                                      void * user_data);
 
@@ -340,7 +344,9 @@ typedef struct clover_generate_params {
      * block size 1). NULL = not computed; else max_tokens floats. n_top_logprobs in [0, 20]:
      * top_tokens / top_logprobs (max_tokens * n_top_logprobs entries each; row i = output token
      * i) receive the n most probable tokens of that distribution and their log-probabilities,
-     * most probable first (ties: lower id first); both must be non-NULL when n > 0. */
+     * most probable first (ties: lower id first); both must be non-NULL when n > 0. Written
+     * block by block: a finished block's entries before the block callback sees its tokens (a
+     * stream hands each piece its own); the rest of the buffers is not written. */
     float *   logprobs;
     int32_t   n_top_logprobs;
     int32_t * top_tokens;

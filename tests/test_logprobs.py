@@ -219,3 +219,48 @@ def test_native_api_checks_the_top_buffers(tiny_artifacts) -> None:
     finally:
         L.clover_context_free(c)
         L.clover_model_free(m)
+
+
+@pytest.mark.parametrize("mode", [dict(block_size=1), dict(block_size=4), dict(block_size=4, draft_self=1)])
+def test_native_block_callback_reads_its_blocks_logprobs(tiny_artifacts, mode) -> None:
+    """The buffers are written block by block, before the block callback: each call reads its
+    own tokens' entries (the final values), and no later token's is written yet."""
+    L = N.load_library()
+    err, n = N.err_buffer()
+    m = L.clover_model_load(str(tiny_artifacts["f32"]).encode(), None, err, n)
+    assert m
+    cp = L.clover_context_default_params()
+    cp.n_ctx, cp.n_threads = 128, 1
+    c = L.clover_context_new(m, ctypes.byref(cp), err, n)
+    cap, n_top, unwritten = 12, 3, 1.0  # (a log-probability is <= 0)
+    lp, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * (cap * n_top))(),
+                           (ctypes.c_float * (cap * n_top))())
+    for i in range(cap):
+        lp[i] = unwritten
+    seen: list[tuple[list[int], list[float], list[int], list[float], list[float]]] = []
+
+    def on_block(_start, tokens, n_tokens, _ud):
+        at = sum(len(s[0]) for s in seen)
+        seen.append((list(tokens[:n_tokens]), list(lp[at:at + n_tokens]),
+                     list(top_tok[at * n_top:(at + n_tokens) * n_top]),
+                     list(top_lp[at * n_top:(at + n_tokens) * n_top]), list(lp[at + n_tokens:])))
+        return 0
+
+    cb = N.clover_block_callback(on_block)
+    try:
+        gp = L.clover_generate_default_params()
+        gp.max_tokens, gp.stop_at_eos, gp.block_callback = cap, 0, cb
+        gp.block_size, gp.draft_self = mode["block_size"], mode.get("draft_self", 0)
+        gp.logprobs, gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = lp, n_top, top_tok, top_lp
+        out, n_out = (ctypes.c_int32 * cap)(), ctypes.c_int32(0)
+        assert L.clover_generate(c, N.as_int32_array(PROMPT), len(PROMPT), ctypes.byref(gp), out, cap,
+                                 ctypes.byref(n_out), None, err, n) == N.CLOVER_OK
+        assert n_out.value == cap and len(seen) >= 2
+        assert [t for s in seen for t in s[0]] == list(out[:cap])
+        assert [x for s in seen for x in s[1]] == list(lp[:cap]) and all(x <= 0 for x in lp)
+        assert [x for s in seen for x in s[2]] == list(top_tok[:cap * n_top])
+        assert [x for s in seen for x in s[3]] == list(top_lp[:cap * n_top])
+        assert all(x == unwritten for s in seen for x in s[4])  # later tokens: not written yet
+    finally:
+        L.clover_context_free(c)
+        L.clover_model_free(m)
