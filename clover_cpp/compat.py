@@ -18,7 +18,7 @@ from ._args import bool_arg, int_arg, strings_arg
 from .errors import CloverError, CloverTypeError, CloverValueError
 
 if TYPE_CHECKING:
-    from .decoding import GenerationResult
+    from .decoding import GenerationResult, StreamPiece
 
 
 def finish_reason(r: "GenerationResult", max_tokens: int) -> str:
@@ -167,8 +167,6 @@ class LlamaCompat:
                 if not isinstance(value, str):
                     raise CloverTypeError(f"{where}: grammar must be GBNF text or a llama_cpp.LlamaGrammar")
             kw[name] = value
-        if kw.get("logprobs") is not None and kw["stream"]:
-            raise CloverValueError(f"{where}: logprobs with stream=True is not supported; use stream=False")
         return kw
 
     def _budget(self, kw: dict[str, Any], n_prompt: int, gen_kwargs: Mapping[str, Any]) -> None:
@@ -197,7 +195,7 @@ class LlamaCompat:
         p_toks, p_lps, p_tops = echoed_prompt(prompt, self.bos_token)
         return completion_logprobs(p_toks + toks, p_lps + lps, p_tops + tops, self._piece, 0)
 
-    def _chat_logprobs(self, r: "GenerationResult") -> dict[str, Any] | None:
+    def _chat_logprobs(self, r: "GenerationResult | StreamPiece") -> dict[str, Any] | None:
         if getattr(r, "logprobs", None) is None:
             return None
         tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
@@ -228,6 +226,8 @@ class LlamaCompat:
         ``logprobs=N`` gives llama-cpp-python's ``logprobs`` object (text offsets from the prompt's
         start, each top dict the N most probable and the token's own); with ``echo=True`` the
         prompt's tokens come first, scored by :meth:`prompt_logprobs` (the first one's None).
+        Streamed, each chunk carries its own tokens' logprobs (the echo chunk the prompt's), as
+        llama-cpp-python's; a chunk is a committed block's text then (see :meth:`generate`).
         Extra keyword arguments go to :meth:`generate` (block_size, threshold, ...)."""
         where = "create_completion"
         kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, grammar, None,
@@ -249,15 +249,24 @@ class LlamaCompat:
         head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
                 "model": model if isinstance(model, str) else str(self.model_path)}
         if kw["stream"]:
+            scored = self.prompt_logprobs(toks, kw["logprobs"]) if echo and kw.get("logprobs") is not None else None
             s = self.generate(toks, **kw, **gen_kwargs)
 
             def chunks() -> Iterator[dict[str, Any]]:
+                offset = len(prompt_text)  # (the reply's text offsets count from the prompt's start)
                 with s:
                     if echo and prompt_text:
-                        yield {**head, "choices": [{"text": prompt_text, "index": 0, "logprobs": None,
+                        lp = completion_logprobs(*echoed_prompt(scored, self.bos_token), self._piece, 0) \
+                            if scored is not None else None
+                        yield {**head, "choices": [{"text": prompt_text, "index": 0, "logprobs": lp,
                                                     "finish_reason": None}]}
-                    for piece in s:
-                        yield {**head, "choices": [{"text": piece, "index": 0, "logprobs": None,
+                    for piece in s:  # (with logprobs: each piece its own tokens')
+                        lp = None
+                        if piece.logprobs is not None:
+                            lp = completion_logprobs(piece.tokens, piece.logprobs, piece.top_logprobs, self._piece,
+                                                     offset)
+                            offset += sum(len(t) for t in lp["tokens"])
+                        yield {**head, "choices": [{"text": str(piece), "index": 0, "logprobs": lp,
                                                     "finish_reason": None}]}
                 assert s.result is not None
                 yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None,
@@ -322,8 +331,9 @@ class LlamaCompat:
                 with s:
                     yield {**obj, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
                                                "finish_reason": None}]}
-                    for piece in s:
-                        yield {**obj, "choices": [{"index": 0, "delta": {"content": piece}, "logprobs": None,
+                    for piece in s:  # (with logprobs: each piece its own tokens')
+                        lp = self._chat_logprobs(piece) if piece.logprobs is not None else None
+                        yield {**obj, "choices": [{"index": 0, "delta": {"content": str(piece)}, "logprobs": lp,
                                                    "finish_reason": None}]}
                 assert s.result is not None
                 yield {**obj, "choices": [{"index": 0, "delta": {}, "logprobs": None,

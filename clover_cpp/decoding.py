@@ -13,7 +13,7 @@ import queue
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +125,33 @@ class Perplexity:
         variance = nll2 / count - mean * mean
         uncertainty = math.sqrt(variance / (count - 1)) * ppl if count > 1 and variance > 0 else math.nan
         return cls(ppl=ppl, n_tokens=count, n_chunks=n_chunks, n_ctx=n_ctx, uncertainty=uncertainty)
+
+
+class StreamPiece(str):
+    """A piece of a stream's text (a ``str``) and the output tokens it carries: ``tokens`` (a
+    token whose text is held back, part of a character or of a possible stop string, comes with a
+    later piece; the pieces' tokens joined are ``result.tokens``, with ``logprobs``); with
+    generate(logprobs=N) their ``logprobs`` / ``top_logprobs`` as :class:`GenerationResult` has
+    them (None without), read when the token's block was committed. With logprobs a piece may have
+    no text (the tokens of a stop string, at the end)."""
+
+    tokens: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+    def __new__(cls, text: str, tokens: Sequence[int] = (), logprobs: list[float] | None = None,
+                top_logprobs: list[list[tuple[int, float]]] | None = None) -> "StreamPiece":
+        piece = super().__new__(cls, text)
+        piece.tokens, piece.logprobs, piece.top_logprobs = list(tokens), logprobs, top_logprobs
+        return piece
+
+    @classmethod
+    def joined(cls, pieces: Sequence["StreamPiece"]) -> "StreamPiece":
+        """Consecutive pieces as one (their text, tokens and log-probabilities in order)."""
+        lps = None if not pieces or pieces[0].logprobs is None else [x for p in pieces for x in p.logprobs or ()]
+        tops = None if not pieces or pieces[0].top_logprobs is None else \
+            [x for p in pieces for x in p.top_logprobs or ()]
+        return cls("".join(pieces), [t for p in pieces for t in p.tokens], lps, tops)
 
 
 @dataclass
@@ -293,8 +320,10 @@ class Generation:
     caller's, the output follower's, cancellation), the output buffers, the result.
 
     ``native`` is a context manager factory entered around the native call (the Clover object
-    marks its callbacks' thread with it); ``push`` (streams) gets each new piece of final text:
-    after every denoising step, the contiguous unmasked prefix of the block that is new."""
+    marks its callbacks' thread with it); ``push`` (streams) gets each new piece of final text
+    (a :class:`StreamPiece`): after every denoising step, the contiguous unmasked prefix of the
+    block that is new; with logprobs, after every block (libclover writes a block's logprobs when
+    it commits it, before the block callback)."""
 
     def __init__(self, ctx: int, prompt: list[int], p: GenParams, *, mask: int, eos: int,
                  detokenize: Callable[[list[int]], bytes], on_step: StepCallback | None = None,
@@ -307,10 +336,14 @@ class Generation:
         self.native = native
         self._detokenize = detokenize
         ends = set(p.stop_tokens) | ({eos} if p.stop_at_eos and eos >= 0 else set())
-        self.out = OutputFollower(p.stop_strings, stop_tokens=ends, detokenize=detokenize, push=push)
+        self.out = OutputFollower(p.stop_strings, stop_tokens=ends, detokenize=detokenize,
+                                  push=self._push if push is not None else None)
         # track the canvas's final prefix every step (a draft-self canvas is only a draft: its
-        # tokens are final once the block's verification has kept them)
-        self.follow = (push is not None or bool(self.out.stops)) and p.draft_self != 1
+        # tokens are final once the block's verification has kept them; a token's logprobs are
+        # there once its block is committed)
+        self.follow = (push is not None or bool(self.out.stops)) and p.draft_self != 1 and p.logprobs is None
+        self._lp: tuple[Any, Any, Any] | None = None  # the logprob buffers (logprobs, top tokens, top logprobs)
+        self._n_pushed = 0  # output tokens handed to push
         self.exc: BaseException | None = None  # raised by a callback: re-raised after the native call
         self.ran = False  # the native call was made (not a stream closed before its turn)
 
@@ -343,6 +376,28 @@ class Generation:
             self.exc = e
             return 1
 
+    def _logprobs(self, start: int, end: int) -> tuple[list[float], list[list[tuple[int, float]]]] | None:
+        """Output tokens [start, end)'s logprobs and top ones (written by libclover when their
+        block was committed); None without logprobs."""
+        if self._lp is None or self.p.logprobs is None:
+            return None
+        lp_buf, top_tok, top_lp = self._lp
+        n_top = self.p.logprobs
+        return ([float(x) for x in lp_buf[start:end]],
+                [[(int(top_tok[i * n_top + j]), float(top_lp[i * n_top + j])) for j in range(n_top)]
+                 for i in range(start, end)])
+
+    def _push(self, piece: str, tokens: list[int]) -> bool:
+        """The output follower's piece to the stream, with its tokens' logprobs (a piece of no
+        text only when it carries logprobs)."""
+        start = self._n_pushed
+        self._n_pushed += len(tokens)
+        lps = self._logprobs(start, self._n_pushed)
+        if not piece and (lps is None or not tokens):
+            return False
+        assert self.push is not None
+        return self.push(StreamPiece(piece, tokens, *(lps or (None, None))), tokens)
+
     def _native_params(self, keep: list[Any]) -> N.clover_generate_params:
         gp = self.p.native(keep)
         keep += [N.clover_step_callback(self._step), N.clover_block_callback(self._block)]
@@ -361,6 +416,7 @@ class Generation:
             lp_buf, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * max(cap * n_top, 1))(),
                                        (ctypes.c_float * max(cap * n_top, 1))())
             gp.logprobs, gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = lp_buf, n_top, top_tok, top_lp
+            self._lp = (lp_buf, top_tok, top_lp)
         out, n_out, st = (ctypes.c_int32 * cap)(), ctypes.c_int32(0), N.clover_stats()
         err, n = N.err_buffer()
         arr = N.as_int32_array(self.prompt)
@@ -389,10 +445,9 @@ class Generation:
         text = follower.text if (tokens == follower.tokens or follower.stops) else \
             self._detokenize(tokens).decode("utf-8", "replace")
         result = GenerationResult(text=text, tokens=tokens, stats=stats)
-        if n_top is not None:  # (tokens is a prefix of the native output)
-            result.logprobs = [float(x) for x in lp_buf[:len(tokens)]]
-            result.top_logprobs = [[(int(top_tok[i * n_top + j]), float(top_lp[i * n_top + j])) for j in range(n_top)]
-                                   for i in range(len(tokens))]
+        lps = self._logprobs(0, len(tokens))  # (tokens is a prefix of the native output)
+        if lps is not None:
+            result.logprobs, result.top_logprobs = lps
         return result
 
 
@@ -475,8 +530,9 @@ def shared_decoder() -> DecodeThread:
 
 class GenerationStream:
     """Iterator over the output text as it becomes final (after every denoising step: the
-    new contiguous unmasked prefix of the block), produced while generation runs in a
-    worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
+    new contiguous unmasked prefix of the block; with logprobs, block by block), as
+    :class:`StreamPiece` strings that carry their tokens (and logprobs), produced while
+    generation runs in a worker thread. After it is exhausted, ``result`` holds the :class:`GenerationResult`.
     ``close()`` (or leaving a ``for`` loop early and dropping it) cancels the generation.
     It holds its Clover object's turn until its decoding ends (see the Clover class doc)."""
 
@@ -518,7 +574,7 @@ class GenerationStream:
     def __iter__(self) -> "GenerationStream":
         return self
 
-    def __next__(self) -> str:
+    def __next__(self) -> StreamPiece:
         self._reader = threading.get_ident()
         while not self._done:
             try:
@@ -526,9 +582,7 @@ class GenerationStream:
             except queue.Empty:
                 continue
             if kind == "piece":
-                if val:
-                    return val
-                continue
+                return val
             self._done = True
             if kind == "error":
                 raise val

@@ -530,7 +530,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
         Returns a :class:`GenerationResult`, or with ``stream=True`` a :class:`GenerationStream`
         yielding the text as it becomes final: after every denoising step, the new part of the
-        block's contiguous unmasked prefix."""
+        block's contiguous unmasked prefix; with logprobs, each committed block's text (each piece a
+        :class:`~clover_cpp.decoding.StreamPiece` with its own tokens' ``logprobs``)."""
         args = dict(locals())
         del args["self"]
         return self._generate(args, None)

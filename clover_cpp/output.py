@@ -16,7 +16,8 @@ from typing import Any
 
 from .errors import CloverError, lib
 
-#: push(piece, tokens) -> True to cancel (streams: the reader has gone)
+#: push(piece, tokens) -> True to cancel (streams: the reader has gone); ``tokens``: the output
+#: tokens not handed over yet, the piece's (a token whose text is held back comes with a later piece)
 Push = Callable[[str, list[int]], bool]
 
 
@@ -76,6 +77,7 @@ class OutputFollower:
         self.pieces: list[str] = []
         self._base = 0                # len(tokens) when the current block started
         self._block: list[str] = []   # the current block's pieces
+        self._handed = 0              # tokens handed to push with a piece
 
     # -- stop strings
     def feed(self, piece: str) -> str:
@@ -112,7 +114,7 @@ class OutputFollower:
         if piece:
             self.pieces.append(piece)
             self._block.append(piece)
-            if self._push is not None and self._push(piece, new):
+            if self._push is not None and self._push(piece, self._unhanded()):
                 return True
         return self.hit
 
@@ -136,15 +138,20 @@ class OutputFollower:
 
     def finish(self) -> str:
         """The text held back at the end (an incomplete UTF-8 sequence, the start of a stop
-        string that never came), pushed and returned."""
+        string that never came), pushed and returned; pushed with the tokens no piece carried
+        (those of a stop string) even when it is empty."""
         tail = self._dec.decode(b"", final=True)
         if self.stops:
             tail = self.feed(tail) + self.flush()
         if tail:
             self.pieces.append(tail)
-            if self._push is not None:
-                self._push(tail, [])
+        if self._push is not None and (tail or self._handed < len(self.tokens)):
+            self._push(tail, self._unhanded())
         return tail
+
+    def _unhanded(self) -> list[int]:
+        new, self._handed = self.tokens[self._handed:], len(self.tokens)
+        return new
 
     @property
     def text(self) -> str:

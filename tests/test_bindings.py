@@ -556,8 +556,29 @@ def test_shims_logprobs_and_refusals(model) -> None:
     model.create_completion("hi", max_tokens=2, min_p=0.0, repeat_penalty=1.0, logit_bias={})
     with pytest.raises(CloverError, match="tools"):
         model.create_chat_completion([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
-    with pytest.raises(CloverError, match="stream"):
-        model.create_completion("hi", max_tokens=2, logprobs=1, stream=True)
+
+
+def test_shims_stream_each_chunks_own_logprobs(model) -> None:
+    """Streamed with logprobs, each chunk carries its own tokens' (llama-cpp-python's shape);
+    joined, they are the unstreamed reply's, and the last chunk carries none."""
+    kw = dict(max_tokens=10, temperature=0, logprobs=2, block_size=4)
+    want = model.create_completion("hello world", **kw)["choices"][0]["logprobs"]
+    chunks = [ch["choices"][0] for ch in model.create_completion("hello world", stream=True, **kw)]
+    lps = [c["logprobs"] for c in chunks if c["logprobs"] is not None]
+    assert len(lps) >= 2 and chunks[-1]["logprobs"] is None and chunks[-1]["finish_reason"] == "length"
+    for k in want:
+        assert [x for lp in lps for x in lp[k]] == want[k], k
+    assert all(c["logprobs"] is not None and len(c["logprobs"]["tokens"]) >= 1 for c in chunks[:-1])
+    # echo: the prompt's with the echo chunk
+    echoed = [ch["choices"][0] for ch in model.create_completion("hello world", stream=True, echo=True, **kw)]
+    scored = model.create_completion("hello world", echo=True, **kw)["choices"][0]["logprobs"]
+    assert [x for c in echoed if c["logprobs"] for x in c["logprobs"]["token_logprobs"]] == scored["token_logprobs"]
+    msgs = [{"role": "user", "content": "hi"}]
+    ckw = dict(max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, block_size=4)
+    want_c = model.create_chat_completion(msgs, **ckw)["choices"][0]["logprobs"]["content"]
+    chunks = [ch["choices"][0] for ch in model.create_chat_completion(msgs, stream=True, **ckw)]
+    assert [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == want_c
+    assert chunks[-1]["logprobs"] is None and sum(c["logprobs"] is not None for c in chunks) >= 2
 
 
 def test_shims_grammar_and_response_format(model) -> None:

@@ -264,3 +264,37 @@ def test_native_block_callback_reads_its_blocks_logprobs(tiny_artifacts, mode) -
     finally:
         L.clover_context_free(c)
         L.clover_model_free(m)
+
+
+def carried(pieces, field: str) -> list:
+    return [x for p in pieces for x in getattr(p, field)]
+
+
+@pytest.mark.parametrize("kw", [dict(block_size=1), dict(block_size=4), dict(block_size=8, draft_self=True),
+                                dict(block_size=4, temperature=0.8, seed=3)])
+def test_streamed_pieces_carry_their_own_logprobs(model, kw) -> None:
+    """generate(stream=True, logprobs=N): each piece carries its own tokens and their logprobs;
+    joined, they are the unstreamed result's (same seed)."""
+    want = model.generate(PROMPT, max_tokens=12, logprobs=2, stop_at_eos=False, **kw)
+    s = model.generate(PROMPT, max_tokens=12, logprobs=2, stop_at_eos=False, stream=True, **kw)
+    pieces = list(s)
+    assert len(pieces) >= 2 and "".join(pieces) == want.text == s.result.text
+    assert carried(pieces, "tokens") == want.tokens
+    assert carried(pieces, "logprobs") == want.logprobs and carried(pieces, "top_logprobs") == want.top_logprobs
+    toks: list[int] = []
+    for i, p in enumerate(pieces):  # a piece's tokens spell its text (a split character waits for the next)
+        assert len(p.tokens) == len(p.logprobs) == len(p.top_logprobs) >= 1
+        toks += p.tokens
+        text, spelled = "".join(pieces[:i + 1]), model.detokenize_bytes(toks).decode("utf-8", "replace")
+        assert spelled == text or (spelled.startswith(text) and spelled[len(text):] == "\ufffd")
+
+
+def test_streamed_logprobs_with_a_stop_string(model) -> None:
+    """A stop string held back and cut: its tokens' logprobs still come (a last piece of no text)."""
+    full = model.generate(PROMPT, max_tokens=12, block_size=4, stop_at_eos=False)
+    stop = full.text[len(full.text) // 2:][:2]
+    want = model.generate(PROMPT, max_tokens=12, block_size=4, logprobs=1, stop=[stop], stop_at_eos=False)
+    pieces = list(model.generate(PROMPT, max_tokens=12, block_size=4, logprobs=1, stop=[stop], stop_at_eos=False,
+                                 stream=True))
+    assert want.finish_reason == "stop" and "".join(pieces) == want.text
+    assert carried(pieces, "tokens") == want.tokens and carried(pieces, "logprobs") == want.logprobs
