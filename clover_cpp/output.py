@@ -78,6 +78,8 @@ class OutputFollower:
         self._base = 0                # len(tokens) when the current block started
         self._block: list[str] = []   # the current block's pieces
         self._handed = 0              # tokens handed to push with a piece
+        self._fed = ""                # the decoded text fed to the stop-string matcher
+        self._n_out = 0               # how much of it came out
 
     # -- stop strings
     def feed(self, piece: str) -> str:
@@ -110,11 +112,13 @@ class OutputFollower:
             assert self._detokenize is not None
             piece = self._dec.decode(self._detokenize(new))
         if self.stops:
+            self._fed += piece
             piece = self.feed(piece)
+            self._n_out += len(piece)
         if piece:
             self.pieces.append(piece)
             self._block.append(piece)
-            if self._push is not None and self._push(piece, self._unhanded()):
+            if self._push is not None and self._push(piece, self._unhanded(self._held_bytes())):
                 return True
         return self.hit
 
@@ -149,8 +153,21 @@ class OutputFollower:
             self._push(tail, self._unhanded())
         return tail
 
-    def _unhanded(self) -> list[int]:
-        new, self._handed = self.tokens[self._handed:], len(self.tokens)
+    def _held_bytes(self) -> int:
+        """The output's trailing bytes whose text has not come out (a split UTF-8 sequence, the
+        start of a possible stop string)."""
+        held = self._fed[self._n_out:] if not self.hit else ""
+        return len(self._dec.getstate()[0]) + len(held.encode("utf-8", "surrogatepass"))
+
+    def _unhanded(self, held_bytes: int = 0) -> list[int]:
+        """The tokens not handed yet, less those that end in the last ``held_bytes`` bytes (their
+        text has not come out: they go with a later piece)."""
+        end = len(self.tokens)
+        while held_bytes > 0 and end > self._handed:
+            end -= 1
+            assert self._detokenize is not None
+            held_bytes -= len(self._detokenize([self.tokens[end]]))
+        new, self._handed = self.tokens[self._handed:end], end
         return new
 
     @property

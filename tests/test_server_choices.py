@@ -224,3 +224,37 @@ def test_python_echo_logprobs_as_llama_cpp_python(tiny_artifacts) -> None:
         if i + 1 < n:  # the two most probable of the same row in both (they include the mask token: ~1e-3)
             top2 = sorted(o["logprobs"]["top_logprobs"][i + 1].values(), reverse=True)[:2]
             assert sorted(theirs_i.values(), reverse=True)[:2] == pytest.approx(top2, abs=1e-2)
+
+
+def own_logprobs(chunks, index: int) -> list:
+    """The logprobs objects of choice ``index``'s chunks, in order (None: a chunk carrying none)."""
+    return [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].index == index]
+
+
+def test_streamed_completion_chunks_carry_their_own_logprobs(tiny) -> None:
+    """Each streamed chunk carries its own tokens' logprobs; joined, they are the unstreamed
+    reply's (same seed), and the last chunk carries none."""
+    s, _ = tiny
+    kw = dict(model="x", prompt=PROMPT, max_tokens=12, temperature=0.8, seed=SEED, n=2, logprobs=2, extra_body=KNOBS)
+    want = s.client().completions.create(**kw)
+    chunks = list(s.client().completions.create(stream=True, **kw))
+    for c in want.choices:
+        lps = own_logprobs(chunks, c.index)
+        texts = [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == c.index]
+        assert lps[-1] is None and all(lp is not None for lp in lps[1:-1]) and len(lps) >= 4
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for lp in lps[1:-1] for x in getattr(lp, field)] == getattr(c.logprobs, field), field
+        assert all(lp.tokens for lp in lps[1:-1]) and "".join(texts) == c.text
+
+
+def test_streamed_chat_chunks_carry_their_own_logprobs(tiny) -> None:
+    s, _ = tiny
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = dict(model="x", messages=msgs, max_tokens=12, temperature=0.8, seed=SEED, n=2, logprobs=True,
+              top_logprobs=2, extra_body=KNOBS)
+    want = s.client().chat.completions.create(**kw)
+    chunks = list(s.client().chat.completions.create(stream=True, **kw))
+    for c in want.choices:
+        lps = own_logprobs(chunks, c.index)
+        assert lps[-1] is None and sum(lp is not None for lp in lps) >= 2
+        assert [x for lp in lps if lp is not None for x in lp.content] == c.logprobs.content

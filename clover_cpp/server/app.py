@@ -250,8 +250,10 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         cid, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         base = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": name}
 
-        def choice(c: Choice, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        def choice(c: Choice, delta: dict[str, Any], finish: str | None = None,
+                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+            return {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}]}
 
         def chunk(c: Choice | None, ev: tuple[str, Any] | None) -> dict[str, Any]:
             if c is None:  # ("usage", the results)
@@ -259,16 +261,14 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
             if ev is None:
                 return choice(c, {"role": "assistant", "content": ""})
             kind, v = ev
-            if kind == "content":
-                return choice(c, {"content": v})
+            if kind == "content":  # (with its own tokens' logprobs)
+                return choice(c, {"content": str(v)}, logprobs=fmt.chat_logprobs(v, token_bytes))
             if kind == "call":
                 i, call = v
                 return choice(c, {"tool_calls": [{"index": i, **call}]})
             r, ts = v
             finish = "tool_calls" if ts is not None and ts.calls else fmt.finish_reason(r)
-            end = choice(c, {}, finish)
-            end["choices"][0]["logprobs"] = chat_logprobs(r)  # streamed: all of them with the last chunk
-            return {**end, "clover": fmt.clover_stats(r)}
+            return {**choice(c, {}, finish), "clover": fmt.clover_stats(r)}
 
         def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:
             choices = []
@@ -331,17 +331,21 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                    finish: str | None = None) -> dict[str, Any]:
             return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
+        offsets: dict[int, int] = {}  # streamed: per choice, where its next token's text starts
+
         def chunk(c: Choice | None, ev: tuple[str, Any] | None) -> dict[str, Any]:
             if c is None:  # ("usage", the results)
                 return {**base, "choices": [], "usage": fmt.usage(ev[1], best_of)}  # type: ignore[index]
             if ev is None:  # the echo, with its tokens' logprobs
                 return {**base, "choices": [choice(c, *echoed(c))]}
             kind, v = ev
-            if kind == "content":
-                return {**base, "choices": [choice(c, v)]}
-            r, _ = v  # streamed: the reply's logprobs all with the last chunk
-            return {**base, "choices": [choice(c, "", reply_logprobs(c, r), fmt.finish_reason(r))],
-                    "clover": fmt.clover_stats(r)}
+            if kind == "content":  # with its own tokens' logprobs
+                at = offsets.get(c.index, len(c.prompt.text))
+                lp = fmt.completion_logprobs(v, token_bytes, at)
+                offsets[c.index] = at + sum(map(len, lp["tokens"])) if lp is not None else at
+                return {**base, "choices": [choice(c, str(v), lp)]}
+            r, _ = v
+            return {**base, "choices": [choice(c, "", None, fmt.finish_reason(r))], "clover": fmt.clover_stats(r)}
 
         def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:
             choices = []

@@ -7,6 +7,7 @@ from typing import Any
 
 from .. import GenerationResult, compat
 from ..compat import PromptLogprobs
+from ..decoding import StreamPiece
 
 
 def finish_reason(r: GenerationResult) -> str:
@@ -59,10 +60,11 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", "replace")
 
 
-def chat_logprobs(r: GenerationResult, piece: Callable[[int], bytes]) -> dict[str, Any] | None:
+def chat_logprobs(r: GenerationResult | StreamPiece, piece: Callable[[int], bytes]) -> dict[str, Any] | None:
     """OpenAI's chat logprobs: per token, its text, log-probability, bytes and top ones
-    (``bytes``: a token may hold part of a character)."""
-    if r.logprobs is None:
+    (``bytes``: a token may hold part of a character); of a reply, or of a streamed chunk's own
+    tokens (a StreamPiece's; None when it carries none)."""
+    if getattr(r, "logprobs", None) is None:
         return None
     out = []
     for i, (t, lp) in enumerate(zip(r.tokens, r.logprobs)):
@@ -73,11 +75,13 @@ def chat_logprobs(r: GenerationResult, piece: Callable[[int], bytes]) -> dict[st
     return {"content": out}
 
 
-def completion_logprobs(r: GenerationResult, piece: Callable[[int], bytes], offset: int) -> dict[str, Any] | None:
-    """The legacy completions' logprobs of a reply (tokens, token_logprobs, top_logprobs: the N
-    most probable and the token's own, text_offset counted from the prompt's start: ``offset``
-    is where the reply's text starts)."""
-    if r.logprobs is None:
+def completion_logprobs(r: GenerationResult | StreamPiece, piece: Callable[[int], bytes],
+                        offset: int) -> dict[str, Any] | None:
+    """The legacy completions' logprobs of a reply or of a streamed chunk's own tokens (tokens,
+    token_logprobs, top_logprobs: the N most probable and the token's own, text_offset counted
+    from the prompt's start: ``offset`` is where the first token's text starts); None when it
+    carries none."""
+    if getattr(r, "logprobs", None) is None:
         return None
     return compat.completion_logprobs(r.tokens, r.logprobs, r.top_logprobs, lambda t: _text(piece(t)), offset)
 

@@ -24,6 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .. import CLOVER_ERR_CONTEXT_FULL, CLOVER_ERR_INVALID_ARG, Clover, CloverError, GenerationResult
 from ..compat import PromptLogprobs
+from ..decoding import StreamPiece
 from . import format as fmt
 from .pool import ServerState, Slot
 from .tools import ToolPlan, ToolStream
@@ -59,8 +60,9 @@ class Job:
 
     req: Knobs
     prompts: list[Prompt]
-    #: a streamed chunk of a choice: None (its start), ("content", text), ("call", (i, call)),
-    #: ("end", (result, tool stream)); or of the request: ("usage", the results)
+    #: a streamed chunk of a choice: None (its start), ("content", text: a StreamPiece, whose
+    #: logprobs, when not None, the chunk carries), ("call", (i, call)), ("end", (result, tool
+    #: stream)); or of the request: ("usage", the results)
     make_chunk: Callable[[Choice | None, tuple[str, Any] | None], dict[str, Any]]
     make_final: Callable[[list[Choice], list[GenerationResult]], dict[str, Any]]  # kept choices, all results
     tools: ToolPlan | None = None
@@ -481,13 +483,29 @@ class OneGeneration:
         """This choice's server-sent events up to its end (the caller sends its last chunk)."""
         job, c = self.run.job, self.choice
         self.ts = ToolStream(job.tools) if job.tools is not None and job.tools.active else None
+        # each content chunk carries the logprobs of the tokens streamed since the last one that
+        # carried any (a tool stream may hold text back); those left at the end: a chunk of their own
+        owed: list[StreamPiece] = []
+
+        def chunk(ev: tuple[str, Any]) -> dict[str, str]:
+            if ev[0] == "content" and owed:
+                paid = StreamPiece.joined(owed)
+                owed.clear()
+                ev = ("content", StreamPiece(ev[1], paid.tokens, paid.logprobs, paid.top_logprobs))
+            return {"data": json.dumps(job.make_chunk(c, ev))}
+
         yield {"data": json.dumps(job.make_chunk(c, None))}
         while (item := await asyncio.to_thread(self._next_item)) is not None:
             kind, piece = item
             if kind == "canvas":
                 yield {"event": "clover.canvas", "data": json.dumps(piece)}
                 continue
-            for ev in (self.ts.feed(piece) if self.ts else [("content", piece)]):
-                yield {"data": json.dumps(job.make_chunk(c, ev))}
+            if not (isinstance(piece, StreamPiece) and self.run.want_logprobs):
+                piece = StreamPiece(piece)  # (logprobs asked only for best_of's ranking are not shown)
+            owed.append(piece)
+            for ev in (self.ts.feed(str(piece)) if self.ts else [("content", str(piece))]):
+                yield chunk(ev)
         for ev in (self.ts.finish() if self.ts else []):
-            yield {"data": json.dumps(job.make_chunk(c, ev))}
+            yield chunk(ev)
+        if owed and owed[0].logprobs is not None:
+            yield chunk(("content", ""))
