@@ -112,8 +112,9 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
           access_log: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
           tensor_split: list[float] | None, override_tensor: str | None, verbose: bool) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics, /props, /tokenize, /detokenize. Clover's knobs are extra request
-    fields (block_size, threshold); endpoints, fields and limits: docs/server.md."""
+    /health, /metrics, /props, /tokenize, /detokenize; llama-server's /completion and /slots
+    too. Clover's knobs are extra request fields (block_size, threshold); endpoints, fields
+    and limits: docs/server.md."""
     try:
         from ..server import Limits
         from ..server import serve as run_server

@@ -20,10 +20,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
+from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import Clover, CloverError, GenerationResult
 from . import format as fmt
+from . import llama_dialect as llama
 from .asgi import Guard
 from .generation import Choice, Generator, Job, Prompt, api_error, message_of
 from .pool import Pool, ServerState, watchdog
@@ -167,6 +169,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                           "auto": "draft_self: 'auto' with block_size 'auto': B = 1, block diffusion or draft-self "
                                   "per block (the reply's clover.mode)"},
                 "parallel": parallel, "queue_size": max_queue, "chat_template": template,
+                "total_slots": parallel, "default_generation_settings": {"n_ctx": model.n_ctx},  # (llama-server's)
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_messages": limits.max_messages,
                            "body_timeout_s": limits.body_timeout, "max_block_size": limits.max_block_size,
                            "stuck_timeout_s": limits.stuck_after, "max_stop": limits.max_stop}}
@@ -361,5 +364,30 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         job = Job(req, prompts, chunk, final, best_of=best_of,
                   score_prompts=req.echo and req.logprobs is not None)
         return await gen.run(request, job, "prompt")
+
+    # ------------------------------------------------------------------ llama-server's dialect (llama_dialect.py)
+
+    @app.post("/completion")
+    async def llama_completion(request: Request) -> Any:
+        req: llama.LlamaCompletion = await body_of(request, llama.LlamaCompletion)
+        openai = req.as_openai()
+        gen.constraints(openai)  # refused fields: before anything is tokenized
+        prompt = await completion_prompt(req.prompt)
+        reply = llama.LlamaReply(req, model, name)
+        try:
+            response = await gen.run(request, reply.job(prompt if req.cache_prompt else llama.uncached(prompt), openai),
+                                     "prompt")
+        except APIError as e:
+            raise llama.renamed(e) from None
+        if isinstance(response, EventSourceResponse):
+            response.body_iterator = llama.without_done(response.body_iterator)
+        return response
+
+    @app.get("/slots")
+    async def slots(fail_on_no_slot: int = 0) -> Any:
+        assert st.pool is not None
+        if fail_on_no_slot and not st.pool.free:
+            raise APIError(503, "no free slot", code="unavailable")
+        return llama.slots(st.pool)
 
     return PublicPage(Guard(app, api_key, limits, on_error=lambda: setattr(metrics, "errors", metrics.errors + 1)))
