@@ -7,16 +7,27 @@ format_chat, end_of_turn_tokens, last_exchange) that the CLI and the server use.
 
 from __future__ import annotations
 
-import functools
+import atexit
 import inspect
+import json
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ._args import str_arg
-from .errors import CloverError, CloverTypeError
+from .errors import CLOVER_ERR_INTERNAL, CloverError, CloverTypeError
 
-__all__ = ["CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "ChatCalls", "ChatExchange", "render_chat"]
+__all__ = ["CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "TEMPLATE_LIMITS", "ChatCalls", "ChatExchange", "ChatTemplateError",
+           "TemplateLimits", "render_chat"]
 
 #: used when the GGUF has no template (the format the default model is trained on)
 CHATML_TEMPLATE = (
@@ -28,29 +39,157 @@ CHATML_TEMPLATE = (
 END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
 
-@functools.lru_cache(maxsize=8)
-def _compile_template(template: str) -> Any:
-    """A sandboxed jinja2 template with Hugging Face's chat-template environment
-    (trim_blocks, lstrip_blocks, loop controls, raise_exception, strftime_now, tojson)."""
-    import datetime  # noqa: PLC0415
-    import json  # noqa: PLC0415
+@dataclass(frozen=True)
+class TemplateLimits:
+    """What one chat-template render may cost (:data:`TEMPLATE_LIMITS`). Templates render in a
+    worker process (clover_cpp/chat_worker.py) that is killed past ``seconds``, whose address
+    space is ``memory_bytes``, and whose output, or any string or list it builds with ``*`` or
+    ``+``, is at most ``max_chars`` long: a template that runs away costs that process, never
+    the caller's time, memory or GIL."""
 
-    import jinja2  # noqa: PLC0415
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+    seconds: float = 10.0
+    max_chars: int = 16 << 20
+    memory_bytes: int = 512 << 20
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+#: the limits every render uses (tests set smaller ones)
+TEMPLATE_LIMITS = TemplateLimits()
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(template)
+
+class ChatTemplateError(CloverError):
+    """A chat template that failed or passed a limit (:class:`TemplateLimits`): the template's
+    fault, not the messages' (a template refusing the messages is a plain CloverError)."""
+
+    def __init__(self, message: str = "", status: int = CLOVER_ERR_INTERNAL, param: str | None = None) -> None:
+        super().__init__(message, status, param)
+
+
+class _Worker:
+    """One chat_worker.py process and its pipes."""
+
+    SCRIPT = str(Path(__file__).with_name("chat_worker.py"))
+
+    def __init__(self, limits: TemplateLimits) -> None:
+        self.died = False  # it ended on its own (out of memory in C, a crash), not timed out
+        try:
+            self.proc = subprocess.Popen([sys.executable, self.SCRIPT, str(limits.memory_bytes)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        except OSError as e:
+            raise ChatTemplateError(f"cannot start the chat template worker ({sys.executable}): {e}") from None
+
+    def ask(self, request: bytes, seconds: float) -> dict[str, Any] | None:
+        """The reply to a request; None when there is none within ``seconds`` (or the worker died)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(struct.pack(">I", len(request)) + request)
+        except OSError:
+            self.died = True
+            return None
+        deadline = time.monotonic() + seconds
+        size = self._read(4, deadline)
+        body = self._read(struct.unpack(">I", size)[0], deadline) if size is not None else None
+        return json.loads(body) if body is not None else None
+
+    def _read(self, n: int, deadline: float) -> bytes | None:
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        chunks = []
+        while n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            b = os.read(fd, n)
+            if not b:
+                self.died = True
+                return None
+            chunks.append(b)
+            n -= len(b)
+        return b"".join(chunks)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+class _Workers:
+    """At most ``AT_ONCE`` renders at a time (the server renders on several threads: this bounds
+    the memory runaway templates can take to AT_ONCE x memory_bytes), each in a worker of its
+    own; idle workers are kept for the next render, one that timed out or died is stopped."""
+
+    AT_ONCE = 4
+
+    def __init__(self) -> None:
+        self._idle: list[tuple[TemplateLimits, _Worker]] = []
+        self._lock = threading.Lock()
+        self._turns = threading.BoundedSemaphore(self.AT_ONCE)
+        atexit.register(self.close)
+
+    def render(self, template: str, variables: dict[str, Any], limits: TemplateLimits) -> dict[str, Any]:
+        """The worker's reply (chat_worker.py), or a failure of its own when it timed out or died."""
+        try:
+            request = pickle.dumps((template, variables, {"max_chars": limits.max_chars}))
+        except Exception as e:  # noqa: BLE001 - a template variable that cannot be sent
+            raise CloverTypeError(f"chat template variables: {e}") from None
+        with self._turns:
+            w = self._take(limits)
+            reply = w.ask(request, limits.seconds)
+            if reply is None:
+                w.stop()
+                return {"kind": "failed", "error": f"it ran out of memory ({limits.memory_bytes >> 20} MiB) and stopped"
+                        if w.died else f"it ran past {limits.seconds:g} s and was stopped"}
+            self._give_back(limits, w)
+            return reply
+
+    def _take(self, limits: TemplateLimits) -> _Worker:
+        with self._lock:
+            for i, (lim, w) in enumerate(self._idle):
+                if lim.memory_bytes == limits.memory_bytes and w.proc.poll() is None:
+                    del self._idle[i]
+                    return w
+        return _Worker(limits)
+
+    def _give_back(self, limits: TemplateLimits, w: _Worker) -> None:
+        with self._lock:
+            if len(self._idle) < self.AT_ONCE:
+                self._idle.append((limits, w))
+                return
+        w.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, w in idle:
+            w.stop()
+
+
+_workers = _Workers()
+
+
+def _render(template: str, variables: dict[str, Any], source: str) -> str:
+    """``template`` rendered by a worker; ``source`` names it in errors ("chat template", or the
+    model's with its key)."""
+    reply = _workers.render(template, variables, TEMPLATE_LIMITS)
+    if "text" in reply:
+        return str(reply["text"])
+    message = " ".join(str(reply["error"]).split())
+    if reply["kind"] == "refused":
+        raise CloverError(f"{source}: {message}")
+    raise ChatTemplateError(f"{source} failed: {message}")
+
+
+def _checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (Sequence, Iterator)):
+        raise CloverTypeError(f"messages must be a list of {{'role', 'content'}} mappings, got {type(messages).__name__}")
+    msgs = []
+    for m in messages:
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise CloverError("each chat message must be a mapping with 'role' and 'content'")
+        if not isinstance(m["role"], str) or not isinstance(m["content"], (str, type(None))):
+            raise CloverError("a chat message's role and content must be strings")
+        msgs.append(dict(m))
+    return msgs
 
 
 def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None = None,
@@ -59,26 +198,14 @@ def render_chat(messages: Sequence[Mapping[str, Any]], template: str | None = No
     """Render chat messages ({"role", "content", ...} dicts) with a jinja2 chat template (the
     model's; ChatML when None), with Hugging Face's semantics: ``messages``,
     ``add_generation_prompt``, ``bos_token``, ``eos_token`` and any extra keyword arguments
-    are the template's variables, so its own defaults (a default system message, say) apply."""
-    import jinja2  # noqa: PLC0415
-
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (Sequence, Iterator)):
-        raise CloverTypeError(f"messages must be a list of {{'role', 'content'}} mappings, got {type(messages).__name__}")
+    are the template's variables, so its own defaults (a default system message, say) apply.
+    The template renders in a sandbox, in a worker process, within :data:`TEMPLATE_LIMITS`; a
+    template that fails or passes them raises :class:`ChatTemplateError`."""
     if template is not None and not isinstance(template, str):
         raise CloverTypeError(f"template must be a string or None, got {type(template).__name__}")
-    msgs = []
-    for m in messages:
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise CloverError("each chat message must be a mapping with 'role' and 'content'")
-        if not isinstance(m["role"], str) or not isinstance(m["content"], (str, type(None))):
-            raise CloverError("a chat message's role and content must be strings")
-        msgs.append(dict(m))
-    try:
-        return _compile_template(template or CHATML_TEMPLATE).render(
-            messages=msgs, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-            eos_token=eos_token, **template_kwargs)
-    except jinja2.TemplateError as e:
-        raise CloverError(f"chat template: {' '.join(str(e).split())}") from e
+    variables = dict(template_kwargs, messages=_checked_messages(messages), add_generation_prompt=add_generation_prompt,
+                     bos_token=bos_token, eos_token=eos_token)
+    return _render(template or CHATML_TEMPLATE, variables, "chat template")
 
 
 @dataclass(frozen=True)
@@ -126,6 +253,7 @@ class ChatCalls:
     generate: Any
     _generate: Any
     _tokens: Any
+    model_path: Any
     _m: Any
 
     @property
@@ -193,7 +321,13 @@ class ChatCalls:
 
     def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
-        """The prompt text of messages under the model's chat template (see :func:`render_chat`)."""
-        return render_chat(messages, self.chat_template, add_generation_prompt,
-                           bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
-                           eos_token=self._special_text("tokenizer.ggml.eos_token_id"), **template_kwargs)
+        """The prompt text of messages under the model's chat template (see :func:`render_chat`;
+        its errors name the model's template)."""
+        template = self.chat_template
+        variables = dict(template_kwargs, messages=_checked_messages(messages),
+                         add_generation_prompt=bool(add_generation_prompt),
+                         bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
+                         eos_token=self._special_text("tokenizer.ggml.eos_token_id"))
+        source = f"the chat template of {Path(self.model_path).name} (tokenizer.chat_template)" if template else \
+            "chat template"
+        return _render(template or CHATML_TEMPLATE, variables, source)
