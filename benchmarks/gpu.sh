@@ -95,7 +95,8 @@ run() {
         xz -dc "$PACK/llama.cpp.tar.xz" | tar -C "$tree" -xf -
         cp "$PACK/STAMP" "$tree/.clover-pack"
     fi
-    local args=(-DCMAKE_BUILD_TYPE=Release -DCLOVER_SETUP_LLAMA=OFF "-DCLOVER_LLAMA_DIR=$tree" -DGGML_RPC=OFF)
+    local args=(-DCMAKE_BUILD_TYPE=Release -DCLOVER_SETUP_LLAMA=OFF "-DCLOVER_LLAMA_DIR=$tree" -DGGML_RPC=OFF
+                -DCLOVER_LLAMA_SERVER=OFF)
     [ "$mode" = cuda ] && args+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90}"
                                  "-DGGML_CUDA_FA=$([ "${CLOVER_GPU_FA:-0}" = 1 ] && echo ON || echo OFF)")
     command -v ninja >/dev/null && args+=(-G Ninja)
@@ -138,7 +139,10 @@ run() {
     CLOVER_LIB_PATH=$build/bin/libclover.so PYTHONPATH=$ROOT CLOVER_CACHE_DIR=$WORK/cache \
         "$py" - "$PACK/clover-default-f16.gguf" "$build/bin/llama-simple" "$ngl" "$out.tmp" \
         "$mode" "$device" "$build_s" "$JOBS" <<'EOF'
-import re, subprocess, sys, time
+import ctypes, os, re, subprocess, sys, time
+# libclover (and its llama-common) loaded before numpy: on the lent H200's Python, numpy 2.5's
+# bundled OpenBLAS loaded first made llama-common's initialisers crash (SIGSEGV in dlopen)
+ctypes.CDLL(os.environ["CLOVER_LIB_PATH"])
 import numpy as np
 from clover_cpp import Clover
 
