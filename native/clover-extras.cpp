@@ -4,53 +4,377 @@
 
 #include "clover-impl.h"
 
+#include <cctype>
+
+// llama.cpp's grammar parser (llama_grammar_parser, exported by libllama; not in its public headers:
+// llama.cpp's own tests include it the same way, from the tree's src/)
+#include "../third_party/llama.cpp/src/llama-grammar.h"
+
 namespace clover_detail {
 
-// Bounds on what llama.cpp's grammar code does recursively (a parenthesised group per nesting
-// level, a rule reference per rule in a chain): past them a hostile grammar would overflow the
-// stack; and on its size. A lexical scan (strings, character classes and comments skipped).
-static bool grammar_within_limits(const char * g, std::string & msg) {
-    constexpr int    MAX_DEPTH = 500, MAX_RULES = 5000;
-    constexpr size_t MAX_BYTES = 1 << 20; // (a JSON schema's grammar is a few KB)
-    const size_t     n         = strlen(g);
-    if (n > MAX_BYTES) {
-        msg = "invalid grammar: " + std::to_string(n) + " bytes (at most " + std::to_string(MAX_BYTES) + ")";
+namespace {
+
+// Bounds a grammar is held to before llama.cpp's engine sees it (docs/server.md, "Grammars"):
+// its text, the groups llama.cpp's parser nests recursively (past them the stack overflows), its
+// rules, its size once every repetition is written out (the parser copies a repeated item), and
+// the readings of the text the engine follows at once (one parse stack each, every one run over the
+// vocabulary at each token: thousands hold a slot for minutes).
+constexpr int      k_max_depth    = 500, k_max_rules = 5000;
+constexpr size_t   k_max_bytes    = 1 << 20;  // (a JSON schema's grammar is a few KB)
+constexpr uint64_t k_max_symbols  = 1 << 22;  // written out: 32 MB of llama_grammar_element
+constexpr uint64_t k_max_readings = 64;
+
+uint64_t sat_add(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
+uint64_t sat_mul(uint64_t a, uint64_t b) { return b && a > UINT64_MAX / b ? UINT64_MAX : a * b; }
+bool is_word(char c) { return isalnum((unsigned char) c) || c == '-'; }
+
+// a repetition's counts at p ("{m}", "{m,}", "{m,n}", spaces allowed), past its '}'; false when it
+// is not one (llama.cpp's parser says why)
+bool read_counts(const char *& p, uint64_t & min, uint64_t & max) {
+    auto space  = [&] { while (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') { ++p; } };
+    auto number = [&](uint64_t & v) {
+        if (!isdigit((unsigned char) *p)) {
+            return false;
+        }
+        for (v = 0; isdigit((unsigned char) *p); ++p) {
+            v = sat_add(sat_mul(v, 10), (uint64_t) (*p - '0'));
+        }
+        return true;
+    };
+    ++p;
+    space();
+    if (!number(min)) {
         return false;
     }
-    int depth = 0, max_depth = 0, rules = 0;
-    for (const char * p = g; *p; ++p) {
-        if (*p == '"' || *p == '[') {
-            const char close = *p == '"' ? '"' : ']';
+    space();
+    max = min;
+    if (*p == ',') {
+        ++p;
+        space();
+        max = UINT64_MAX;
+        number(max);
+        space();
+    }
+    if (*p != '}') {
+        return false;
+    }
+    ++p;
+    return true;
+}
+
+// The text's checks, before llama.cpp's parser runs (it would overflow its stack, or loop without
+// bound on {5,3}): a lexical scan (strings, character classes, tokens and comments skipped).
+bool text_within_limits(const char * g, std::string & msg) {
+    const size_t n = strlen(g);
+    if (n > k_max_bytes) {
+        msg = "invalid grammar: " + std::to_string(n) + " bytes (at most " + std::to_string(k_max_bytes) + ")";
+        return false;
+    }
+    int         depth = 0, max_depth = 0, rules = 0;
+    std::string rule, word;
+    // the size written out: every item counts its symbols; a repetition adds its copies of the item
+    // before it (the last item of each open group, innermost last)
+    uint64_t              symbols = 0;
+    std::vector<uint64_t> last(1, 0);
+    auto item = [&](uint64_t size) {
+        symbols     = sat_add(symbols, size);
+        last.back() = size;
+    };
+    for (const char * p = g; *p;) {
+        const char c = *p;
+        if (c == '"' || c == '[' || c == '<') {
+            const char  close = c == '"' ? '"' : c == '[' ? ']' : '>';
+            const char * from = p;
             for (++p; *p && *p != close; ++p) {
                 if (*p == '\\' && p[1]) {
                     ++p;
                 }
             }
-            if (!*p) {
-                break;
-            }
-        } else if (*p == '#') {
-            while (p[1] && p[1] != '\n') {
+            item(c == '<' ? 1 : (uint64_t) (p - from));
+            p += *p ? 1 : 0;
+        } else if (c == '#') {
+            while (*p && *p != '\n') {
                 ++p;
             }
-        } else if (*p == '(') {
-            max_depth = std::max(max_depth, ++depth);
-        } else if (*p == ')') {
-            --depth;
-        } else if (p[0] == ':' && p[1] == ':' && p[2] == '=') {
+        } else if (is_word(c)) {
+            const char * from = p;
+            while (is_word(*p)) {
+                ++p;
+            }
+            word.assign(from, p);
+            item(1);
+        } else if (c == ':' && p[1] == ':' && p[2] == '=') {
             ++rules;
+            rule = word;
+            last.assign(1, 0);
+            p += 3;
+        } else if (c == '(') {
+            max_depth = std::max(max_depth, ++depth);
+            last.push_back(0);
+            ++p;
+        } else if (c == ')') {
+            depth = std::max(depth - 1, 0);
+            if (last.size() > 1) {
+                last.pop_back();
+            }
+            item(1);  // a reference to the group's rule
+            ++p;
+        } else if (c == '|') {
+            last.back() = 0;
+            ++p;
+        } else if (c == '*' || c == '+' || c == '?' || c == '{') {
+            uint64_t min = c == '+' ? 1 : 0, max = c == '?' ? 1 : UINT64_MAX;
+            if (c == '{') {
+                const char * at = p;
+                if (!read_counts(p, min, max)) {
+                    p = at + 1;
+                    continue;  // (llama.cpp's parser says what is wrong)
+                }
+                if (min > max) {
+                    msg = "invalid grammar: rule '" + rule + "': repetition " + std::string(at, p) +
+                          ": its minimum is above its maximum";
+                    return false;
+                }
+            } else {
+                ++p;
+            }
+            // llama.cpp writes S{m,n} as m copies of S and n - m optional ones (one rule each)
+            const uint64_t optional = max == UINT64_MAX ? 1 : max - min;
+            const uint64_t copies   = sat_add(min ? min - 1 : 0, optional);
+            symbols     = sat_add(symbols, sat_mul(sat_add(last.back(), 4), copies));
+            last.back() = sat_add(sat_mul(last.back(), std::max<uint64_t>(min, 1)), 1);
+        } else {
+            ++p;
+        }
+        if (symbols > k_max_symbols) {
+            msg = "invalid grammar: rule '" + rule + "': more than " + std::to_string(k_max_symbols) +
+                  " symbols once its repetitions are written out";
+            return false;
         }
     }
-    if (max_depth > MAX_DEPTH) {
+    if (max_depth > k_max_depth) {
         msg = "invalid grammar: groups nested " + std::to_string(max_depth) + " deep (at most " +
-              std::to_string(MAX_DEPTH) + ")";
+              std::to_string(k_max_depth) + ")";
         return false;
     }
-    if (rules > MAX_RULES) {
-        msg = "invalid grammar: " + std::to_string(rules) + " rules (at most " + std::to_string(MAX_RULES) + ")";
+    if (rules > k_max_rules) {
+        msg = "invalid grammar: " + std::to_string(rules) + " rules (at most " + std::to_string(k_max_rules) + ")";
         return false;
     }
     return true;
+}
+
+// llama.cpp's parse error (logged, patch 0009), on one line
+std::string parse_error() {
+    std::string why = clover_impl::last_log_error();
+    for (const char * noise : { "; failed to parse grammar", "parse: " }) {
+        const size_t at = why.find(noise);
+        if (at != std::string::npos && why.size() > strlen(noise)) {
+            why.erase(at, strlen(noise));
+        }
+    }
+    const size_t nl = why.find('\n');
+    if (nl != std::string::npos) {
+        why.erase(nl);
+    }
+    if (why.size() > 300) {
+        why = why.substr(0, 300) + "...";
+    }
+    return "invalid grammar" + (why.empty() ? std::string() : ": " + why);
+}
+
+bool is_terminal(llama_gretype t) {
+    return t == LLAMA_GRETYPE_CHAR || t == LLAMA_GRETYPE_CHAR_NOT || t == LLAMA_GRETYPE_CHAR_ANY ||
+           t == LLAMA_GRETYPE_TOKEN || t == LLAMA_GRETYPE_TOKEN_NOT;
+}
+
+bool is_end(llama_gretype t) { return t == LLAMA_GRETYPE_END || t == LLAMA_GRETYPE_ALT; }
+
+// The parsed rules' checks: what llama.cpp's engine cannot run. It keeps one stack per way the text
+// so far can be read, and expands rule references until each stack ends at a character: a rule
+// that reaches itself before any character (left recursion, or a repetition of something that can
+// match nothing, ("a"?)*) grows without bound, and nested repetitions of such things multiply the
+// stacks (b{0,30} with b ::= c{0,30}, c ::= "a"?: 900 readings of each "a").
+struct rules_walk {
+    const llama_grammar_rules & rules;
+    std::vector<std::string>    names;     // the grammar's rule each (parser-made rules: "root_7" -> "root")
+    std::vector<char>           nullable;  // the rule can match nothing
+    std::vector<uint64_t>       readings;  // stacks that entering the rule gives, each at a character
+
+    rules_walk(const llama_grammar_parser & p) : rules(p.rules), names(p.rules.size()), nullable(p.rules.size()) {
+        for (const auto & [name, id] : p.symbol_ids) {
+            if (id < names.size()) {
+                names[id] = name.substr(0, name.find('_'));  // (a grammar's rule names have no '_')
+            }
+        }
+    }
+
+    // the fixed point, by a work list: an alternative is nullable when all its references are
+    std::vector<char> find_nullable() {
+        std::vector<std::vector<std::pair<size_t, size_t>>> used_in(rules.size());  // rule -> (rule, alt)
+        std::vector<std::vector<size_t>> pending(rules.size());                      // refs not yet nullable
+        std::vector<size_t>              work;
+        for (size_t r = 0; r < rules.size(); r++) {
+            size_t refs = 0, alt = 0;
+            bool   chars = false;
+            for (const auto & e : rules[r]) {
+                if (e.type == LLAMA_GRETYPE_RULE_REF) {
+                    refs++;
+                    used_in[e.value].push_back({ r, alt });
+                } else if (is_terminal(e.type)) {
+                    chars = true;
+                } else if (is_end(e.type)) {
+                    pending[r].push_back(chars ? SIZE_MAX : refs);
+                    if (!chars && refs == 0 && !nullable[r]) {
+                        nullable[r] = 1;
+                        work.push_back(r);
+                    }
+                    refs = 0, chars = false, alt++;
+                }
+            }
+        }
+        while (!work.empty()) {
+            const size_t b = work.back();
+            work.pop_back();
+            for (const auto & [r, alt] : used_in[b]) {
+                if (pending[r][alt] != SIZE_MAX && --pending[r][alt] == 0 && !nullable[r]) {
+                    nullable[r] = 1;
+                    work.push_back(r);
+                }
+            }
+        }
+        return nullable;
+    }
+
+    // the references a rule can enter before reading a character (an alternative's first ones,
+    // up to its first one that cannot match nothing)
+    std::vector<uint32_t> left_refs(size_t r) const {
+        std::vector<uint32_t> out;
+        bool                  open = true;
+        for (const auto & e : rules[r]) {
+            if (is_end(e.type)) {
+                open = true;
+            } else if (open && e.type == LLAMA_GRETYPE_RULE_REF) {
+                out.push_back(e.value);
+                open = nullable[e.value];
+            } else if (is_terminal(e.type)) {
+                open = false;
+            }
+        }
+        return out;
+    }
+
+    // rules in an order where each comes after those it enters first; false + msg on a cycle
+    bool left_order(std::vector<size_t> & order, std::string & msg) const {
+        std::vector<char> state(rules.size(), 0);  // 0 new, 1 on the path, 2 done
+        for (size_t start = 0; start < rules.size(); start++) {
+            if (state[start]) {
+                continue;
+            }
+            std::vector<std::pair<size_t, std::vector<uint32_t>>> path;  // (rule, refs left to visit)
+            path.push_back({ start, left_refs(start) });
+            state[start] = 1;
+            while (!path.empty()) {
+                auto & [r, todo] = path.back();
+                if (todo.empty()) {
+                    state[r] = 2;
+                    order.push_back(r);
+                    path.pop_back();
+                    continue;
+                }
+                const uint32_t next = todo.back();
+                todo.pop_back();
+                if (state[next] == 1) {
+                    std::string cycle;
+                    auto        it = std::find_if(path.begin(), path.end(), [&](auto & f) { return f.first == next; });
+                    for (std::string prev; it != path.end(); ++it) {
+                        if (names[it->first] != prev) {  // (a rule's parser-made rules as the rule once)
+                            prev = names[it->first];
+                            cycle += prev + " -> ";
+                        }
+                    }
+                    msg = "invalid grammar: rule '" + names[next] + "' can come back to itself before reading a "
+                          "character (" + cycle + names[next] + "): left recursion, or a repetition of "
+                          "something that can match nothing such as (\"a\"?)*, which llama.cpp's grammar engine "
+                          "cannot run";
+                    return false;
+                }
+                if (state[next] == 0) {
+                    state[next] = 1;
+                    path.push_back({ next, left_refs(next) });
+                }
+            }
+        }
+        return true;
+    }
+
+    // the readings of each rule, then the most at any one place of any rule (a stack's top after a
+    // character): false + msg past k_max_readings
+    bool readings_within_limit(const std::vector<size_t> & order, size_t root, std::string & msg) {
+        readings.assign(rules.size(), 0);
+        // from element i of rule r on: the stacks it gives before the alternative ends (its first
+        // character, or a reference's readings, then on past what can match nothing)
+        std::vector<uint64_t> from;
+        auto                  walk = [&](size_t r) {
+            const auto & rule = rules[r];
+            from.assign(rule.size() + 1, 0);
+            uint64_t all = 0, most = 0;
+            for (size_t i = rule.size(); i-- > 0;) {
+                const auto & e = rule[i];
+                if (is_end(e.type)) {
+                    from[i] = 0;
+                } else if (e.type == LLAMA_GRETYPE_RULE_REF) {
+                    from[i] = sat_add(readings[e.value], nullable[e.value] ? from[i + 1] : 0);
+                } else if (is_terminal(e.type)) {
+                    from[i] = 1;
+                } else {
+                    from[i] = from[i + 1];  // (the rest of a character class)
+                }
+                most = std::max(most, from[i]);
+                if (i == 0 || is_end(rule[i - 1].type)) {
+                    all = sat_add(all, from[i]);  // an alternative's start
+                }
+            }
+            readings[r] = all;
+            return std::max(most, all);
+        };
+        for (size_t r : order) {  // (each rule after those its alternatives enter first)
+            walk(r);
+        }
+        for (size_t r = 0; r < rules.size(); r++) {
+            const uint64_t most = walk(r);
+            if (most > k_max_readings || (r == root && readings[r] > k_max_readings)) {
+                msg = "invalid grammar: rule '" + names[r] + "' is too ambiguous: llama.cpp's grammar engine would "
+                      "follow " + (most == UINT64_MAX ? std::string("more than 2^64") : std::to_string(most)) +
+                      " readings of the text at once (at most " + std::to_string(k_max_readings) + "); a repetition "
+                      "of something that can match nothing, as b{0,30} with b ::= \"a\"?, is the usual cause";
+                return false;
+            }
+        }
+        return true;
+    }
+};
+
+}  // namespace
+
+bool grammar_check(const char * grammar, const char * root, const llama_vocab * vocab, std::string & msg) {
+    if (!text_within_limits(grammar, msg)) {
+        return false;
+    }
+    llama_grammar_parser parser(vocab);
+    clover_impl::g_last_log_error.clear();
+    if (!parser.parse(grammar) || parser.rules.empty()) {
+        msg = parse_error();
+        return false;
+    }
+    const auto at_root = parser.symbol_ids.find(root);
+    if (at_root == parser.symbol_ids.end()) {
+        return true;  // (llama_sampler_init_grammar says so)
+    }
+    rules_walk          walk(parser);
+    std::vector<size_t> order;
+    walk.find_nullable();
+    return walk.left_order(order, msg) && walk.readings_within_limit(order, at_root->second, msg);
 }
 
 gen_extras::~gen_extras() {
@@ -74,27 +398,13 @@ int gen_extras::init(const clover_model * m, const clover_generate_params & gp, 
     want_lp = gp.logprobs != nullptr || n_top > 0;
     if (gp.grammar && gp.grammar[0]) {
         const char * root = gp.grammar_root && gp.grammar_root[0] ? gp.grammar_root : "root";
-        if (!grammar_within_limits(gp.grammar, msg)) {
+        if (!grammar_check(gp.grammar, root, m->vocab, msg)) {
             return CLOVER_ERR_INVALID_ARG;
         }
         clover_impl::g_last_log_error.clear();
         smpl = llama_sampler_init_grammar(m->vocab, gp.grammar, root);
         if (!smpl) {
-            std::string why = clover_impl::last_log_error();
-            for (const char * noise : { "; failed to parse grammar", "parse: " }) {
-                const size_t at = why.find(noise);
-                if (at != std::string::npos && why.size() > strlen(noise)) {
-                    why.erase(at, strlen(noise));
-                }
-            }
-            const size_t nl = why.find('\n');
-            if (nl != std::string::npos) {
-                why.erase(nl);
-            }
-            if (why.size() > 300) {
-                why = why.substr(0, 300) + "...";
-            }
-            msg = "invalid grammar" + (why.empty() ? std::string() : ": " + why);
+            msg = parse_error();
             return CLOVER_ERR_INVALID_ARG;
         }
         cur.resize(m->n_vocab);

@@ -253,6 +253,15 @@ bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::
 int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
                       int32_t * order_out);
 
+// A GBNF grammar checked before llama.cpp's grammar engine gets it (clover-extras.cpp): true, or
+// false with msg one line naming the rule ("invalid grammar: ..."): size, nesting and rule count,
+// a repetition whose minimum is above its maximum, the size once repetitions are written out, left
+// recursion (through rules that can match nothing too, as ("a"?)*), and ambiguity past what the
+// engine can follow (it keeps one parse stack per reading of the text so far); a syntax error in
+// llama.cpp's parser's words. vocab: for <token> references (NULL: none). A missing root passes
+// (llama_sampler_init_grammar says so).
+bool grammar_check(const char * grammar, const char * root, const llama_vocab * vocab, std::string & msg);
+
 // Grammar (constrained decoding) and log-probabilities of one clover_generate call, for the decode
 // loop (spec/decoding.md, "Grammar"; clover.h, clover_generate_params). Without a grammar and
 // logprob buffers every hook is a no-op and pick() is pick_candidate().

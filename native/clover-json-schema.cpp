@@ -415,6 +415,9 @@ class keyword_check {
                 refuse(path, "pattern", s.at("pattern").get<std::string>() + " is not one llama.cpp's converter can "
                        "write (it needs ^...$ around a pattern without lookarounds, anchors inside or \\d-style classes)");
             }
+            if (s.at("pattern").is_string()) {
+                pattern_runnable(s.at("pattern").get<std::string>(), path);
+            }
         } else if (s.contains("format") && lengths) {
             refuse(path, length_key, "beside format the converter writes the format alone");
         }
@@ -442,6 +445,22 @@ class keyword_check {
         } catch (const stop &) {
         }
         return !fell_back;
+    }
+
+    // a pattern the converter writes as a grammar llama.cpp's engine cannot run (a{3,1}, (a?)*,
+    // ((a?){32}){32}: the grammar check's words, clover-extras.cpp)
+    static void pattern_runnable(const std::string & pattern, const std::string & path) {
+        const std::string g = json_schema_to_grammar(json::object({{"type", "string"}, {"pattern", pattern}}), true);
+        std::string       why;
+        if (!clover_detail::grammar_check(g.c_str(), "root", nullptr, why)) {
+            for (const char * noise : { "invalid grammar: ", "rule 'root': ", "rule 'root' ", " (root -> root)" }) {
+                const size_t at = why.find(noise);  // (the pattern is all the grammar: its rule has no name to give)
+                if (at != std::string::npos) {
+                    why.erase(at, strlen(noise));
+                }
+            }
+            refuse(path, "pattern", pattern + ": " + why);
+        }
     }
 
     static void integer(const json & s, const std::string & path) {
@@ -729,6 +748,10 @@ int clover_json_schema_to_grammar(const char * schema_json, char * buf, int32_t 
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, one_line(e.what()));
         } catch (const std::runtime_error & e) {     // common_json_error: a keyword of the wrong JSON type
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, one_line(e.what()));
+        }
+        std::string why;
+        if (!clover_detail::grammar_check(grammar.c_str(), "root", nullptr, why)) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "JSON schema: its grammar: " + why);
         }
         if (grammar.size() > (size_t) std::numeric_limits<int32_t>::max() - 1) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "JSON schema: the grammar would exceed 2 GB");
