@@ -5,6 +5,7 @@
 #include "clover-impl.h"
 
 #include <cctype>
+#include <map>
 
 // llama.cpp's grammar parser (llama_grammar_parser, exported by libllama; not in its public headers:
 // llama.cpp's own tests include it the same way, from the tree's src/)
@@ -14,15 +15,17 @@ namespace clover_detail {
 
 namespace {
 
-// Bounds a grammar is held to before llama.cpp's engine sees it (docs/server.md, "Grammars"):
+// Bounds a grammar is held to before llama.cpp's engine sees it (docs/server.md, "Grammar limits"):
 // its text, the groups llama.cpp's parser nests recursively (past them the stack overflows), its
 // rules, its size once every repetition is written out (the parser copies a repeated item), and
-// the readings of the text the engine follows at once (one parse stack each, every one run over the
-// vocabulary at each token: thousands hold a slot for minutes).
+// the readings of one character the engine follows at once (one parse stack each, every one
+// expanded again after each character and run over the vocabulary at each token: hundreds hold a
+// slot for minutes); and the places a rule's first character can be, over all rules.
 constexpr int      k_max_depth    = 500, k_max_rules = 5000;
 constexpr size_t   k_max_bytes    = 1 << 20;  // (a JSON schema's grammar is a few KB)
 constexpr uint64_t k_max_symbols  = 1 << 22;  // written out: 32 MB of llama_grammar_element
 constexpr uint64_t k_max_readings = 64;
+constexpr size_t   k_max_places   = 1 << 20;
 
 uint64_t sat_add(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
 uint64_t sat_mul(uint64_t a, uint64_t b) { return b && a > UINT64_MAX / b ? UINT64_MAX : a * b; }
@@ -199,7 +202,6 @@ struct rules_walk {
     const llama_grammar_rules & rules;
     std::vector<std::string>    names;     // the grammar's rule each (parser-made rules: "root_7" -> "root")
     std::vector<char>           nullable;  // the rule can match nothing
-    std::vector<uint64_t>       readings;  // stacks that entering the rule gives, each at a character
 
     rules_walk(const llama_grammar_parser & p) : rules(p.rules), names(p.rules.size()), nullable(p.rules.size()) {
         for (const auto & [name, id] : p.symbol_ids) {
@@ -308,46 +310,79 @@ struct rules_walk {
         return true;
     }
 
-    // the readings of each rule, then the most at any one place of any rule (a stack's top after a
-    // character): false + msg past k_max_readings
-    bool readings_within_limit(const std::vector<size_t> & order, size_t root, std::string & msg) {
-        readings.assign(rules.size(), 0);
-        // from element i of rule r on: the stacks it gives before the alternative ends (its first
-        // character, or a reference's readings, then on past what can match nothing)
-        std::vector<uint64_t> from;
-        auto                  walk = [&](size_t r) {
+    // the stacks that entering each rule gives, counted per character element they end at (the
+    // ways to reach an element are its distinct stacks); then, among the elements that end their
+    // alternative (after the character the stack falls back to the ways below it, expanded again),
+    // the ways per character: the same character read in many ways at once (b{0,30} of c{0,30},
+    // c ::= "a"?: "a" in 900), each way expanded again after it. False + msg past
+    // k_max_readings ways, or past k_max_places elements over all rules (alternatives by the
+    // hundred thousand). (An enum's alternatives all begin with '"' but go on in their own ways.)
+    bool readings_within_limit(const std::vector<size_t> & order, std::string & msg) const {
+        // ends_alt[r][i]: all of rule r from element i to its alternative's end can match nothing
+        std::vector<std::vector<char>> ends_alt(rules.size());
+        for (size_t r = 0; r < rules.size(); r++) {
             const auto & rule = rules[r];
-            from.assign(rule.size() + 1, 0);
-            uint64_t all = 0, most = 0;
+            ends_alt[r].assign(rule.size() + 1, 1);
             for (size_t i = rule.size(); i-- > 0;) {
-                const auto & e = rule[i];
-                if (is_end(e.type)) {
-                    from[i] = 0;
-                } else if (e.type == LLAMA_GRETYPE_RULE_REF) {
-                    from[i] = sat_add(readings[e.value], nullable[e.value] ? from[i + 1] : 0);
-                } else if (is_terminal(e.type)) {
-                    from[i] = 1;
-                } else {
-                    from[i] = from[i + 1];  // (the rest of a character class)
+                const auto t = rule[i].type;
+                ends_alt[r][i] = is_end(t)                      ? 1 :
+                                 t == LLAMA_GRETYPE_RULE_REF    ? nullable[rule[i].value] && ends_alt[r][i + 1] :
+                                 is_terminal(t)                 ? 0 :
+                                                                  ends_alt[r][i + 1];  // (the rest of a class)
+            }
+        }
+        auto character = [&](uint64_t at) {  // the element's character (class) as a key
+            const auto & rule = rules[at >> 32];
+            std::string  key;
+            for (size_t i = at & 0xffffffff; i < rule.size(); i++) {
+                if (!key.empty() && rule[i].type != LLAMA_GRETYPE_CHAR_ALT && rule[i].type != LLAMA_GRETYPE_CHAR_RNG_UPPER) {
+                    break;
                 }
-                most = std::max(most, from[i]);
-                if (i == 0 || is_end(rule[i - 1].type)) {
-                    all = sat_add(all, from[i]);  // an alternative's start
+                key.append((const char *) &rule[i], sizeof(rule[i]));
+            }
+            return key;
+        };
+        std::vector<std::map<uint64_t, uint64_t>> ends(rules.size());  // rule -> (element -> ways)
+        size_t                                    places = 0;
+        for (size_t r : order) {  // (each rule after those its alternatives enter first)
+            auto & mine = ends[r];
+            bool   open = true;   // on the alternative's leading part that can match nothing
+            for (size_t i = 0; i < rules[r].size(); i++) {
+                const auto & e = rules[r][i];
+                if (is_end(e.type)) {
+                    open = true;
+                } else if (open && is_terminal(e.type)) {
+                    auto & ways = mine[(uint64_t) r << 32 | i];
+                    ways        = sat_add(ways, 1);
+                    open        = false;
+                } else if (open && e.type == LLAMA_GRETYPE_RULE_REF) {
+                    for (const auto & [at, n] : ends[e.value]) {
+                        auto & ways = mine[at];
+                        ways        = sat_add(ways, n);
+                    }
+                    open = nullable[e.value];
                 }
             }
-            readings[r] = all;
-            return std::max(most, all);
-        };
-        for (size_t r : order) {  // (each rule after those its alternatives enter first)
-            walk(r);
-        }
-        for (size_t r = 0; r < rules.size(); r++) {
-            const uint64_t most = walk(r);
-            if (most > k_max_readings || (r == root && readings[r] > k_max_readings)) {
-                msg = "invalid grammar: rule '" + names[r] + "' is too ambiguous: llama.cpp's grammar engine would "
-                      "follow " + (most == UINT64_MAX ? std::string("more than 2^64") : std::to_string(most)) +
-                      " readings of the text at once (at most " + std::to_string(k_max_readings) + "); a repetition "
-                      "of something that can match nothing, as b{0,30} with b ::= \"a\"?, is the usual cause";
+            std::map<std::string, uint64_t> per_character;
+            for (const auto & [at, n] : mine) {
+                if (!ends_alt[at >> 32][(at & 0xffffffff) + 1]) {
+                    continue;
+                }
+                uint64_t & ways = per_character[character(at)];
+                ways            = sat_add(ways, n);
+                if (ways > k_max_readings) {
+                    msg = "invalid grammar: rule '" + names[r] + "' is too ambiguous: llama.cpp's grammar engine "
+                          "would follow " + (ways == UINT64_MAX ? std::string("more than 2^64") : std::to_string(ways)) +
+                          " or more readings of one character at once (at most " + std::to_string(k_max_readings) +
+                          "); a repetition of something that can match nothing, as b{0,30} with b ::= \"a\"?, is "
+                          "the usual cause";
+                    return false;
+                }
+            }
+            places += mine.size();
+            if (places > k_max_places) {
+                msg = "invalid grammar: rule '" + names[r] + "': more than " + std::to_string(k_max_places) +
+                      " places where a rule's first character can be, over all rules (too many alternatives)";
                 return false;
             }
         }
@@ -374,7 +409,7 @@ bool grammar_check(const char * grammar, const char * root, const llama_vocab * 
     rules_walk          walk(parser);
     std::vector<size_t> order;
     walk.find_nullable();
-    return walk.left_order(order, msg) && walk.readings_within_limit(order, at_root->second, msg);
+    return walk.left_order(order, msg) && walk.readings_within_limit(order, msg);
 }
 
 gen_extras::~gen_extras() {
