@@ -20,11 +20,13 @@ namespace {
 // rules, its size once every repetition is written out (the parser copies a repeated item), and
 // the readings of one character the engine follows at once (one parse stack each, every one
 // expanded again after each character and run over the vocabulary at each token: hundreds hold a
-// slot for minutes); and the places a rule's first character can be, over all rules.
+// slot for minutes); the ways a rule begins (the engine's set-up compares each stack with all the
+// others) and the places a rule's first character can be, over all rules.
 constexpr int      k_max_depth    = 500, k_max_rules = 5000;
 constexpr size_t   k_max_bytes    = 1 << 20;  // (a JSON schema's grammar is a few KB)
 constexpr uint64_t k_max_symbols  = 1 << 22;  // written out: 32 MB of llama_grammar_element
 constexpr uint64_t k_max_readings = 64;
+constexpr uint64_t k_max_stacks   = 8192;     // (10,000 alternatives: 0.5 s to set up, 60,000: 18 s)
 constexpr size_t   k_max_places   = 1 << 20;
 
 uint64_t sat_add(uint64_t a, uint64_t b) { return a + b < a ? UINT64_MAX : a + b; }
@@ -362,6 +364,17 @@ struct rules_walk {
                     }
                     open = nullable[e.value];
                 }
+            }
+            uint64_t all = 0;
+            for (const auto & [at, n] : mine) {
+                all = sat_add(all, n);
+            }
+            if (all > k_max_stacks) {
+                msg = "invalid grammar: rule '" + names[r] + "' begins in " +
+                      (all == UINT64_MAX ? std::string("more than 2^64") : std::to_string(all)) + " ways (at most " +
+                      std::to_string(k_max_stacks) + "): llama.cpp's grammar engine makes a stack for each and "
+                      "compares it with all the others";
+                return false;
             }
             std::map<std::string, uint64_t> per_character;
             for (const auto & [at, n] : mine) {

@@ -459,7 +459,7 @@ class keyword_check {
                     why.erase(at, strlen(noise));
                 }
             }
-            refuse(path, "pattern", pattern + ": " + why);
+            refuse(path, "pattern", (pattern.size() > 80 ? pattern.substr(0, 80) + "..." : pattern) + ": " + why);
         }
     }
 

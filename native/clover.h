@@ -334,9 +334,9 @@ typedef struct clover_generate_params {
      * and the verification chooses from the grammar-constrained distribution, so the output is
      * that of the constrained block size 1 decoding (stats.grammar_mode = 2). A grammar that does
      * not parse, or is past the bounds of spec/decoding.md (1 MiB, 500 nested groups, 5,000
-     * rules, a repetition {m,n} with m > n, 4M symbols once repetitions are written out, left
-     * recursion or a repetition of what can match nothing, more than 64 readings of one
-     * character at once): CLOVER_ERR_INVALID_ARG with a one-line reason naming the rule. */
+     * rules, a repetition {m,n} with m > n, 4M symbols once repetitions are written out, 8,192
+     * ways for a rule to begin, left recursion or a repetition of what can match nothing, more
+     * than 64 readings of one character at once): CLOVER_ERR_INVALID_ARG with a one-line reason naming the rule. */
     const char * grammar;
     const char * grammar_root;
     /* Log-probabilities (as llama-server's `logprobs`): for output token i, logprobs[i] = its log
