@@ -205,7 +205,7 @@ struct rules_walk {
     std::vector<std::string>    names;     // the grammar's rule each (parser-made rules: "root_7" -> "root")
     std::vector<char>           nullable;  // the rule can match nothing
 
-    rules_walk(const llama_grammar_parser & p) : rules(p.rules), names(p.rules.size()), nullable(p.rules.size()) {
+    explicit rules_walk(const llama_grammar_parser & p) : rules(p.rules), names(p.rules.size()), nullable(p.rules.size()) {
         for (const auto & [name, id] : p.symbol_ids) {
             if (id < names.size()) {
                 names[id] = name.substr(0, name.find('_'));  // (a grammar's rule names have no '_')
@@ -214,7 +214,7 @@ struct rules_walk {
     }
 
     // the fixed point, by a work list: an alternative is nullable when all its references are
-    std::vector<char> find_nullable() {
+    void find_nullable() {
         std::vector<std::vector<std::pair<size_t, size_t>>> used_in(rules.size());  // rule -> (rule, alt)
         std::vector<std::vector<size_t>> pending(rules.size());                      // refs not yet nullable
         std::vector<size_t>              work;
@@ -247,7 +247,6 @@ struct rules_walk {
                 }
             }
         }
-        return nullable;
     }
 
     // the references a rule can enter before reading a character (an alternative's first ones,
