@@ -311,13 +311,13 @@ struct rules_walk {
         return true;
     }
 
-    // the stacks that entering each rule gives, counted per character element they end at (the
-    // ways to reach an element are its distinct stacks); then, among the elements that end their
-    // alternative (after the character the stack falls back to the ways below it, expanded again),
-    // the ways per character: the same character read in many ways at once (b{0,30} of c{0,30},
-    // c ::= "a"?: "a" in 900), each way expanded again after it. False + msg past
-    // k_max_readings ways, or past k_max_places elements over all rules (alternatives by the
-    // hundred thousand). (An enum's alternatives all begin with '"' but go on in their own ways.)
+    // The stacks that entering each rule gives (one per way to reach a character), and among them
+    // those whose character ends its alternative, per character: after it such a stack falls back
+    // to the ways below it and is expanded again, so one character read in many such ways
+    // multiplies the work at every character (b{0,30} of c{0,30}, c ::= "a"?: "a" in 900 ways).
+    // (An enum's alternatives all begin with '"' but go on in their own ways.) False + msg past
+    // k_max_stacks ways for a rule, k_max_readings for a character, or k_max_places entries in the
+    // per-character counts over all rules.
     bool readings_within_limit(const std::vector<size_t> & order, std::string & msg) const {
         // ends_alt[r][i]: all of rule r from element i to its alternative's end can match nothing
         std::vector<std::vector<char>> ends_alt(rules.size());
@@ -343,58 +343,53 @@ struct rules_walk {
             }
             return key;
         };
-        std::vector<std::map<uint64_t, uint64_t>> ends(rules.size());  // rule -> (element -> ways)
-        size_t                                    places = 0;
+        std::vector<uint64_t>                        ways(rules.size());  // rule -> its stacks on entry
+        std::vector<std::map<std::string, uint64_t>> ending(rules.size());  // rule -> (character -> ways)
+        size_t                                       places = 0;  // (over all rules' ending maps)
         for (size_t r : order) {  // (each rule after those its alternatives enter first)
-            auto & mine = ends[r];
+            auto & mine = ending[r];
             bool   open = true;   // on the alternative's leading part that can match nothing
             for (size_t i = 0; i < rules[r].size(); i++) {
                 const auto & e = rules[r][i];
                 if (is_end(e.type)) {
                     open = true;
                 } else if (open && is_terminal(e.type)) {
-                    auto & ways = mine[(uint64_t) r << 32 | i];
-                    ways        = sat_add(ways, 1);
-                    open        = false;
+                    ways[r] = sat_add(ways[r], 1);
+                    if (ends_alt[r][i + 1]) {
+                        auto & n = mine[character((uint64_t) r << 32 | i)];
+                        n        = sat_add(n, 1);
+                    }
+                    open = false;
                 } else if (open && e.type == LLAMA_GRETYPE_RULE_REF) {
-                    for (const auto & [at, n] : ends[e.value]) {
-                        auto & ways = mine[at];
-                        ways        = sat_add(ways, n);
+                    ways[r] = sat_add(ways[r], ways[e.value]);
+                    for (const auto & [key, m] : ending[e.value]) {
+                        auto & n = mine[key];
+                        n        = sat_add(n, m);
                     }
                     open = nullable[e.value];
                 }
             }
-            uint64_t all = 0;
-            for (const auto & [at, n] : mine) {
-                all = sat_add(all, n);
-            }
-            if (all > k_max_stacks) {
+            if (ways[r] > k_max_stacks) {
                 msg = "invalid grammar: rule '" + names[r] + "' begins in " +
-                      (all == UINT64_MAX ? std::string("more than 2^64") : std::to_string(all)) + " ways (at most " +
-                      std::to_string(k_max_stacks) + "): llama.cpp's grammar engine makes a stack for each and "
-                      "compares it with all the others";
+                      (ways[r] == UINT64_MAX ? std::string("more than 2^64") : std::to_string(ways[r])) +
+                      " ways (at most " + std::to_string(k_max_stacks) + "): llama.cpp's grammar engine makes a "
+                      "stack for each and compares it with all the others";
                 return false;
             }
-            std::map<std::string, uint64_t> per_character;
-            for (const auto & [at, n] : mine) {
-                if (!ends_alt[at >> 32][(at & 0xffffffff) + 1]) {
-                    continue;
-                }
-                uint64_t & ways = per_character[character(at)];
-                ways            = sat_add(ways, n);
-                if (ways > k_max_readings) {
+            for (const auto & [key, n] : mine) {
+                if (n > k_max_readings) {
                     msg = "invalid grammar: rule '" + names[r] + "' is too ambiguous: llama.cpp's grammar engine "
-                          "would follow " + (ways == UINT64_MAX ? std::string("more than 2^64") : std::to_string(ways)) +
-                          " or more readings of one character at once (at most " + std::to_string(k_max_readings) +
-                          "); a repetition of something that can match nothing, as b{0,30} with b ::= \"a\"?, is "
-                          "the usual cause";
+                          "would follow " + (n == UINT64_MAX ? std::string("more than 2^64") : std::to_string(n)) +
+                          " readings of one character at once (at most " + std::to_string(k_max_readings) + "); a "
+                          "repetition of something that can match nothing, as b{0,30} with b ::= \"a\"?, is the "
+                          "usual cause";
                     return false;
                 }
             }
             places += mine.size();
             if (places > k_max_places) {
                 msg = "invalid grammar: rule '" + names[r] + "': more than " + std::to_string(k_max_places) +
-                      " places where a rule's first character can be, over all rules (too many alternatives)";
+                      " characters that end an alternative where a rule begins, over all rules";
                 return false;
             }
         }

@@ -132,10 +132,12 @@ def test_clover_run_refuses_it(gguf, tmp_path, case: str) -> None:
 
 def test_what_the_engine_runs_is_still_taken(gguf, tmp_path) -> None:
     """Just inside the bounds: b{0,8} of c{0,8} (64 readings), a{1,3} (no longer read as a{3,1}),
-    right recursion, a nullable rule repeated exactly once, and "a"* after something that can be empty."""
+    right recursion, a nullable rule repeated exactly once, "a"* after something that can be empty,
+    an enum of 1,000 values and a chain of 4,000 rules that each begin with a choice."""
     for grammar in ('root ::= b{0,8}\nb ::= c{0,8}\nc ::= "a"?', 'root ::= "a"{1,3}', 'root ::= "a" root | "b"',
                     'root ::= ("a"?){1} "b"', 'root ::= "x"? "a"*', 'root ::= [a-z]{0,2000}',
-                    "root ::= " + " | ".join(f'"\\"v{i}\\""' for i in range(1000))):
+                    "root ::= " + " | ".join(f'"\\"v{i}\\""' for i in range(1000)),
+                    "root ::= r0\n" + "".join(f'r{i} ::= "a{i}" | r{i + 1}\n' for i in range(4000)) + 'r4000 ::= "z"'):
         (tmp_path / "g.gbnf").write_text(grammar)
         p = _run([CLI, "-m", gguf, "-p", "hi", "-n", "4", "-t", "1", "--grammar-file", tmp_path / "g.gbnf"],
                  cwd=tmp_path)
