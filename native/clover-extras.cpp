@@ -26,6 +26,7 @@ constexpr int      k_max_depth    = 500, k_max_rules = 5000;
 constexpr size_t   k_max_bytes    = 1 << 20;  // (a JSON schema's grammar is a few KB)
 constexpr uint64_t k_max_symbols  = 1 << 22;  // written out: 32 MB of llama_grammar_element
 constexpr uint64_t k_max_readings = 64;
+constexpr uint64_t k_max_endings  = 256;    // (the same over all characters)
 constexpr uint64_t k_max_stacks   = 8192;     // (10,000 alternatives: 0.5 s to set up, 60,000: 18 s)
 constexpr size_t   k_max_places   = 1 << 20;
 
@@ -316,8 +317,8 @@ struct rules_walk {
     // to the ways below it and is expanded again, so one character read in many such ways
     // multiplies the work at every character (b{0,30} of c{0,30}, c ::= "a"?: "a" in 900 ways).
     // (An enum's alternatives all begin with '"' but go on in their own ways.) False + msg past
-    // k_max_stacks ways for a rule, k_max_readings for a character, or k_max_places entries in the
-    // per-character counts over all rules.
+    // k_max_stacks ways for a rule, k_max_readings for a character (k_max_endings over all), or
+    // k_max_places entries in the per-character counts over all rules.
     bool readings_within_limit(const std::vector<size_t> & order, std::string & msg) const {
         // ends_alt[r][i]: all of rule r from element i to its alternative's end can match nothing
         std::vector<std::vector<char>> ends_alt(rules.size());
@@ -376,13 +377,17 @@ struct rules_walk {
                       "stack for each and compares it with all the others";
                 return false;
             }
+            uint64_t all = 0;  // (and over all characters: "a"? [a-b]? [a-c]? overlap under other names)
             for (const auto & [key, n] : mine) {
-                if (n > k_max_readings) {
+                all = sat_add(all, n);
+                if (n > k_max_readings || all > k_max_endings) {
+                    const uint64_t    most  = n > k_max_readings ? n : all;
+                    const std::string count = most == UINT64_MAX ? "more than 2^64" : std::to_string(most);
                     msg = "invalid grammar: rule '" + names[r] + "' is too ambiguous: llama.cpp's grammar engine "
-                          "would follow " + (n == UINT64_MAX ? std::string("more than 2^64") : std::to_string(n)) +
-                          " readings of one character at once (at most " + std::to_string(k_max_readings) + "); a "
-                          "repetition of something that can match nothing, as b{0,30} with b ::= \"a\"?, is the "
-                          "usual cause";
+                          "would follow " + (n > k_max_readings ? count + " readings of one character at once (at most " +
+                          std::to_string(k_max_readings) : count + " readings of a character at once (at most " +
+                          std::to_string(k_max_endings)) + "); a repetition of something that can match nothing, as "
+                          "b{0,30} with b ::= \"a\"?, is the usual cause";
                     return false;
                 }
             }

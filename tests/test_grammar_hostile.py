@@ -45,6 +45,8 @@ GRAMMARS = {
     "min_above_max": ('root ::= "a"{5,3}', "rule 'root': repetition {5,3}: its minimum is above its maximum"),
     "nested_nullable": ('root ::= b{0,30}\nb ::= c{0,30}\nc ::= "a"?', "rule 'root' is too ambiguous"),
     "nested_exact": ('root ::= (("a"?){32}){32}', "rule 'root' is too ambiguous"),
+    "nested_overlapping": ("root ::= b{0,30}\nb ::= " + " ".join(f"[a-{c}]?" for c in "bcdefghijklmnopqrstuvwxyz"),
+                           "rule 'root' is too ambiguous"),
     "nested_inline": ('root ::= b{0,30}\nb ::= ' + ' '.join(['"a"?'] * 30), "rule 'root' is too ambiguous"),
     "star_of_star": ('root ::= ("a"*)*', "rule 'root' can come back to itself before reading a character"),
     "star_of_optional": ('root ::= "x" y\ny ::= ("a"?)*', "rule 'y' can come back to itself"),
