@@ -51,6 +51,30 @@ def run_tool(args: list, **kw) -> subprocess.CompletedProcess:
     return res
 
 
+# llama.cpp's tools print through common_log, whose writer thread is never joined at exit (upstream
+# leaks the logger on purpose): on a busy machine the process can end before that thread has written
+# the last lines, so llama-completion's text comes out cut short (seen under pytest -n 2) and
+# llama-perplexity's final estimate goes missing. Run again when a line the tool logs after
+# everything the test reads is absent.
+LOGGER_TRIES = 5
+
+
+def run_logged_tool(args: list, last_line: str) -> subprocess.CompletedProcess:
+    for _ in range(LOGGER_TRIES):
+        res = run_tool(args)
+        if last_line in res.stdout + res.stderr:
+            return res
+    pytest.fail(f"{Path(args[0]).name} lost its last lines at exit {LOGGER_TRIES} times in a row "
+                f"(no {last_line!r})")
+
+
+def llama_completion(gguf: Path) -> str:
+    """llama-completion's greedy text: whole, since its performance report, logged after it, came out."""
+    return run_logged_tool([tool("llama-completion"), "-m", gguf, "-p", PROMPT, "-n", N_PREDICT, "--temp", 0,
+                            "-t", 1, "-c", N_CTX, "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"],
+                           last_line="common_perf_print:").stdout
+
+
 @pytest.fixture(scope="module")
 def default_gguf(tmp_path_factory) -> Path:
     """The default model (a trained one: greedy text, not random-weight noise), as f16."""
@@ -152,9 +176,7 @@ def test_llama_cli_conversation_with_piped_input_is_clover_b1(default_gguf, tmp_
 
 
 def test_llama_completion_is_clover_b1(default_gguf):
-    res = run_tool([tool("llama-completion"), "-m", default_gguf, "-p", PROMPT, "-n", N_PREDICT, "--temp", 0,
-                    "-t", 1, "-c", N_CTX, "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"])
-    assert res.stdout.strip() == clover_b1(default_gguf, PROMPT).strip()
+    assert llama_completion(default_gguf).strip() == clover_b1(default_gguf, PROMPT).strip()
 
 
 @pytest.mark.parametrize("parse_special", [True, False])
@@ -186,12 +208,8 @@ def test_clover_perplexity_is_llama_perplexity(default_gguf, tmp_path, chunks):
     text.write_text(SPECIAL_TEXT, encoding="utf-8")
     c = 64
     more = [] if chunks is None else ["--chunks", chunks]
-    # llama-perplexity's asynchronous logger now and then loses its last lines at exit
-    # (tests/test_causal_path.py): run it again, at most 3 times
-    for _ in range(3):
-        res = run_tool([tool("llama-perplexity"), "-m", default_gguf, "-f", text, "-c", c, "-b", c, "-t", 1, *more])
-        if "Final estimate" in res.stdout + res.stderr:
-            break
+    res = run_logged_tool([tool("llama-perplexity"), "-m", default_gguf, "-f", text, "-c", c, "-b", c, "-t", 1, *more],
+                          last_line="Final estimate")
     llama_ppl, llama_pm = _final_estimate(res.stdout + res.stderr)
     n_chunks = re.search(r"calculating perplexity over (\d+) chunks", res.stdout + res.stderr)
     ours = run_tool([sys.executable, "-m", "clover_cpp.cli", "perplexity", "-m", default_gguf, "-f", text,
@@ -216,9 +234,7 @@ def test_llama_quantize_and_gguf_split_files_decode_alike(default_gguf, tmp_path
     run_tool([tool("llama-gguf-split"), "--split", "--split-max-tensors", 16, q8, tmp_path / "q8"])
     shards = sorted(tmp_path.glob("q8-*-of-*.gguf"))
     assert len(shards) > 1
-    res = run_tool([tool("llama-completion"), "-m", shards[0], "-p", PROMPT, "-n", N_PREDICT, "--temp", 0,
-                    "-t", 1, "-c", N_CTX, "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"])
-    assert res.stdout.strip() == clover_b1(shards[0], PROMPT).strip()
+    assert llama_completion(shards[0]).strip() == clover_b1(shards[0], PROMPT).strip()
 
 
 def test_llama_imatrix_runs_a_clover_gguf(default_gguf, tmp_path):
