@@ -64,6 +64,18 @@ class ChatTemplateError(CloverError):
         super().__init__(message, status, param)
 
 
+def _worker_env() -> dict[str, str]:
+    """The worker's environment: ours without a preloaded sanitizer runtime (the worker is pure
+    Python; AddressSanitizer reserves terabytes of address space, which its memory limit refuses)."""
+    env = dict(os.environ)
+    keep = [p for p in env.get("LD_PRELOAD", "").split() if "libasan" not in p and "libubsan" not in p]
+    if keep:
+        env["LD_PRELOAD"] = " ".join(keep)
+    else:
+        env.pop("LD_PRELOAD", None)
+    return env
+
+
 class _Worker:
     """One chat_worker.py process and its pipes."""
 
@@ -73,7 +85,8 @@ class _Worker:
         self.died = False  # it ended on its own (out of memory in C, a crash), not timed out
         try:
             self.proc = subprocess.Popen([sys.executable, self.SCRIPT, str(limits.memory_bytes)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+                                         env=_worker_env())
         except OSError as e:
             raise ChatTemplateError(f"cannot start the chat template worker ({sys.executable}): {e}") from None
 
