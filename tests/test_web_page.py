@@ -139,7 +139,7 @@ def test_canvas_events_only_when_asked(tiny_server) -> None:
     # completions too
     with httpx.stream("POST", s.url + "/v1/completions", headers=_auth(), timeout=60,
                       json={"prompt": "def add(a, b):", "max_tokens": 8, "block_size": 4, "stream": True,
-                            "stream_options": {"include_canvas": True}}) as r:
+                            "ignore_eos": True, "stream_options": {"include_canvas": True}}) as r:
         assert sum(line == "event: clover.canvas" for line in r.iter_lines()) >= 2
 
     # asked without streaming: a 400 naming the field
