@@ -3,6 +3,7 @@ tiny preset. Each server is a `clover serve` subprocess on a free port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -300,6 +302,31 @@ def test_prefix_reuse_picks_the_context_holding_the_prompt(gguf, local) -> None:
         s.stop()
 
 
+@contextlib.contextmanager
+def _holding_the_context(s: Server, headers: dict[str, str] | None = None) -> Iterator[None]:
+    """While inside: a long streaming request holds the server's one context (threshold 1.0 with
+    B = 500: a 500-token pass per token, seconds of work; the two blocks start right after the
+    prompt, so prompt + 1000 positions fit -c 1024)."""
+    body = {"prompt": "hello", "max_tokens": 1000, "stream": True, "block_size": 500, "threshold": 1.0,
+            "ignore_eos": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30, headers=headers) as first:
+        # read the stream as a client does (one that stops reading is a slow client), and wait
+        # until the request holds the context: its first chunk can leave before it does
+        def read_all() -> None:
+            try:
+                for _ in first.iter_lines():
+                    pass
+            except httpx.HTTPError:  # the stream is closed when the test leaves the block
+                pass
+
+        threading.Thread(target=read_all, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while "clover_contexts_busy 1" not in httpx.get(s.url + "/metrics", headers=headers).text:
+            assert time.monotonic() < deadline, "the streaming request never took the context"
+            time.sleep(0.02)
+        yield
+
+
 def test_api_key_and_queue_full(gguf) -> None:
     s = Server(gguf, "--api-key", "sekret", "--parallel", "1", "--queue-size", "0", "-t", "1")
     try:
@@ -313,27 +340,7 @@ def test_api_key_and_queue_full(gguf) -> None:
         ok = s.client(api_key="sekret").completions.create(model="x", prompt="x", max_tokens=2)
         assert ok.usage.completion_tokens >= 0
         # one context, no queue: a second request while the first streams gets 503
-        # (threshold 1.0 with B = 500: a 500-token pass per token, seconds of work; the two
-        # blocks start right after the prompt, so prompt + 1000 positions fit -c 1024)
-        body = {"prompt": "hello", "max_tokens": 1000, "stream": True, "block_size": 500, "threshold": 1.0,
-                "ignore_eos": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30,
-                          headers={"authorization": "Bearer sekret"}) as first:
-            # read the stream as a client does (one that stops reading is a slow client), and wait
-            # until the request holds the context: its first chunk can leave before it does
-            def read_all() -> None:
-                try:
-                    for _ in first.iter_lines():
-                        pass
-                except httpx.HTTPError:  # the stream is closed when the test leaves the block
-                    pass
-
-            threading.Thread(target=read_all, daemon=True).start()
-            deadline = time.monotonic() + 20
-            while "clover_contexts_busy 1" not in httpx.get(s.url + "/metrics",
-                                                            headers={"authorization": "Bearer sekret"}).text:
-                assert time.monotonic() < deadline, "the streaming request never took the context"
-                time.sleep(0.02)
+        with _holding_the_context(s, {"authorization": "Bearer sekret"}):
             r = _post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2}, {"authorization": "Bearer sekret"})
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
             assert int(r.headers["retry-after"]) >= 1
@@ -618,22 +625,8 @@ def test_a_client_that_leaves_the_queue_gives_its_place_back(gguf) -> None:
     """A request waiting for a context whose client goes away leaves the queue: the next one is
     queued, not refused with queue_full (the place used to stay taken until a context freed)."""
     s = Server(gguf, "--parallel", "1", "--queue-size", "1", "-t", "1")
-    body = {"prompt": "hello", "max_tokens": 1000, "stream": True, "block_size": 500, "threshold": 1.0,
-            "ignore_eos": True}
     try:
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as first:
-            def read_all() -> None:
-                try:
-                    for _ in first.iter_lines():
-                        pass
-                except httpx.HTTPError:  # the stream is closed when the test leaves the block
-                    pass
-
-            threading.Thread(target=read_all, daemon=True).start()
-            deadline = time.monotonic() + 20
-            while "clover_contexts_busy 1" not in httpx.get(s.url + "/metrics").text:
-                assert time.monotonic() < deadline, "the streaming request never took the context"
-                time.sleep(0.02)
+        with _holding_the_context(s):
             short = {"prompt": "x", "max_tokens": 2}
             # each waits in the one queue place, then its client gives up: were the place kept,
             # the second would be answered at once with 503 queue_full
