@@ -55,7 +55,7 @@ def measure(path: Path, prompt, n_new: int, threads: int, reps: int) -> dict:
     rows: dict[str, list] = {label: [] for label, _ in CONFIGS}
     up: list[dict] = []
     with Clover(str(path), n_ctx=1024, n_threads=threads, block_size=1) as m:
-        toks = m.tokenize(prompt, add_special=True) if isinstance(prompt, str) else list(prompt)
+        toks = m.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, str) else list(prompt)
         for label, kw in CONFIGS:  # warm-up (and auto's cost curve: cached or measured once)
             m.generate(toks, max_tokens=8, stop_at_eos=False, reuse_prefix=False, **kw)
         for _ in range(reps):

@@ -114,7 +114,7 @@ def run_calls(path: Path, prompt, ns: list[int], threads: int, reps: int, marks:
     out: dict = {"n": {}}
     top = 2 * max(ns)
     with Clover(str(path), n_ctx=1024, n_threads=threads, block_size=top) as m:
-        toks = m.tokenize(prompt, add_special=True) if isinstance(prompt, str) else list(prompt)
+        toks = m.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, str) else list(prompt)
         filler = [t for t in toks if t != m.mask_token][:top] if hasattr(m, "mask_token") else toks[:top]
         while len(filler) < top:
             filler += filler

@@ -79,7 +79,7 @@ def main() -> int:
         # the output head on the last server (llama.cpp's placement), or kept here (-ot)
         split = {"head on server": Clover(gguf, **remote),
                  "head on client": Clover(gguf, **remote, override_tensor=r"^output\.weight=CPU")}
-        H, V = int(local.metadata("clover.embedding_length")), local.n_vocab
+        H, V = int(local.metadata.get("clover.embedding_length")), local.n_vocab()
         prompt = "def fibonacci(n):\n    "
         rows = []
         for B in (1, 32):

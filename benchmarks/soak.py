@@ -67,8 +67,8 @@ def main() -> int:
                       temperature=0.0 if greedy else rng.uniform(0.2, 1.5), top_k=rng.choice([0, 5, 50]),
                       top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**32),
                       stop=rng.choice([[], ["\n\n"], ["return", ":"]]), stop_at_eos=rng.random() < 0.8)
-            prompt = prev + m.tokenize(rng.choice(PROMPTS)) if prev and rng.random() < 0.5 and len(prev) < 1500 \
-                else m.tokenize(rng.choice(PROMPTS), add_special=True)
+            prompt = prev + m.tokenize(rng.choice(PROMPTS), add_bos=False, special=True) if prev and rng.random() < 0.5 and len(prev) < 1500 \
+                else m.tokenize(rng.choice(PROMPTS), add_bos=True, special=True)
             try:
                 if rng.random() < 0.3:
                     s = m.generate(prompt, stream=True, **kw)

@@ -160,8 +160,8 @@ def part_decode(a: argparse.Namespace) -> None:
     m = Clover(path, n_ctx=1024, n_threads=a.threads, block_size=8)
     res["load_s"] = time.perf_counter() - t0
     res["rss_loaded"] = _rss()
-    prompt = m.tokenize(PROMPT)
-    text = m.tokenize(TEXT)
+    prompt = m.tokenize(PROMPT, add_bos=False, special=True)
+    text = m.tokenize(TEXT, add_bos=False, special=True)
     res["prompt_tokens"] = len(prompt)
     runs: dict = {}
     ref_tokens = None
@@ -260,7 +260,7 @@ def part_batching(a: argparse.Namespace) -> None:
     from clover_cpp import Clover
 
     with Clover(str(a.work / a.gguf), n_ctx=256, n_threads=a.threads, block_size=1) as m:
-        toks = m.tokenize(PROMPT)[:12]
+        toks = m.tokenize(PROMPT, add_bos=False, special=True)[:12]
         m.reset()
         bat = m.commit(toks, logits=True)
         m.reset()

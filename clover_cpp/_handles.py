@@ -42,10 +42,11 @@ class LoadArgs:
     rpc_servers: str | None = None
     tensor_split: tuple[float, ...] = ()
     override_tensor: str | None = None
+    use_mlock: bool = False
 
     @classmethod
     def of(cls, n_gpu_layers: Any, use_mmap: Any, rpc_servers: Any, tensor_split: Any,
-           override_tensor: Any) -> "LoadArgs":
+           override_tensor: Any, use_mlock: Any = False) -> "LoadArgs":
         n_gpu_layers = int_arg("n_gpu_layers", n_gpu_layers, -1, INT32_MAX)
         if isinstance(rpc_servers, (list, tuple)):
             if not all(isinstance(x, str) for x in rpc_servers):
@@ -65,7 +66,7 @@ class LoadArgs:
             if v is not None and "\0" in v:
                 raise CloverValueError(f"{name} must not contain a NUL character")
         return cls(n_gpu_layers, None if use_mmap is None else bool_arg("use_mmap", use_mmap), rpc_servers or None,
-                   tuple(split), override_tensor or None)
+                   tuple(split), override_tensor or None, bool_arg("use_mlock", use_mlock))
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class ModelRef:
         mp.n_gpu_layers = a.n_gpu_layers
         if a.use_mmap is not None:
             mp.use_mmap = 1 if a.use_mmap else 0
+        mp.use_mlock = 1 if a.use_mlock else 0
         if a.rpc_servers:
             mp.rpc_servers = a.rpc_servers.encode()
         if a.override_tensor:
@@ -323,6 +325,15 @@ def metadata(m: int, key: bytes) -> str | None:
         if n < size:
             return buf.raw[:n].decode("utf-8", "replace")
         size = n + 1
+
+
+def metadata_keys(path: Path) -> list[str]:
+    """The metadata keys of a GGUF that llama.cpp lists with llama_model_meta_* (all but the
+    arrays), in the file's order; the file is one the native library loaded."""
+    from gguf import GGUFReader, GGUFValueType  # noqa: PLC0415
+
+    return [k for k, f in GGUFReader(path).fields.items()
+            if not k.startswith("GGUF.") and f.types and f.types[0] != GGUFValueType.ARRAY]
 
 
 def committed_tokens(c: int) -> list[int]:

@@ -278,7 +278,7 @@ class ChatCalls:
             ids: list[int] = []
             for txt in END_OF_TURN_TEXTS:
                 try:
-                    t = self.tokenize(txt, add_special=False, parse_special=True)
+                    t = self.tokenize(txt, add_bos=False, special=True)
                 except CloverError:
                     continue
                 if len(t) == 1 and t[0] != self.mask_token:
@@ -322,11 +322,11 @@ class ChatCalls:
         prompt = str_arg("prompt", prompt)
         last = getattr(self, "_last", None)
         toks = None if last is None else \
-            last.tokens_for(prompt, lambda s: self.tokenize(s, add_special=False), self.detokenize)
-        return toks if toks is not None else self.tokenize(prompt, add_special=True, parse_special=True)
+            last.tokens_for(prompt, lambda s: self.tokenize(s, add_bos=False, special=True), self.detokenize_text)
+        return toks if toks is not None else self.tokenize(prompt, add_bos=True, special=True)
 
     def _special_text(self, key: str) -> str:
-        tid = self.metadata(key)
+        tid = self.metadata.get(key)
         try:
             return self.token_to_piece(int(tid), special=True).decode("utf-8", "replace") if tid else ""
         except (CloverError, ValueError):

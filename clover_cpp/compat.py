@@ -8,13 +8,13 @@ import inspect
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _native as N
-from ._args import bool_arg, int_arg, strings_arg
+from ._args import INT32_MAX, bool_arg, int_arg, strings_arg
 from .errors import CloverError, CloverTypeError, CloverValueError
 
 if TYPE_CHECKING:
@@ -99,6 +99,84 @@ def echoed_prompt(scored: PromptLogprobs, bos: int) -> tuple[list[int], list[flo
     return scored.tokens[skip:], lps, list(scored.top_logprobs[skip:])
 
 
+#: llama.cpp's LLAMA_DEFAULT_SEED (llama-cpp-python's seed default): a fresh random seed per call
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+#: llama.cpp's enum llama_pooling_type (llama-cpp-python's pooling_type)
+POOLING_UNSPECIFIED, POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST = -1, 0, 1, 2, 3
+
+#: ``Llama(...)`` arguments Clover has no use for, with the values that change nothing: any other
+#: value is refused, naming the argument (a setting Clover would silently ignore is a bug report)
+LLAMA_NEUTRAL_INIT: dict[str, tuple[Any, ...]] = {
+    "split_mode": (1,), "main_gpu": (0,), "vocab_only": (False,), "kv_overrides": (None,),
+    "n_threads_batch": (None,), "rope_scaling_type": (-1,), "attention_type": (-1,), "rope_freq_base": (0.0,),
+    "rope_freq_scale": (0.0,), "yarn_ext_factor": (-1.0,), "yarn_attn_factor": (1.0,), "yarn_beta_fast": (32.0,),
+    "yarn_beta_slow": (1.0,), "yarn_orig_ctx": (0,), "offload_kqv": (True,), "op_offload": (None, True),
+    "swa_full": (None, False), "no_perf": (False, True), "last_n_tokens_size": (64,), "lora_base": (None,),
+    "lora_scale": (1.0,), "lora_path": (None,), "numa": (False, 0), "draft_model": (None,), "tokenizer": (None,),
+    "type_k": (None,), "type_v": (None,), "spm_infill": (False,),
+}
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """The ``Llama(...)`` constructor arguments a Clover keeps (see :meth:`of`)."""
+
+    seed: int | None = None  # the default seed of create_completion & co (None: a fresh one per call)
+    n_batch: int = 512
+    n_ubatch: int = 512
+    logits_all: bool = False
+    embedding: bool = False
+    pooling_type: int = POOLING_UNSPECIFIED
+    chat_format: str | None = None
+
+    @classmethod
+    def of(cls, seed: Any, n_batch: Any, n_ubatch: Any, logits_all: Any, embedding: Any, pooling_type: Any,
+           chat_format: Any, chat_handler: Any, others: Mapping[str, Any]) -> "LlamaSettings":
+        """Checked. n_batch / n_ubatch: accepted (positive), no effect: libclover sizes its
+        batches from the block size. logits_all: no effect (logprobs need no kept logits here).
+        chat_format: None (the GGUF's template, ChatML without one) or "chatml"; chat_handler:
+        None. Other ``Llama`` arguments: only their neutral values (:data:`LLAMA_NEUTRAL_INIT`)."""
+        for name, value in others.items():
+            if name not in LLAMA_NEUTRAL_INIT:
+                raise CloverTypeError(f"Clover() got an unexpected keyword argument {name!r}", param=name)
+            ok = LLAMA_NEUTRAL_INIT[name]
+            if not any(value is v or (type(value) is type(v) and value == v) for v in ok):
+                raise CloverValueError(f"Clover(): {name}={value!r} is not supported; leave it at {ok[0]!r}"[:300],
+                                       param=name)
+        if chat_handler is not None:
+            raise CloverValueError("Clover(): chat_handler is not supported (chats render the GGUF's chat template)",
+                                   param="chat_handler")
+        if chat_format not in (None, "chatml"):
+            raise CloverValueError(f"Clover(): chat_format={chat_format!r} is not supported: None (the GGUF's "
+                                   "chat template) or 'chatml'"[:300], param="chat_format")
+        seed = int_arg("seed", seed, -1, LLAMA_DEFAULT_SEED)
+        pooling = int_arg("pooling_type", pooling_type, POOLING_UNSPECIFIED, POOLING_LAST)
+        return cls(None if seed in (-1, LLAMA_DEFAULT_SEED) else seed, int_arg("n_batch", n_batch, 1, INT32_MAX),
+                   int_arg("n_ubatch", n_ubatch, 1, INT32_MAX), bool_arg("logits_all", logits_all),
+                   bool_arg("embedding", embedding), pooling, chat_format)
+
+
+#: the ``llama_state`` of a :class:`LlamaState` Clover saved: the memory is rebuilt from the
+#: tokens on load (libclover has no call for llama.cpp's state bytes of its context yet)
+RECOMMIT_STATE = b"clover-state: recommit v1"
+
+
+class LlamaState:
+    """llama-cpp-python's ``LlamaState`` (the same fields): the committed tokens
+    (``input_ids[:n_tokens]``), the logits of the last one (``scores``, [1, n_vocab]; [0, n_vocab]
+    when nothing is committed), ``llama_state`` and the default seed."""
+
+    def __init__(self, input_ids: np.ndarray, scores: np.ndarray, n_tokens: int, llama_state: bytes,
+                 llama_state_size: int, seed: int) -> None:
+        self.input_ids = input_ids
+        self.scores = scores
+        self.n_tokens = n_tokens
+        self.llama_state = llama_state
+        self.llama_state_size = llama_state_size
+        self.seed = seed
+
+
 class LlamaCompat:
     """The llama-cpp-python-compatible methods of :class:`Clover` (a mixin over its generate,
     generate_chat, tokenizer and room)."""
@@ -119,6 +197,12 @@ class LlamaCompat:
     bos_token: Any
     model_path: Any
     n_ctx: Any
+    _llama: "LlamaSettings"
+    _embed_llama: Any
+    _ctx_args: Any
+    _load_args: Any
+    committed_tokens: Any
+    last_logits: Any
 
     def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> PromptLogprobs:
         """The log-probability of each token of ``prompt`` (text: tokenized as generate() does)
@@ -128,7 +212,7 @@ class LlamaCompat:
         most CLOVER_MAX_TOP_LOGPROBS). What lm-eval's loglikelihood scores; llama-cpp-python's
         ``create_completion(echo=True, logprobs=N)`` reports it. Leaves the memory holding the
         prompt (a generate() of a prompt that starts with it reads none of it again)."""
-        toks = self.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) \
+        toks = self.tokenize(prompt, add_bos=True, special=True) if isinstance(prompt, str) \
             else self._tokens(prompt)
         n_top = int_arg("top_logprobs", top_logprobs, 0, N.CLOVER_MAX_TOP_LOGPROBS)
         out = PromptLogprobs(tokens=toks, logprobs=[None] if toks else [], top_logprobs=[[]] if toks else [])
@@ -143,6 +227,72 @@ class LlamaCompat:
                 out.top_logprobs += [_top(row, n_top) for row in lp]
         return out
 
+    # -- llama-cpp-python's state and embedding calls
+    def save_state(self) -> LlamaState:
+        """The context's memory as a :class:`LlamaState` (llama-cpp-python's fields):
+        :meth:`load_state` puts it back, and a generation then continues exactly as it would
+        have without the calls in between (greedy: the same tokens; the prompt's reused part
+        is not read again)."""
+        with self._op():
+            toks = self.committed_tokens
+            scores = self.last_logits()[None, :] if toks else np.empty((0, self.n_vocab()), np.float32)
+        seed = self._llama.seed
+        return LlamaState(np.asarray(toks, dtype=np.intc), scores, len(toks), RECOMMIT_STATE, len(RECOMMIT_STATE),
+                          LLAMA_DEFAULT_SEED if seed is None else seed)
+
+    def load_state(self, state: LlamaState) -> None:
+        """Restore a :meth:`save_state` of this model: the memory is rebuilt by committing its
+        tokens again (the memory of the committed text, whatever decoding made it), and the
+        default seed is the state's. A state of llama-cpp-python's own ``Llama`` is refused (its
+        bytes are another context's)."""
+        if getattr(state, "llama_state", None) != RECOMMIT_STATE:
+            raise CloverValueError("load_state: not a state saved by Clover.save_state", param="state")
+        n = int_arg("n_tokens", state.n_tokens, 0, INT32_MAX)
+        toks = self._tokens(np.asarray(state.input_ids)[:n])
+        seed = int_arg("seed", state.seed, -1, LLAMA_DEFAULT_SEED)
+        with self._op():
+            self.reset()
+            if toks:
+                self.commit(toks)
+            self._last = None  # (a chat's next turn re-reads its prompt's tokens: they are in the memory)
+        self._llama = replace(self._llama, seed=None if seed in (-1, LLAMA_DEFAULT_SEED) else seed)
+
+    def set_seed(self, seed: int) -> None:
+        """The default seed of the following calls (llama-cpp-python's)."""
+        seed = int_arg("seed", seed, -1, LLAMA_DEFAULT_SEED)
+        self._llama = replace(self._llama, seed=None if seed in (-1, LLAMA_DEFAULT_SEED) else seed)
+
+    def _embedder(self, where: str) -> Any:
+        """llama-cpp-python's ``Llama`` over this GGUF with embeddings on (loaded once, on our
+        libllama): llama.cpp's pooling of the causal pass's final hidden states."""
+        if not self._llama.embedding:
+            raise CloverValueError(f"{where}: the model must be created with embedding=True", param="embedding")
+        if self._embed_llama is None:
+            from ._lib import import_llama_cpp  # noqa: PLC0415 - optional: llama-cpp-python's Python layer
+
+            pooling = self._llama.pooling_type
+            self._embed_llama = import_llama_cpp().Llama(
+                str(self.model_path), embedding=True, verbose=False, n_ctx=self.n_ctx(), n_batch=self._llama.n_batch,
+                n_ubatch=self._llama.n_ubatch, n_threads=self._ctx_args.n_threads,
+                n_gpu_layers=self._load_args.n_gpu_layers, use_mmap=self._load_args.use_mmap is not False,
+                pooling_type=POOLING_MEAN if pooling == POOLING_UNSPECIFIED else pooling)
+        return self._embed_llama
+
+    def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,
+              return_count: bool = False) -> Any:  # noqa: A002 - llama-cpp-python's name
+        """llama-cpp-python's ``Llama.embed``: the embedding of a text (a list of floats), or of
+        each text of a list, pooled as ``pooling_type`` says (mean by default; NONE: one per
+        token); normalize: unit length; truncate: at n_batch tokens. Needs embedding=True."""
+        return self._embedder("embed").embed(input, normalize=normalize, truncate=truncate,
+                                              return_count=return_count)
+
+    def create_embedding(self, input: str | list[str], model: str | None = None) -> dict[str, Any]:
+        """llama-cpp-python's ``Llama.create_embedding``: OpenAI's embedding list
+        (``{"object": "list", "data": [{"object": "embedding", "embedding": [...], "index": i}],
+        "model", "usage"}``). Needs embedding=True."""
+        r = self._embedder("create_embedding").create_embedding(input)
+        return {**r, "model": model if isinstance(model, str) else str(self.model_path)}
+
     def _llama_kwargs(self, where: str, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any,
                       stop: Any, logprobs: Any, grammar: Any, response_format: Any, stream: Any,
                       neutral: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
@@ -151,7 +301,8 @@ class LlamaCompat:
             if value is not None and not (value == ok if not isinstance(ok, tuple) else value in ok):
                 raise CloverValueError(f"{where}: {name}={value!r} is not supported by Clover; leave it at "
                                        f"{ok if not isinstance(ok, tuple) else ok[0]!r}"[:300])
-        kw: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        kw: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed if seed is not None else self._llama.seed,
                                   stop=strings_arg("stop", stop), stream=bool_arg("stream", stream))
         if max_tokens is not None:
             kw["max_tokens"] = int_arg("max_tokens", max_tokens)
@@ -174,7 +325,7 @@ class LlamaCompat:
         if kw.get("max_tokens") is None or kw["max_tokens"] <= 0:
             room = self.room(n_prompt, gen_kwargs.get("block_size", "default"), gen_kwargs.get("draft_self", False))
             if room <= 0:
-                raise CloverError(f"the prompt ({n_prompt} tokens) leaves no room in n_ctx={self.n_ctx}",
+                raise CloverError(f"the prompt ({n_prompt} tokens) leaves no room in n_ctx={self.n_ctx()}",
                                   N.CLOVER_ERR_CONTEXT_FULL)
             kw["max_tokens"] = room
 
@@ -240,10 +391,10 @@ class LlamaCompat:
                                          "logits_processor": (logits_processor, None),
                                          "logit_bias": (logit_bias or None, None)})
         if isinstance(prompt, str):
-            prompt_text, toks = prompt, self.tokenize(prompt, add_special=True, parse_special=True)
+            prompt_text, toks = prompt, self.tokenize(prompt, add_bos=True, special=True)
         else:
             toks = self._tokens(prompt)
-            prompt_text = self.detokenize(toks)
+            prompt_text = self.detokenize_text(toks)
         self._budget(kw, len(toks), gen_kwargs)
         echo = bool_arg("echo", echo)
         head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),

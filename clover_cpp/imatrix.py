@@ -211,7 +211,7 @@ def collect_imatrix(model_path: str | os.PathLike, text: str, n_ctx: int = 512, 
     coll = ImatrixCollector(_weight_names(Path(model_path)), process_output=process_output)
     # installed for the whole run: a context llama.cpp makes again later reports too
     with coll.installed(), Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, block_size=block_size) as m:
-        toks = m.tokenize(text, add_special=True)
+        toks = m.tokenize(text, add_bos=True, special=True)
         n_chunk = len(toks) // n_ctx
         if max_chunks is not None:
             n_chunk = min(n_chunk, int(max_chunks))
@@ -262,7 +262,7 @@ def write_imatrix(coll: ImatrixCollector, path: str | os.PathLike, datasets: Seq
     counts [n_mat, 1], float32), written to a temporary and renamed into place."""
     import gguf
 
-    from ._files import temp_path
+    from clover_gguf.files import temp_path
 
     path = Path(path)
     tmp = temp_path(path)

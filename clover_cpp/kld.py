@@ -118,14 +118,14 @@ def kl_divergence(base: Any, quant: Any, text: str | Sequence[int], n_ctx: int =
     no mask ratios = causal only. Leaves both memories empty."""
     from .model import CloverValueError
 
-    if base.n_vocab != quant.n_vocab:
-        raise CloverValueError(f"the models have different vocabularies ({base.n_vocab} vs {quant.n_vocab} tokens)")
-    toks = base.tokenize(text, add_special=True) if isinstance(text, str) else [int(t) for t in text]
-    if isinstance(text, str) and toks != quant.tokenize(text, add_special=True):
+    if base.n_vocab() != quant.n_vocab():
+        raise CloverValueError(f"the models have different vocabularies ({base.n_vocab()} vs {quant.n_vocab()} tokens)")
+    toks = base.tokenize(text, add_bos=True, special=True) if isinstance(text, str) else [int(t) for t in text]
+    if isinstance(text, str) and toks != quant.tokenize(text, add_bos=True, special=True):
         raise CloverValueError("the models tokenize the text differently: not a quantization of the same model")
     n_ctx = int(n_ctx)
-    if n_ctx < 4 or n_ctx > min(base.n_ctx, quant.n_ctx):
-        raise CloverValueError(f"n_ctx must be 4 to {min(base.n_ctx, quant.n_ctx)} (the contexts' size), got {n_ctx}")
+    if n_ctx < 4 or n_ctx > min(base.n_ctx(), quant.n_ctx()):
+        raise CloverValueError(f"n_ctx must be 4 to {min(base.n_ctx(), quant.n_ctx())} (the contexts' size), got {n_ctx}")
     n_chunk = len(toks) // n_ctx
     if max_chunks is not None:
         n_chunk = min(n_chunk, int(max_chunks))

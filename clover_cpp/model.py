@@ -45,10 +45,10 @@ import numpy as np
 from . import _handles as H
 from . import _native as N
 from . import decoding as D
-from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, str_arg, text_bytes, token_id, \
+from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, text_bytes, token_id, \
     token_ids, tristate_arg
 from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat
-from .compat import LlamaCompat
+from .compat import LLAMA_DEFAULT_SEED, POOLING_UNSPECIFIED, LlamaCompat, LlamaSettings
 from .decoding import BlockCallback, DecodeThread, Generation, GenerationResult, GenerationStats, \
     GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
 from .errors import CloverError, CloverTypeError, CloverValueError, check, current_verbosity, lib, set_verbosity
@@ -120,11 +120,13 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     Distinct objects (:meth:`new_context`) decode in parallel."""
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, block_size: int | str | None = None, *, flash_attn: bool | str | None = None,
-                 kv_f32: bool = False, use_mmap: bool | None = None, verbose: bool = False,
-                 rpc_servers: str | Sequence[str] | None = None,
+                 n_gpu_layers: int = 0, *, block_size: int | str | None = None, flash_attn: bool | str | None = None,
+                 kv_f32: bool = False, use_mmap: bool | None = None, use_mlock: bool = False, verbose: bool = False,
+                 seed: int = LLAMA_DEFAULT_SEED, n_batch: int = 512, n_ubatch: int = 512, logits_all: bool = False,
+                 embedding: bool = False, pooling_type: int = POOLING_UNSPECIFIED, chat_format: str | None = None,
+                 chat_handler: Any = None, rpc_servers: str | Sequence[str] | None = None,
                  tensor_split: Sequence[float] | None = None, override_tensor: str | None = None,
-                 coreset: int | str | None = "model", _model: H.ModelRef | None = None) -> None:
+                 coreset: int | str | None = "model", _model: H.ModelRef | None = None, **llama_kwargs: Any) -> None:
         # (_model: new_context's, a loaded model this object shares instead of loading one)
         self._model: int | None = None
         self._shared: H.ModelRef | None = None
@@ -135,13 +137,18 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         if not isinstance(model_path, (str, os.PathLike)):
             raise CloverTypeError(f"model_path must be a path, got {type(model_path).__name__}")
         self.model_path = Path(model_path)
+        self._metadata: dict[str, str] | None = None
+        self._embed_llama: Any = None  # (create_embedding's llama_cpp.Llama, loaded on first use)
         self._ctx_args = H.ContextArgs(n_ctx, n_threads, block_size, flash_attn, kv_f32)
         self._ctx_args.checked()  # bad context arguments fail before anything is loaded
         self._coreset_arg = coreset_value(coreset)
-        self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor)
+        self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor, use_mlock)
+        self._llama = LlamaSettings.of(seed, n_batch, n_ubatch, logits_all, embedding, pooling_type, chat_format,
+                                       chat_handler, llama_kwargs)
+        self.verbose = bool_arg("verbose", verbose)
         if _model is None:
             H.check_model_path(self.model_path)
-            if verbose:
+            if self.verbose:
                 set_verbosity(max(current_verbosity(), 1))
             self._shared = H.ModelRef.load(self.model_path, self._load_args)
             self._model = self._shared.handle
@@ -215,9 +222,14 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         a, la = replace(self._ctx_args, **overrides), self._load_args
         a.checked()
         with self._model_op():
-            return Clover(self.model_path, a.n_ctx, a.n_threads, la.n_gpu_layers, a.block_size,
-                          flash_attn=a.flash_attn, kv_f32=a.kv_f32, use_mmap=la.use_mmap, rpc_servers=la.rpc_servers,
-                          tensor_split=la.tensor_split, override_tensor=la.override_tensor, _model=self._info())
+            ls = self._llama
+            return Clover(self.model_path, a.n_ctx, a.n_threads, la.n_gpu_layers, block_size=a.block_size,
+                          flash_attn=a.flash_attn, kv_f32=a.kv_f32, use_mmap=la.use_mmap, use_mlock=la.use_mlock,
+                          rpc_servers=la.rpc_servers, tensor_split=la.tensor_split,
+                          override_tensor=la.override_tensor, seed=ls.seed if ls.seed is not None else -1,
+                          n_batch=ls.n_batch, n_ubatch=ls.n_ubatch, logits_all=ls.logits_all,
+                          embedding=ls.embedding, pooling_type=ls.pooling_type, chat_format=ls.chat_format,
+                          _model=self._info())
 
     # -- lifetime
     def close(self) -> None:
@@ -232,6 +244,9 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             st._cancel.set()
         gate.close()  # new calls, and those waiting, raise "the model is closed"; this one holds it
         try:
+            if getattr(self, "_embed_llama", None) is not None:
+                self._embed_llama.close()
+                self._embed_llama = None
             L = N._lib
             if self._ctx:
                 if getattr(self, "_own_decoder", False):
@@ -336,10 +351,26 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             if st._reader == me and not st._finished.is_set():
                 st.close()
 
-    # -- properties
-    @property
+    # -- properties (llama-cpp-python's are methods: n_vocab(), n_ctx(), token_eos(), ...)
     def n_vocab(self) -> int:
         return self._info().n_vocab
+
+    def token_eos(self) -> int:
+        """The end-of-sequence token (llama-cpp-python's; -1 if none)."""
+        return self.eos_token
+
+    def token_bos(self) -> int:
+        """The beginning-of-sequence token (llama-cpp-python's; -1 if the model adds none)."""
+        return self.bos_token
+
+    def token_nl(self) -> int:
+        """The token of "\\n" (llama-cpp-python's: llama.cpp's newline token)."""
+        toks = self.tokenize(b"\n", add_bos=False, special=False)
+        return toks[0] if len(toks) == 1 else -1
+
+    def n_embd(self) -> int:
+        """The embedding width (the GGUF's ``clover.embedding_length``)."""
+        return int(self.metadata["clover.embedding_length"])
 
     @property
     def mask_token(self) -> int:
@@ -361,8 +392,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     def n_ctx_train(self) -> int:
         return self._info().n_ctx_train
 
-    @property
     def n_ctx(self) -> int:
+        """The context's size in positions (llama-cpp-python's n_ctx())."""
         self._m()
         return self._n_ctx
 
@@ -387,7 +418,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
     @block_size.setter
     def block_size(self, value: int) -> None:
-        value = int_arg("block_size", value, 1, self.n_ctx)
+        value = int_arg("block_size", value, 1, self.n_ctx())
         with self._op() as c:
             err, n = N.err_buffer()
             check(self._decoder.call(lambda: lib().clover_set_block_size(c, value, err, n)), err)
@@ -416,39 +447,51 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         with self._op() as c:
             check(lib().clover_set_n_threads(c, n_threads), None)
 
-    def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value as a string, or None if absent."""
-        k = str_arg("key", key).encode("utf-8", "surrogateescape")
-        if b"\0" in k:
-            raise CloverValueError("key must not contain a NUL character")
-        with self._model_op() as m:
-            return H.metadata(m, k)
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's metadata, every key but the arrays, as llama.cpp renders them into strings
+        (llama-cpp-python's ``Llama.metadata``). Read once; a copy per access."""
+        if self._metadata is None:
+            keys = H.metadata_keys(self.model_path)
+            with self._model_op() as m:
+                got = {k: H.metadata(m, k.encode("utf-8", "surrogateescape")) for k in keys}
+            self._metadata = {k: v for k, v in got.items() if v is not None}
+        return dict(self._metadata)
 
     @property
     def chat_template(self) -> str | None:
-        return self.metadata("tokenizer.chat_template")
+        if self._llama.chat_format == "chatml":
+            return CHATML_TEMPLATE
+        return self.metadata.get("tokenizer.chat_template")
 
-    # -- tokenizer
-    def tokenize(self, text: str | bytes, add_special: bool = False, parse_special: bool = True) -> list[int]:
-        """Token ids of text. add_special: BOS/EOS as the model asks; parse_special: recognise
-        special-token text such as ``<|im_start|>``."""
+    # -- tokenizer (llama-cpp-python's signatures; text may be str too)
+    def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of text. add_bos: BOS/EOS as the model asks (llama.cpp's add_special);
+        special: recognise special-token text such as ``<|im_start|>``."""
         data = text_bytes(text)
-        add_special, parse_special = bool_arg("add_special", add_special), bool_arg("parse_special", parse_special)
+        add_bos, special = bool_arg("add_bos", add_bos), bool_arg("special", special)
         with self._model_op() as m:
-            return H.tokenize(m, data, add_special, parse_special)
+            return H.tokenize(m, data, add_bos, special)
 
-    def detokenize_bytes(self, tokens: Sequence[int], special: bool = False) -> bytes:
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """The bytes of tokens (llama-cpp-python's). special: render special tokens' text;
+        prev_tokens: the tokens before them (the bytes returned are those ``tokens`` add)."""
         toks = self._tokens(tokens)
         special = bool_arg("special", special)
+        if prev_tokens is not None:
+            prev = self._tokens(prev_tokens)
+            before = self.detokenize(prev, special=special)
+            return self.detokenize(prev + toks, special=special)[len(before):]
         if not toks:
             self._info()
             return b""
         with self._model_op() as m:
             return H.detokenize(m, toks, special)
 
-    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
-        """Text of tokens (invalid UTF-8 replaced). special: render special tokens' text."""
-        return self.detokenize_bytes(tokens, special).decode("utf-8", "replace")
+    def detokenize_text(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        """The text of tokens (invalid UTF-8 replaced). special: render special tokens' text."""
+        return self.detokenize(tokens, special=special).decode("utf-8", "replace")
 
     def token_to_piece(self, token: int, special: bool = True) -> bytes:
         """The bytes of one token (special: render special tokens' text)."""
@@ -458,14 +501,14 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             return H.token_to_piece(m, token, special)
 
     def _token(self, t: Any) -> int:
-        return token_id(t, self.n_vocab)
+        return token_id(t, self.n_vocab())
 
     def _tokens(self, tokens: Any) -> list[int]:
-        return token_ids(tokens, self.n_vocab)
+        return token_ids(tokens, self.n_vocab())
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenize(prompt, add_special=True, parse_special=True)
+            return self.tokenize(prompt, add_bos=True, special=True)
         return self._tokens(prompt)
 
     # -- generation
@@ -476,7 +519,14 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
                  draft_self: bool | str | None = False, draft_steps: int = 1, grammar: str | None = None,
                  logprobs: int | None = None,
-                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context") -> Any:
+                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context",
+                 min_p: float = 0.0, typical_p: float = 1.0, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                 mirostat_eta: float = 0.1, top_n_sigma: float = -1.0, xtc_probability: float = 0.0,
+                 xtc_threshold: float = 0.1, dry_multiplier: float = 0.0, dry_base: float = 1.75,
+                 dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
+                 dry_sequence_breakers: Sequence[str] | None = None, samplers: str | Sequence[str] | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -610,7 +660,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
              cancel: threading.Event) -> GenerationResult:
         # (the caller holds this object's turn: see _op / GenerationStream)
         info = self._info()
-        g = Generation(self._c(), toks, p, mask=info.mask, eos=info.eos, detokenize=self.detokenize_bytes,
+        g = Generation(self._c(), toks, p, mask=info.mask, eos=info.eos, detokenize=self.detokenize,
                        on_step=on_step, on_block=on_block, push=push, cancel=cancel, native=self._in_native)
         r = g.run()
         if g.ran:

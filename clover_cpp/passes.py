@@ -84,7 +84,7 @@ class ContextPasses:
         with self._op() as c:
             err, n = N.err_buffer()
             arr = N.as_int32_array(toks)
-            out = np.empty((max(len(toks), 1), self.n_vocab), dtype=np.float32) if logits else None
+            out = np.empty((max(len(toks), 1), self.n_vocab()), dtype=np.float32) if logits else None
             ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if out is not None else None
             check(self._decoder.call(lambda: lib().clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
             return out[: len(toks)] if out is not None else None
@@ -92,7 +92,7 @@ class ContextPasses:
     def last_logits(self) -> np.ndarray:
         """The logits [n_vocab] of the last committed position: the prediction of the next one."""
         with self._op() as c:
-            out = np.empty(self.n_vocab, dtype=np.float32)
+            out = np.empty(self.n_vocab(), dtype=np.float32)
             if lib().clover_last_logits(c, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
                 raise CloverError("nothing is committed")
             return out
@@ -108,7 +108,7 @@ class ContextPasses:
                 self.reset()
                 if before:
                     self.commit(before)
-            nv = self.n_vocab
+            nv = self.n_vocab()
             out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
             err, n = N.err_buffer()
             arr, ptr = N.as_int32_array(toks), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
@@ -125,8 +125,8 @@ class ContextPasses:
         half of every chunk (each position predicted from the one before it). Leaves the memory
         empty."""
         is_text = isinstance(text, (str, bytes))
-        toks = self.tokenize(text, add_special=True, parse_special=False) if is_text else self._tokens(text)
-        n_ctx = int_arg("n_ctx", n_ctx, 3, self.n_ctx)  # (3: one position of each chunk scored)
+        toks = self.tokenize(text, add_bos=True, special=False) if is_text else self._tokens(text)
+        n_ctx = int_arg("n_ctx", n_ctx, 3, self.n_ctx())  # (3: one position of each chunk scored)
         if len(toks) < 2 * n_ctx:
             raise CloverValueError(f"perplexity needs at least {2 * n_ctx} tokens (2 chunks of n_ctx={n_ctx}), "
                                    f"the text has {len(toks)}")

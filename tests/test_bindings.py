@@ -48,17 +48,17 @@ def model(tiny):
 def _n_prompt(model, prompt: str) -> int:
     """Prompt tokens of a text prompt (generate tokenizes with add_special): the first decode
     block starts at this position."""
-    return len(model.tokenize(prompt, add_special=True))
+    return len(model.tokenize(prompt, add_bos=True, special=True))
 
 
 def test_properties(model, cfg) -> None:
-    assert model.n_vocab == cfg["vocab_size"]
+    assert model.n_vocab() == cfg["vocab_size"]
     assert model.train_block_size == cfg["block_size"] and model.block_size == 8
     assert model.mask_token == cfg["mask_token_id"] and model.eos_token == cfg["eos_token_id"]
-    assert model.n_ctx == 1024
+    assert model.n_ctx() == 1024
     assert "<|im_start|>" in (model.chat_template or "")
-    assert model.metadata("general.architecture") == "clover"
-    assert model.metadata("no.such.key") is None
+    assert model.metadata.get("general.architecture") == "clover"
+    assert model.metadata.get("no.such.key") is None
     assert "block_size=8" in repr(model)
 
 
@@ -67,7 +67,7 @@ def test_generate_result(model) -> None:
 
     r = model.generate("hello world", max_tokens=20)
     assert len(r.tokens) == 20 and r.stats.n_generated == 20
-    assert r.text == model.detokenize(r.tokens)
+    assert r.text == model.detokenize_text(r.tokens)
     s = r.stats
     assert s.finish_reason == "max_tokens" and r.finish_reason == "max_tokens"
     assert s.n_prompt == _n_prompt(model, "hello world")
@@ -79,7 +79,7 @@ def test_generate_result(model) -> None:
     assert s.t_decode_ms > 0 and s.tokens_per_second > 0
     assert "tok/forward" in s.format()
     # token ids as the prompt give the same output
-    r2 = model.generate(model.tokenize("hello world", add_special=True), max_tokens=20)
+    r2 = model.generate(model.tokenize("hello world", add_bos=True, special=True), max_tokens=20)
     assert r2.tokens == r.tokens
     assert model.generate("hello", max_tokens=0).tokens == []
 
@@ -223,7 +223,7 @@ def test_chat(model) -> None:
     assert prompt == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                       "<|im_start|>assistant\n")
     r = model.chat(msgs, max_tokens=16)
-    im_end = model.tokenize("<|im_end|>")
+    im_end = model.tokenize("<|im_end|>", add_bos=False, special=True)
     assert len(im_end) == 1 and im_end[0] not in r.tokens
     full = model.generate(prompt, max_tokens=16)
     # the chat reply is the plain generation cut at the end-of-turn token
@@ -236,7 +236,7 @@ def test_chat(model) -> None:
 def test_generate_chat_and_end_of_turn_tokens(model) -> None:
     """The public calls the CLI and server use: end_of_turn_tokens (the chat's stop ids) and
     generate_chat (a rendered prompt, continued from the last exchange, stopped at end of turn)."""
-    im_end = model.tokenize("<|im_end|>")
+    im_end = model.tokenize("<|im_end|>", add_bos=False, special=True)
     eot = model.end_of_turn_tokens
     assert im_end[0] in eot and model.mask_token not in eot
     eot.append(-1)  # a copy: the object's list is not changed through it
@@ -250,7 +250,7 @@ def test_generate_chat_and_end_of_turn_tokens(model) -> None:
     nxt = model.format_chat(msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "more"}])
     assert model.chat_tokens(nxt)[: len(model.chat_tokens(text)) + len(r.tokens)] == model.chat_tokens(text) + r.tokens
     r2 = model.generate_chat(nxt, max_tokens=4)
-    assert r2.stats.n_reused > len(model.tokenize(text, add_special=True))  # the prompt and part of the reply
+    assert r2.stats.n_reused > len(model.tokenize(text, add_bos=True, special=True))  # the prompt and part of the reply
     assert "".join(model.generate_chat(text, max_tokens=16, stream=True)) == r.text
     with pytest.raises(TypeError):
         model.generate_chat(msgs)
@@ -259,9 +259,9 @@ def test_generate_chat_and_end_of_turn_tokens(model) -> None:
 @pytest.mark.parametrize("text", ["hello world", "def fibonacci(n):\n    return n", "  spaces  and\ttabs",
                                   "ünïcödé ✓", "<|im_start|>user\nhi<|im_end|>"])
 def test_tokenize_round_trip(model, text: str) -> None:
-    toks = model.tokenize(text)
-    assert toks and all(0 <= t < model.n_vocab for t in toks)
-    assert model.detokenize(toks, special=True) == text
+    toks = model.tokenize(text, add_bos=False, special=True)
+    assert toks and all(0 <= t < model.n_vocab() for t in toks)
+    assert model.detokenize_text(toks, special=True) == text
 
 
 def test_tokenize_matches_tokenizers(model, tiny) -> None:
@@ -275,7 +275,7 @@ def test_tokenize_matches_tokenizers(model, tiny) -> None:
     for text in [FIXTURE_TEXT, *PROMPTS, "It's what they'd say: WE'RE here, I'll go. 12345 + 678",
                  "  spaces  and\ttabs\r\n\n   trailing  ", "ünïcödé ✓ 日本語のテキスト 🎉 \x01\x7f",
                  "<|im_start|>user\nhi<|im_end|>\n<|mask|><|endoftext|>"]:
-        assert model.tokenize(text) == hf.encode(text, add_special_tokens=False).ids, text
+        assert model.tokenize(text, add_bos=False, special=True) == hf.encode(text, add_special_tokens=False).ids, text
 
 
 def test_tokenize_special(model, tiny) -> None:
@@ -283,11 +283,11 @@ def test_tokenize_special(model, tiny) -> None:
 
     im_start = Tokenizer.from_file(str(tiny[0] / "tokenizer.json")).token_to_id("<|im_start|>")
     assert im_start is not None
-    assert model.tokenize("<|im_start|>", parse_special=True) == [im_start]
-    assert len(model.tokenize("<|im_start|>", parse_special=False)) > 1
-    assert model.detokenize([im_start]) == "" and model.detokenize([im_start], special=True) == "<|im_start|>"
-    assert model.tokenize("") == []
-    assert model.detokenize([]) == ""
+    assert model.tokenize("<|im_start|>", add_bos=False, special=True) == [im_start]
+    assert len(model.tokenize("<|im_start|>", add_bos=False, special=False)) > 1
+    assert model.detokenize_text([im_start]) == "" and model.detokenize_text([im_start], special=True) == "<|im_start|>"
+    assert model.tokenize("", add_bos=False, special=True) == []
+    assert model.detokenize_text([]) == ""
 
 
 def _rel_ok(got: np.ndarray, want: np.ndarray, tol: float) -> bool:
@@ -297,7 +297,7 @@ def _rel_ok(got: np.ndarray, want: np.ndarray, tol: float) -> bool:
 def test_block_logits_match_reference(model, ref) -> None:
     B, mask = 8, model.mask_token
     # commit_before: any number of tokens (no block alignment); the canvas starts right after
-    before = model.tokenize("The quick brown fox jumps over the lazy dog, twice.")[:13]
+    before = model.tokenize("The quick brown fox jumps over the lazy dog, twice.", add_bos=False, special=True)[:13]
     assert len(before) == 13
     for toks in ([5, 6, 7, mask, mask], [mask] * 8, [100]):
         got = model.block_logits(toks, commit_before=before)
@@ -305,7 +305,7 @@ def test_block_logits_match_reference(model, ref) -> None:
         mem = ref.new_memory()
         ref.commit(mem, before)
         want = ref.block_pass(mem, toks, B)
-        assert got.shape == (len(toks), model.n_vocab) and got.dtype == np.float32
+        assert got.shape == (len(toks), model.n_vocab()) and got.dtype == np.float32
         # f32 weights, f32 KV cache, no flash attention: float rounding only
         assert _rel_ok(got, want, 1e-4)
     # against an empty memory
@@ -329,7 +329,7 @@ def test_commit_and_last_logits(model, ref) -> None:
     assert model.n_committed == 20
     mem = ref.new_memory()
     want = ref.commit(mem, first)
-    assert got.shape == (20, model.n_vocab) and got.dtype == np.float32
+    assert got.shape == (20, model.n_vocab()) and got.dtype == np.float32
     assert _rel_ok(got, want, 1e-4)
     assert np.array_equal(model.last_logits(), got[-1])
     assert model.commit(second) is None       # without logits
@@ -373,7 +373,7 @@ def test_greedy_equals_reference(model, ref, B: int, threshold: float) -> None:
     from clover_testkit.reference import generate
 
     for prompt in PROMPTS:
-        toks = model.tokenize(prompt, add_special=True)
+        toks = model.tokenize(prompt, add_bos=True, special=True)
         want = generate(ref, toks, max_tokens=16, block_size=B, threshold=threshold)
         got = model.generate(toks, max_tokens=16, block_size=B, threshold=threshold)
         assert got.tokens == want.tokens, (prompt, B, threshold)
@@ -411,7 +411,7 @@ def test_errors(model, tiny, tmp_path: Path) -> None:
     with pytest.raises(CloverError):
         model.commit([0, 99999])
     # no block alignment any more: commit_before of any length
-    assert model.block_logits([1], commit_before=[1, 2, 3]).shape == (1, model.n_vocab)
+    assert model.block_logits([1], commit_before=[1, 2, 3]).shape == (1, model.n_vocab())
     assert model.n_committed == 3
     # loading
     with pytest.raises(CloverError, match="no such file"):
@@ -514,7 +514,7 @@ def test_create_completion(model) -> None:
     assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks[:-1])
     # max_tokens None: until EOS or the end of the context (whole blocks of the default B)
     r = model.create_completion("hello world", max_tokens=None, temperature=0)
-    assert r["usage"]["total_tokens"] <= model.n_ctx and r["choices"][0]["finish_reason"] in ("stop", "length")
+    assert r["usage"]["total_tokens"] <= model.n_ctx() and r["choices"][0]["finish_reason"] in ("stop", "length")
     # sampling with a seed reproduces; without one it is random, as Llama's
     a = model.create_completion("hello", max_tokens=12, seed=11)
     assert a["choices"][0]["text"] == model.create_completion("hello", max_tokens=12, seed=11)["choices"][0]["text"]

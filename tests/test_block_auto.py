@@ -70,7 +70,7 @@ def assert_equals_reference(r, want) -> None:
 def test_cost_curve_with_one_best_size_is_that_size(model) -> None:
     model.set_cost_curve(ONLY_4)
     for prompt in PROMPTS:
-        toks = model.tokenize(prompt)
+        toks = model.tokenize(prompt, add_bos=False, special=True)
         r, sched, _ = run_recording(model, toks, max_tokens=20, threshold=0.9)
         want = model.generate(toks, max_tokens=20, block_size=4, threshold=0.9, stop_at_eos=False)
         assert set(sched) == {4} and r.stats.block_size == 4 and r.stats.n_block_switches == 0
@@ -84,7 +84,7 @@ def test_switches_equal_reference_schedule(model, ref, threshold: float) -> None
     switched = 0
     for prompt in PROMPTS:
         model.set_cost_curve(SWITCHING, SWITCHING)   # also resets the running tokens per pass
-        toks = model.tokenize(prompt)
+        toks = model.tokenize(prompt, add_bos=False, special=True)
         r, sched, starts = run_recording(model, toks, max_tokens=40, threshold=threshold)
         assert_blocks_follow_the_prompt(len(toks), sched, starts)
         assert r.stats.n_block_switches == sum(a != b for a, b in zip(sched, sched[1:]))
@@ -115,7 +115,7 @@ def test_same_call_ten_times_under_changing_cost_curves(model, ref, tiny_artifac
               "switching": (SWITCHING, SWITCHING), "only 4": (ONLY_4, None), "only 32": (ONLY_32, ONLY_32)}
     plan = ["measured", "switching", "only 4", "measured", "only 32", None, "switching", "only 4", "only 32",
             "measured"]   # None: keep the curve and the running tokens per pass of the call before
-    toks = model.tokenize("def fibonacci(n):", add_special=True)
+    toks = model.tokenize("def fibonacci(n):", add_bos=True, special=True)
     fresh = model.new_context(block_size=1)   # the same weights, another memory
     want_by_sched: dict[tuple[int, ...], list[int]] = {}
     got_by_curve: dict[str, tuple[list[int], list[int]]] = {}
@@ -267,7 +267,7 @@ def test_auto_lossless_picks_draft_self_when_it_is_cheaper(model) -> None:
     wins once its probe block has measured the acceptance, and the stats say so."""
     for prompt in PROMPTS:
         model.set_cost_curve(CHEAP_BLOCKS, CHEAP_BLOCKS)
-        toks = model.tokenize(prompt)
+        toks = model.tokenize(prompt, add_bos=False, special=True)
         r = model.generate(toks, max_tokens=40, block_size="auto", draft_self=True, stop_at_eos=False)
         s = r.stats
         assert r.tokens == _b1(model, toks, 40)
@@ -282,7 +282,7 @@ def test_auto_never_keeps_a_mode_slower_than_block_size_1(model) -> None:
     10% switching margin does not keep a mode that is slower than B = 1)."""
     for kw in (dict(draft_self=True), dict(draft_self=None), dict(draft_self=None, threshold=0.0)):
         model.set_cost_curve(CHEAP_TOKENS, CHEAP_TOKENS)
-        toks = model.tokenize(PROMPTS[1])
+        toks = model.tokenize(PROMPTS[1], add_bos=False, special=True)
         blocks: list[int] = []
         r = model.generate(toks, max_tokens=40, block_size="auto", stop_at_eos=False,
                            on_step=lambda canvas, n_masked, start: blocks.append(len(canvas)), **kw)
@@ -302,7 +302,7 @@ def test_auto_picks_diffusion_when_it_is_cheapest(model) -> None:
     (B = 4's diffusion: one pass per block at threshold 0; draft-self at B = 4 verifies with a
     forward of 8 tokens, which is dear) makes auto settle on block diffusion at B = 4."""
     model.set_cost_curve(ONLY_4, ONLY_4)
-    toks = model.tokenize(PROMPTS[0])
+    toks = model.tokenize(PROMPTS[0], add_bos=False, special=True)
     r = model.generate(toks, max_tokens=40, block_size="auto", threshold=0.0, stop_at_eos=False)
     s = r.stats
     assert s.mode == "diffusion" and s.block_size == 4, s
@@ -316,7 +316,7 @@ def test_auto_mode_follows_the_measured_acceptance(model) -> None:
     greedy, the random model's drafts keep about their first token only (about one token per
     forward, each dearer than B = 1's), and the same curve brings B = 1 back."""
     curve = {1: 3.0, 2: 4.0, 4: 4.0, 8: 4.0, 16: 4.0, 32: 4.0}   # a pass of up to 32 costs 4/3 of one token
-    toks = model.tokenize(PROMPTS[2])
+    toks = model.tokenize(PROMPTS[2], add_bos=False, special=True)
     model.set_cost_curve(curve, curve)
     hot = model.generate(toks, max_tokens=60, block_size="auto", draft_self=True, temperature=50.0, seed=3,
                          stop_at_eos=False)
@@ -333,7 +333,7 @@ def test_auto_spends_no_block_on_draft_self_that_cannot_pay(model) -> None:
     auto does not even probe draft-self; the output is B = 1's."""
     linear = {b: float(b) for b in (1, 2, 4, 8, 16, 32)}
     model.set_cost_curve(linear, linear)
-    toks = model.tokenize(PROMPTS[0])
+    toks = model.tokenize(PROMPTS[0], add_bos=False, special=True)
     r = model.generate(toks, max_tokens=30, block_size="auto", draft_self=True, stop_at_eos=False)
     assert r.stats.n_blocks_draft_self == 0 and r.stats.mode == "autoregressive", r.stats
     assert r.tokens == _b1(model, toks, 30)
@@ -345,7 +345,7 @@ def test_draft_self_drops_the_canvas_that_would_not_pay(model) -> None:
     with the random model's acceptance (drafts keep about their first token), no verification
     carries one, so every draft has a pass of its own (passes == verifications); the output is
     still B = 1's. Without a curve every verification that leaves a block to draft carries one."""
-    toks = model.tokenize(PROMPTS[1])
+    toks = model.tokenize(PROMPTS[1], add_bos=False, special=True)
     free = model.generate(toks, max_tokens=40, block_size=4, draft_self=True, stop_at_eos=False)
     assert free.stats.n_decode_passes > free.stats.n_verifications   # canvases rode on verifications
     linear = {b: float(b) for b in (1, 2, 4, 8, 16, 32)}
@@ -373,7 +373,7 @@ def test_auto_leaves_a_mode_measured_slower_than_block_size_1(tiny_artifacts, tm
              for ln in entry.read_text().splitlines() for b in [int(ln.split()[1]) if ln.startswith("cost ") else 0]]
     entry.write_text("\n".join(lines) + "\n")
     with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
-        toks = m.tokenize(PROMPTS[1])
+        toks = m.tokenize(PROMPTS[1], add_bos=False, special=True)
         r = m.generate(toks, max_tokens=40, block_size="auto", draft_self=True, stop_at_eos=False)
         s = r.stats
         assert s.calibration == "cached"

@@ -93,7 +93,7 @@ def test_llama_perplexity_equals_clover_perplexity(tiny_artifacts, ref, tmp_path
     llama_ppl = float(final.group(1))
     with Clover(tiny_artifacts["f32"], block_size=1, n_ctx=chunk, n_threads=1, kv_f32=True) as m:
         ours = m.perplexity(text.read_text(encoding="utf-8"), n_ctx=chunk)
-        toks = m.tokenize(text.read_text(encoding="utf-8"), add_special=True)
+        toks = m.tokenize(text.read_text(encoding="utf-8"), add_bos=True, special=True)
     assert ours.n_chunks >= 2
     assert ours.ppl == pytest.approx(llama_ppl, rel=1e-4)
     # and the float64 oracle, chunk by chunk, second halves scored

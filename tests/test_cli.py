@@ -161,7 +161,7 @@ def test_n_predict_minus_one_runs_to_the_end_of_the_context(files, block_size: s
     from clover_cpp import Clover
 
     with Clover(files["model"], n_threads=1) as m:
-        n = len(m.tokenize("hello world", add_special=True, parse_special=True))
+        n = len(m.tokenize("hello world", add_bos=True, special=True))
     B = 1 if block_size == "auto" else int(block_size)
     want = (70 - n) // B * B
     args = ["-p", "hello world", "-n", "-1", "-c", "70", "--block-size", block_size, "-t", "1", "--ignore-eos"]
@@ -319,7 +319,7 @@ def test_chat_fits_blocks_after_the_prompt(files, block_size: str) -> None:
 
     msg = "hi there"
     with Clover(files["model"], n_threads=1) as m:
-        n = len(m.tokenize(m.format_chat([{"role": "user", "content": msg}]), add_special=True, parse_special=True))
+        n = len(m.tokenize(m.format_chat([{"role": "user", "content": msg}]), add_bos=True, special=True))
         default_B = m.block_size
     if block_size == "auto":
         # (a context of at least 64: auto measures fused commits + passes of up to 2 x 32 tokens)
@@ -443,8 +443,8 @@ def test_perplexity(files, tmp_path: Path) -> None:
     text = tmp_path / "text.txt"
     text.write_text(FIXTURE_TEXT[:200], encoding="utf-8")
     with Clover(files["model"], n_threads=1) as m:
-        toks = m.tokenize(text.read_text(encoding="utf-8"), add_special=True)
-        plain = m.tokenize(text.read_text(encoding="utf-8"), add_special=False)
+        toks = m.tokenize(text.read_text(encoding="utf-8"), add_bos=True, special=True)
+        plain = m.tokenize(text.read_text(encoding="utf-8"), add_bos=False, special=True)
     bos = toks[0] if len(toks) == len(plain) + 1 else None
     assert len(toks) // n_ctx >= 3 and len(toks) % n_ctx, "pick another text: 3+ chunks and a dropped tail"
     want, n_chunks, n_scored = _llama_perplexity(CloverReference.from_pretrained(files["ck"]), toks, n_ctx, bos)
@@ -804,7 +804,7 @@ def test_chat_with_draft_self_needs_no_whole_blocks(files) -> None:
 
     msg, B, n_predict = "hi there", 5, 7
     with Clover(files["model"], n_threads=1) as m:
-        n = len(m.tokenize(m.format_chat([{"role": "user", "content": msg}]), add_special=True, parse_special=True))
+        n = len(m.tokenize(m.format_chat([{"role": "user", "content": msg}]), add_bos=True, special=True))
     args = ["chat", "-m", files["model"], "-n", n_predict, "--block-size", B, "--draft-self", "-t", "1",
             "--no-visual", "--stats", "--ignore-eos"]
     res = invoke(args + ["-c", n + n_predict], input=msg + "\n")

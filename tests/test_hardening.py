@@ -67,7 +67,7 @@ ABANDON = {
 # 1.0) and a budget of the whole blocks that fit after the prompt (spec v2: blocks start right
 # after the prompt, and a block's canvas must fit n_ctx even where it runs past the budget)
 LONG_RUN = ("m = Clover(sys.argv[1], n_ctx=2048, n_threads=1)\n"
-            "budget = (m.n_ctx - len(m.tokenize('hello', add_special=True))) // 512 * 512\n"
+            "budget = (m.n_ctx() - len(m.tokenize('hello', add_bos=True, special=True))) // 512 * 512\n"
             "assert budget >= 1024, budget\n")
 
 
@@ -81,7 +81,7 @@ def test_abandoned_stream_exits_cleanly(gguf, how: str) -> None:
 
 
 def test_abandoned_stream_stops_decoding(model) -> None:
-    budget = (model.n_ctx - len(model.tokenize("hello", add_special=True))) // 256 * 256  # whole blocks
+    budget = (model.n_ctx() - len(model.tokenize("hello", add_bos=True, special=True))) // 256 * 256  # whole blocks
     assert budget >= 512
     s = model.generate("hello", max_tokens=budget, block_size=256, threshold=1.0, stream=True)
     next(iter(s))
@@ -132,12 +132,12 @@ def test_generate_values_are_checked_before_use(model) -> None:
     with pytest.raises(CloverError):
         model.generate("hi", max_tokens=2, stop_tokens=5)
     with pytest.raises(CloverError, match="text"):
-        model.tokenize(12)
+        model.tokenize(12, add_bos=False, special=True)
     # spec v2: the first block is predicted from the prompt's last token, so an empty prompt
     # (the fixture adds no BOS) is refused before the memory is touched
     model.generate("hello", max_tokens=8, block_size=4, stop_at_eos=False)
     kept = model.n_committed
-    assert kept > 0 and model.tokenize("", add_special=True) == []
+    assert kept > 0 and model.tokenize("", add_bos=True, special=True) == []
     for empty in ([], ""):
         with pytest.raises(CloverError, match="empty prompt"):
             model.generate(empty, max_tokens=2)
@@ -192,7 +192,7 @@ def test_subnormal_temperature_finishes(model) -> None:
     # top_p 0 keeps the argmax alone; top_k >= vocab is off
     assert model.generate("hi", max_tokens=8, temperature=0.8, top_p=0.0).tokens == \
         model.generate("hi", max_tokens=8, temperature=0.8, top_k=1).tokens
-    a = model.generate("hi", max_tokens=8, temperature=0.8, top_k=model.n_vocab + 5, seed=7)
+    a = model.generate("hi", max_tokens=8, temperature=0.8, top_k=model.n_vocab() + 5, seed=7)
     assert a.tokens == model.generate("hi", max_tokens=8, temperature=0.8, top_k=0, seed=7).tokens
 
 
@@ -247,9 +247,6 @@ def _gen(**kw):
 # (call, the exception's other base besides CloverError): every bad argument is a CloverError
 # with a message, also a ValueError or a TypeError; never AttributeError / KeyError / a wrap
 LEAKS = {
-    "metadata(None)": (lambda m: m.metadata(None), TypeError),
-    "metadata(5)": (lambda m: m.metadata(5), TypeError),
-    "metadata NUL": (lambda m: m.metadata("a\0b"), ValueError),
     "stop=5": (_gen(stop=5), TypeError),
     "stop=[None]": (_gen(stop=[None]), TypeError),
     "stop_tokens=5": (_gen(stop_tokens=5), TypeError),
@@ -267,7 +264,7 @@ LEAKS = {
     "token_to_piece('a')": (lambda m: m.token_to_piece("a"), TypeError),
     "token_to_piece(None)": (lambda m: m.token_to_piece(None), TypeError),
     "token_to_piece(1.5)": (lambda m: m.token_to_piece(1.5), TypeError),
-    "tokenize add_special='yes'": (lambda m: m.tokenize("x", add_special="yes"), TypeError),
+    "tokenize add_bos='yes'": (lambda m: m.tokenize("x", add_bos="yes", special=True), TypeError),
     "detokenize(5)": (lambda m: m.detokenize(5), TypeError),
     "detokenize([1.7])": (lambda m: m.detokenize([1.7]), TypeError),
     "detokenize 2-D": (lambda m: m.detokenize(np.zeros((2, 2), dtype=np.int32)), ValueError),

@@ -109,10 +109,10 @@ def test_special_token_pass_is_linear(tiny) -> None:
     fragment list from its front for every match); now well under 2 s, with the tokens of one
     turn repeated (a special token ends each turn, so the turns tokenize independently)."""
     unit = "<|im_start|>user\nx<|im_end|>\n"
-    one = tiny.tokenize(unit)
-    assert one.count(tiny.tokenize("<|im_start|>")[0]) == 1
+    one = tiny.tokenize(unit, add_bos=False, special=True)
+    assert one.count(tiny.tokenize("<|im_start|>", add_bos=False, special=True)[0]) == 1
     t0 = time.perf_counter()
-    many = tiny.tokenize(unit * 40000)
+    many = tiny.tokenize(unit * 40000, add_bos=False, special=True)
     dt = time.perf_counter() - t0
     ok = many == one * 40000 and dt < 2.0
     TALLY["clean" if ok else ("hang" if dt >= 2.0 else "wrong")] += 1
@@ -126,7 +126,7 @@ def test_special_token_pass_equals_segment_oracle(tiny) -> None:
     tokens equal those of the text split at the special tokens, each plain segment tokenized
     alone (the fragments the pass must produce), for 200 texts."""
     specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    ids = {s: tiny.tokenize(s) for s in specials}
+    ids = {s: tiny.tokenize(s, add_bos=False, special=True) for s in specials}
     assert all(len(v) == 1 for v in ids.values())
     plain = ["a", " b", "hello world", "\n", "  ", "x<|im", "end|>", "def f():\n    return 1"]
     rng = np.random.default_rng(7)
@@ -137,8 +137,8 @@ def test_special_token_pass_equals_segment_oracle(tiny) -> None:
         want: list[int] = []
         for seg in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
             if seg:
-                want += ids[seg] if seg in ids else tiny.tokenize(seg, parse_special=False)
-        bad += tiny.tokenize(text) != want
+                want += ids[seg] if seg in ids else tiny.tokenize(seg, add_bos=False, special=False)
+        bad += tiny.tokenize(text, add_bos=False, special=True) != want
     TALLY["clean"] += 200 - bad
     TALLY["wrong"] += bad
     assert bad == 0

@@ -55,7 +55,7 @@ def test_sums_are_the_activations(files: dict, ratios: tuple) -> None:
     coll, n = collect_imatrix(files["f32"], text, n_ctx=n_ctx, mask_ratios=ratios, max_chunks=2, n_threads=1)
     assert n == 2 and coll.error is None
     with Clover(files["f32"], n_ctx=n_ctx, n_threads=1) as m:
-        toks, bos, mask, B = m.tokenize(text, add_special=True), m.bos_token, m.mask_token, m.block_size
+        toks, bos, mask, B = m.tokenize(text, add_bos=True, special=True), m.bos_token, m.mask_token, m.block_size
     run: list[int] = []
     for i in range(n):
         chunk = list(toks[i * n_ctx:(i + 1) * n_ctx])
@@ -83,7 +83,8 @@ def test_file_round_trip_and_quantizers_read_it(files: dict, tmp_path: Path) -> 
 
     from clover_convert.quantize_stream import convert_quantized
     from clover_cpp.imatrix import collect_imatrix, write_imatrix
-    from clover_cpp.quant import load_imatrix, quantize
+    from clover_cpp.quant import quantize
+    from clover_gguf.quant import load_imatrix
 
     coll, n = collect_imatrix(files["bf16"], files["text"].read_text(encoding="utf-8"), n_ctx=128, max_chunks=1,
                               n_threads=1)

@@ -188,8 +188,8 @@ def test_llama_tokenize_is_clover_tokenize(default_gguf, tmp_path, parse_special
     res = run_tool([tool("llama-tokenize"), "-m", default_gguf, "-f", text, "--ids", "--no-escape", "--log-disable",
                     *([] if parse_special else ["--no-parse-special"])])
     with Clover(default_gguf, n_ctx=64, n_threads=1) as m:
-        want = m.tokenize(SPECIAL_TEXT, add_special=True, parse_special=parse_special)
-        special = m.tokenize("<|im_end|>", parse_special=True)
+        want = m.tokenize(SPECIAL_TEXT, add_bos=True, special=parse_special)
+        special = m.tokenize("<|im_end|>", add_bos=False, special=True)
     assert json.loads(res.stdout.strip().splitlines()[-1]) == want
     assert (special[0] in want) == parse_special  # the text's special tokens, parsed or not
 

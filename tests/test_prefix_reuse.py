@@ -115,7 +115,7 @@ def test_reuse_needs_the_whole_memory_as_prefix(pair) -> None:
     a prompt that differs, or stops inside it (a recurrent state cannot be cut back), clears
     it. Every case gives the tokens of a cleared memory."""
     a, b = pair
-    p = a.tokenize("hello world, hello", add_special=True)
+    p = a.tokenize("hello world, hello", add_bos=True, special=True)
     r = _turn(a, p, block_size=4)
     assert a.n_committed == len(p) + 20       # 6 blocks of 4 for 24 tokens, the last not committed
 
@@ -124,7 +124,7 @@ def test_reuse_needs_the_whole_memory_as_prefix(pair) -> None:
         assert got.stats.n_reused == reused
         assert got.tokens == _turn(b, prompt, block_size=B, reuse_prefix=False).tokens
 
-    other = a.tokenize("goodbye world", add_special=True)
+    other = a.tokenize("goodbye world", add_bos=True, special=True)
     same_as_cleared(other, 4, 0)                        # another prompt
     _turn(a, p, block_size=4)
     same_as_cleared(p, 4, 0)                            # a prefix of the memory: cleared
@@ -137,7 +137,7 @@ def test_reuse_needs_the_whole_memory_as_prefix(pair) -> None:
 
 def test_reuse_under_auto_and_in_chat(pair) -> None:
     a, b = pair
-    p = a.tokenize("class Point:\n", add_special=True)
+    p = a.tokenize("class Point:\n", add_bos=True, special=True)
     _recorded(a, p, "auto")
     kept = a.n_committed
     r1, _ = _recorded(a, p, "auto")  # the same prompt: kept only when the memory is the prompt alone
@@ -160,7 +160,7 @@ def test_new_context_shares_the_model(tiny_artifacts) -> None:
 
     a = Clover(tiny_artifacts["f16"], n_ctx=256, n_threads=1, block_size=4)
     b = a.new_context(n_ctx=512)
-    assert b.n_ctx == 512 and b.block_size == 4 and b._model == a._model
+    assert b.n_ctx() == 512 and b.block_size == 4 and b._model == a._model
     want = a.generate("hello", max_tokens=8).tokens
     a.close()
     assert b.generate("hello", max_tokens=8).tokens == want  # the model lives while b does
@@ -187,7 +187,7 @@ def test_stop_strings_cut_across_tokens(pair) -> None:
     a, _ = pair
     p = "def fibonacci(n):\n"
     full = a.generate(p, max_tokens=32, block_size=4, stop_at_eos=False)
-    toks = [a.detokenize([t]) for t in full.tokens]
+    toks = [a.detokenize_text([t]) for t in full.tokens]
     # a stop string that starts inside one token and ends inside a later one
     i = next(k for k in range(2, len(toks) - 2) if len(toks[k]) >= 2 and toks[k + 1])
     start = len("".join(toks[:i])) + 1

@@ -76,12 +76,12 @@ def test_room_is_libclovers_rule(model, block_size, draft_self) -> None:
     from clover_cpp import CloverError
     from clover_cpp.decoding import Generation, GenParams
 
-    toks = model.tokenize("hello world", add_special=True)
+    toks = model.tokenize("hello world", add_bos=True, special=True)
     room = model.room(len(toks), block_size, draft_self)
     assert room > 0 and model.fits(len(toks), room, block_size, draft_self)
     assert not model.fits(len(toks), room + 1, block_size, draft_self)
     if block_size == 8 and not draft_self:
-        assert room == (model.n_ctx - len(toks)) // 8 * 8 and model.room(len(toks)) == room  # the default B
+        assert room == (model.n_ctx() - len(toks)) // 8 * 8 and model.room(len(toks)) == room  # the default B
     r = model.generate(toks, max_tokens=room, block_size=block_size, draft_self=draft_self, stop_at_eos=False)
     assert len(r.tokens) == room
     with pytest.raises(CloverError) as e:
@@ -90,7 +90,7 @@ def test_room_is_libclovers_rule(model, block_size, draft_self) -> None:
     p = GenParams.of(room + 1, block_size, 0.9, 0, 0.0, 0, 1.0, 1, draft_self=1 if draft_self else 0)
     info = model._info()
     with model._op() as c, pytest.raises(CloverError) as e:
-        Generation(c, toks, p, mask=info.mask, eos=info.eos, detokenize=model.detokenize_bytes).run()
+        Generation(c, toks, p, mask=info.mask, eos=info.eos, detokenize=model.detokenize).run()
     assert e.value.status == N.CLOVER_ERR_CONTEXT_FULL and "n_ctx" in e.value.message
 
 
@@ -98,11 +98,11 @@ def test_block_size_none_means_auto(model) -> None:
     from clover_cpp.decoding import GenParams
 
     assert GenParams.of(4, None, 0.9, 0, 0.0, 0, 1.0, 1).block_size == "auto"
-    assert model.room(10, None) == model.room(10, "auto") == model.n_ctx - 10
+    assert model.room(10, None) == model.room(10, "auto") == model.n_ctx() - 10
 
 
 def test_committed_tokens_are_the_memory(model) -> None:
-    toks = model.tokenize("hello world", add_special=True)
+    toks = model.tokenize("hello world", add_bos=True, special=True)
     r = model.generate(toks, max_tokens=24, block_size=8, stop_at_eos=False)
     mem = model.committed_tokens
     assert len(mem) == model.n_committed >= len(toks)
@@ -112,12 +112,12 @@ def test_committed_tokens_are_the_memory(model) -> None:
 
 
 def test_stop_tokens_end_the_output_in_libclover(model) -> None:
-    toks = model.tokenize("def fibonacci(n):", add_special=True)
+    toks = model.tokenize("def fibonacci(n):", add_bos=True, special=True)
     full = model.generate(toks, max_tokens=24, block_size=8, stop_at_eos=False)
     i = next(k for k in range(1, len(full.tokens)) if full.tokens[k] not in full.tokens[:k])
     r = model.generate(toks, max_tokens=24, block_size=8, stop_at_eos=False, stop_tokens=[full.tokens[i]])
     assert r.tokens == full.tokens[:i] and r.finish_reason == "stop"
-    assert r.stats.n_generated == i and r.text == model.detokenize(full.tokens[:i])
+    assert r.stats.n_generated == i and r.text == model.detokenize_text(full.tokens[:i])
     streamed = model.generate(toks, max_tokens=24, block_size=8, stop_at_eos=False, stop_tokens=[full.tokens[i]],
                               stream=True)
     assert "".join(streamed) == r.text and streamed.result.finish_reason == "stop"
@@ -129,7 +129,7 @@ def test_last_exchange_is_the_chat_session(model) -> None:
     r = model.generate_chat(text, max_tokens=8)
     ex = model.last_exchange
     assert ex.prompt == text and ex.reply == r.text and list(ex.reply_tokens) == r.tokens
-    assert list(ex.prompt_tokens) == model.tokenize(text, add_special=True)
+    assert list(ex.prompt_tokens) == model.tokenize(text, add_bos=True, special=True)
     nxt = model.format_chat(msgs + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "more"}])
     assert ex.continued_by(nxt) and not ex.continued_by(text + "x" * 0 + "?" + r.text)
     model.generate("plain text", max_tokens=2)
@@ -165,7 +165,7 @@ def test_new_context_shares_the_model(model) -> None:
         model.new_context(n_gpu_layers=1)
     other = model.new_context(n_ctx=32, block_size=4)
     try:
-        assert other._shared is model._shared and other.n_ctx == 32 and other.block_size == 4
+        assert other._shared is model._shared and other.n_ctx() == 32 and other.block_size == 4
         assert other.generate("hello", max_tokens=4).tokens == model.generate("hello", max_tokens=4, block_size=4).tokens
     finally:
         other.close()

@@ -97,7 +97,7 @@ def test_chat_matches_clover_chat(server, local) -> None:
     assert r.choices[0].message.content == want.text
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == ("length" if want.finish_reason == "max_tokens" else "stop")
-    n_prompt = len(local.tokenize(local.format_chat(MSGS), add_special=True))
+    n_prompt = len(local.tokenize(local.format_chat(MSGS), add_bos=True, special=True))
     assert r.usage.prompt_tokens == n_prompt
     assert r.usage.completion_tokens == len(want.tokens)
     assert r.usage.total_tokens == n_prompt + len(want.tokens)
@@ -124,10 +124,10 @@ def test_completions_match_generate(server, local) -> None:
         extra_body={"block_size": 4, "ignore_eos": True}))
     assert streamed == want.text
     # token ids as the prompt, and the models list
-    ids = local.tokenize(prompt, add_special=True)
+    ids = local.tokenize(prompt, add_bos=True, special=True)
     assert c.completions.create(model="x", prompt=ids, max_tokens=24, temperature=0,
                                 extra_body={"block_size": 4, "ignore_eos": True}).choices[0].text == want.text
-    assert [m.id for m in c.models.list().data] == [local.metadata("general.name") or Path(local.model_path).stem]
+    assert [m.id for m in c.models.list().data] == [local.metadata.get("general.name") or Path(local.model_path).stem]
 
 
 def test_stop_strings_and_seeds(server, local) -> None:
@@ -182,7 +182,7 @@ def test_the_budget_fits_by_the_runtimes_rule(server, local) -> None:
     """prompt + max_tokens must fit n_ctx as Clover.room says: with a fixed block size, in whole
     blocks (a budget that fits only token by token is a 400 context_length_exceeded naming
     max_tokens); the room itself is granted; auto needs no whole blocks."""
-    ids = (local.tokenize("def f(x):\n    return x\n" * 200, add_special=True))[:950]
+    ids = (local.tokenize("def f(x):\n    return x\n" * 200, add_bos=True, special=True))[:950]
     assert len(ids) == 950
     room = local.room(950, block_size=32)
     assert room == (1024 - 950) // 32 * 32 < 1024 - 950
@@ -273,9 +273,9 @@ def test_prefix_reuse_picks_the_context_holding_the_prompt(gguf, local) -> None:
             local.generate(first, stop_at_eos=False, reuse_prefix=False, **local_kw)
             return local.generate(then, stop_at_eos=False, **local_kw).stats.n_reused
 
-        a, b = (local.tokenize(t, add_special=True) for t in ("def alpha(x):\n", "class Beta:\n"))
+        a, b = (local.tokenize(t, add_bos=True, special=True) for t in ("def alpha(x):\n", "class Beta:\n"))
         assert cached(complete(a)) == 0 and cached(complete(b)) == 0  # one context each
-        more = local.tokenize("    return x\n", add_special=False)
+        more = local.tokenize("    return x\n", add_bos=False, special=True)
         got = {}
         for name, first in (("b", b), ("a", a)):  # b's context is not the first free one
             local.generate(first, stop_at_eos=False, reuse_prefix=False, **local_kw)
@@ -359,7 +359,7 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
 
     from clover_cpp import _native
 
-    prompt = local.tokenize("hello", add_special=True)
+    prompt = local.tokenize("hello", add_bos=True, special=True)
     n_new = 8
     # greedy over llama_cpp's own logits (the mask token excluded, as Clover's candidates exclude
     # it; ties to the lowest id, as clover_pick_candidate), one llama_decode per new token
@@ -388,7 +388,7 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
     local.reset()
     ours = local.commit(seq, logits=True)
     local.reset()
-    assert theirs.shape == ours.shape == (len(seq), local.n_vocab)
+    assert theirs.shape == ours.shape == (len(seq), local.n_vocab())
     # the prompt in one decode and the new tokens one by one against one commit of all of them: the
     # same numbers up to float rounding (measured 9e-5 of the largest logit)
     assert np.abs(theirs - ours).max() <= 1e-3 * np.abs(ours).max()
@@ -520,20 +520,20 @@ def test_draft_self_auto_and_the_mode_reported(server, local) -> None:
 
 def test_info_endpoints(server, local) -> None:
     props = httpx.get(server.url + "/props").json()
-    assert props["n_ctx"] == 1024 and props["model"] == local.metadata("general.name")
+    assert props["n_ctx"] == 1024 and props["model"] == local.metadata.get("general.name")
     assert props["train_block_size"] == local.train_block_size and props["block_size"] == "auto"
     assert props["mode"] == "block-diffusion" and props["parallel"] == 2
     assert props["limits"]["max_block_size"] == 512
     text = "def add(a, b):\n    return a + b"
     toks = httpx.post(server.url + "/tokenize", json={"content": text}).json()["tokens"]
-    assert toks == local.tokenize(text)
+    assert toks == local.tokenize(text, add_bos=False, special=True)
     pieces = httpx.post(server.url + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
     assert "".join(p["piece"] for p in pieces) == text and [p["id"] for p in pieces] == toks
     assert httpx.post(server.url + "/detokenize", json={"tokens": toks}).json()["content"] == text
     r = httpx.post(server.url + "/detokenize", json={"tokens": [2**70]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     (card,) = server.client().models.list().data
-    assert card.model_extra["meta"]["n_vocab"] == local.n_vocab and card.model_extra["meta"]["n_ctx"] == 1024
+    assert card.model_extra["meta"]["n_vocab"] == local.n_vocab() and card.model_extra["meta"]["n_ctx"] == 1024
     assert server.client().models.retrieve(card.id).id == card.id
     # Prometheus text format: every sample has its HELP and TYPE
     lines = httpx.get(server.url + "/metrics").text.splitlines()

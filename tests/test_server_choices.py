@@ -50,7 +50,7 @@ def piece(model, t: int) -> str:
 
 def test_echo_logprobs_score_the_prompt(tiny) -> None:
     s, local = tiny
-    toks = local.tokenize(PROMPT, add_special=True)
+    toks = local.tokenize(PROMPT, add_bos=True, special=True)
     want = causal_logprobs(local, toks)
     r = s.client().completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
                                       extra_body=KNOBS)
@@ -76,7 +76,7 @@ def test_echo_logprobs_score_the_prompt(tiny) -> None:
 def test_max_tokens_0_scores_a_prompt(tiny) -> None:
     """lm-eval's loglikelihood: the prompt's log-probabilities, nothing generated."""
     s, local = tiny
-    toks = local.tokenize(PROMPT, add_special=True)
+    toks = local.tokenize(PROMPT, add_bos=True, special=True)
     want = causal_logprobs(local, toks)
     r = s.client().completions.create(model="x", prompt=toks, max_tokens=0, echo=True, logprobs=0)
     c = r.choices[0]
@@ -87,7 +87,7 @@ def test_max_tokens_0_scores_a_prompt(tiny) -> None:
 
 def test_streamed_echo_carries_the_prompts_logprobs(tiny) -> None:
     s, local = tiny
-    toks = local.tokenize(PROMPT, add_special=True)
+    toks = local.tokenize(PROMPT, add_bos=True, special=True)
     chunks = [ch for ch in s.client().completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0,
                                                           echo=True, logprobs=1, stream=True, extra_body=KNOBS)]
     first = chunks[0].choices[0]
@@ -107,7 +107,7 @@ def test_n_choices_each_with_its_own_seed(tiny) -> None:
     assert [c.model_extra["clover"]["seed"] for c in r.choices] == [SEED, SEED + 1, SEED + 2]
     assert len({c.text for c in r.choices}) > 1
     assert r.usage.completion_tokens == sum(len(w.tokens) for w in want)
-    assert r.usage.prompt_tokens == len(local.tokenize(PROMPT, add_special=True))  # the prompt once
+    assert r.usage.prompt_tokens == len(local.tokenize(PROMPT, add_bos=True, special=True))  # the prompt once
 
 
 def test_a_list_of_prompts_in_openais_order(tiny) -> None:
@@ -121,7 +121,7 @@ def test_a_list_of_prompts_in_openais_order(tiny) -> None:
         p = prompts[c.index // 2]
         want = local.generate(p, max_tokens=4, temperature=1.0, seed=SEED + c.index, block_size=4, stop_at_eos=False)
         assert c.text == p + want.text
-    ids = [local.tokenize(p, add_special=True) for p in prompts[:2]]  # token-id prompts too
+    ids = [local.tokenize(p, add_bos=True, special=True) for p in prompts[:2]]  # token-id prompts too
     r2 = s.client().completions.create(model="x", prompt=ids, max_tokens=3, temperature=0, extra_body=KNOBS)
     assert [c.text for c in r2.choices] == [local.generate(t, max_tokens=3, block_size=4, stop_at_eos=False).text
                                             for t in ids]
@@ -202,7 +202,7 @@ def test_python_echo_logprobs_as_llama_cpp_python(tiny_artifacts) -> None:
     theirs = json.loads(res.stdout.strip().splitlines()[-1])["choices"][0]
     with Clover(tiny_artifacts["f32"], n_ctx=256, n_threads=1, kv_f32=True) as m:
         ours = m.create_completion(PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=2, block_size=1)
-        toks = m.tokenize(PROMPT, add_special=True)
+        toks = m.tokenize(PROMPT, add_bos=True, special=True)
         want = causal_logprobs(m, toks)
         assert m.bos_token < 0  # (the alignment note above)
     o, t = ours["choices"][0], theirs

@@ -55,10 +55,10 @@ class ScriptedClover:
     def generate(self, prompt: Any, stream: bool = False, on_step: Any = None, **kw: Any) -> Any:
         if self.hook is not None:
             self.hook(on_step)
-        text_in = self._real.detokenize(prompt, special=True) if not isinstance(prompt, str) else prompt
+        text_in = self._real.detokenize_text(prompt, special=True) if not isinstance(prompt, str) else prompt
         self.prompts.append(text_in)
         text = self.script(text_in)
-        toks = self._real.tokenize(text)
+        toks = self._real.tokenize(text, add_bos=False, special=True)
         stats = GenerationStats(n_prompt=len(prompt), n_generated=len(toks), finish_reason="eos", block_size=1,
                                 tokens_per_forward=1.0, n_decode_forwards=len(toks), seed=kw.get("seed"))
         result = GenerationResult(text=text, tokens=toks, stats=stats)

@@ -148,7 +148,7 @@ def test_real_model_with_tools(real, tiny_artifacts) -> None:
         r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0,
                                       extra_body={"block_size": 4})
         prompt = real.format_chat(ASK, tools=[WEATHER])
-        assert r.usage.prompt_tokens == len(real.tokenize(prompt, add_special=True))
+        assert r.usage.prompt_tokens == len(real.tokenize(prompt, add_bos=True, special=True))
         assert isinstance(r.choices[0].message.content, str)
     finally:
         s.stop()

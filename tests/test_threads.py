@@ -82,7 +82,7 @@ def test_close_while_other_threads_tokenize(gguf) -> None:
         for run in range(8):
             m = Clover(GGUF, n_ctx=256, n_threads=1, block_size=4)
             text = "<|im_start|>user\\nhello world, how are you?<|im_end|>\\n" * 20
-            toks = m.tokenize(text)
+            toks = m.tokenize(text, add_bos=False, special=True)
             errors, counts, go = [], [0, 0], threading.Event()
 
             def work(i):
@@ -90,14 +90,14 @@ def test_close_while_other_threads_tokenize(gguf) -> None:
                 while True:
                     try:
                         if i == 0:
-                            m.tokenize(text)
+                            m.tokenize(text, add_bos=False, special=True)
                         elif i == 1:
                             m.detokenize(toks)
                         elif i == 2:
                             m.token_to_piece(toks[5])
-                            m.metadata("general.architecture")
+                            m.metadata.get("general.architecture")
                         else:
-                            m.n_vocab, m.eos_token, m.n_ctx
+                            m.n_vocab(), m.eos_token, m.n_ctx()
                         counts[0] += 1
                     except CloverError as e:
                         if "the model is closed" not in str(e):
@@ -116,7 +116,7 @@ def test_close_while_other_threads_tokenize(gguf) -> None:
             assert not errors, errors
             assert counts[1] == 4, counts
             try:
-                m.tokenize("x")
+                m.tokenize("x", add_bos=False, special=True)
                 raise SystemExit("tokenize after close did not raise")
             except CloverError as e:
                 assert "the model is closed" in str(e)
@@ -128,7 +128,7 @@ def test_close_while_other_threads_tokenize(gguf) -> None:
 def test_close_cancels_a_generation_in_flight(gguf) -> None:
     out = _child("""
         m = Clover(GGUF, n_ctx=2048, n_threads=1)
-        budget = (m.n_ctx - len(m.tokenize("hello", add_special=True))) // 512 * 512
+        budget = (m.n_ctx() - len(m.tokenize("hello", add_bos=True, special=True))) // 512 * 512
         stepped, box = threading.Event(), {}
 
         def gen():
@@ -147,7 +147,7 @@ def test_close_cancels_a_generation_in_flight(gguf) -> None:
         assert took < 5, took  # cancelled at its next step, not run to the end (~1,500 steps)
         assert "r" in box and box["r"].finish_reason == "cancelled", box
         for call in (lambda: m.generate("hi", max_tokens=2), lambda: m.block_logits([1]), lambda: m.reset(),
-                     lambda: m.tokenize("x"), lambda: m.n_committed, lambda: m.block_size):
+                     lambda: m.tokenize("x", add_bos=False, special=True), lambda: m.n_committed, lambda: m.block_size):
             try:
                 call()
                 raise SystemExit("a call after close did not raise")
@@ -209,10 +209,10 @@ def test_threads_stress_every_public_method_with_close(gguf) -> None:
                 lambda: m.chat([{"role": "user", "content": "hi"}], max_tokens=4),
                 lambda: m.create_completion("hi", max_tokens=3, temperature=0),
                 lambda: m.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=3),
-                lambda: m.tokenize("hello <|im_start|> world"),
+                lambda: m.tokenize("hello <|im_start|> world", add_bos=False, special=True),
                 lambda: m.detokenize(toks),
                 lambda: m.token_to_piece(toks[0]),
-                lambda: m.metadata("general.architecture"),
+                lambda: m.metadata.get("general.architecture"),
                 lambda: m.format_chat([{"role": "user", "content": "x"}]),
                 lambda: m.block_logits([1], commit_before=[3, 4]),
                 lambda: m.commit([5]),
@@ -223,7 +223,7 @@ def test_threads_stress_every_public_method_with_close(gguf) -> None:
                 lambda: setattr(m, "block_size", rng.choice([2, 4])),
                 lambda: m.set_cost_curve({1: 1.0, 2: 1.5, 4: 2.0}),
                 lambda: m.set_n_threads(1),
-                lambda: (m.n_vocab, m.n_ctx, m.eos_token, m.mask_token, m.chat_template, repr(m)),
+                lambda: (m.n_vocab(), m.n_ctx(), m.eos_token, m.mask_token, m.chat_template, repr(m)),
                 lambda: m.perplexity(toks * 8, n_ctx=16),
             ]
 
@@ -231,7 +231,7 @@ def test_threads_stress_every_public_method_with_close(gguf) -> None:
         LEGIT = ("nothing is committed", "n_ctx", "more than", "block size")
         for rnd in range(3):
             m = Clover(GGUF, n_ctx=256, n_threads=1, block_size=4)
-            toks = m.tokenize("the quick brown fox jumps over the lazy dog")
+            toks = m.tokenize("the quick brown fox jumps over the lazy dog", add_bos=False, special=True)
             bad, closed_errors, done = [], [0], [0]
 
             def work(seed):
@@ -287,7 +287,7 @@ def test_ctrl_c_while_waiting_for_another_threads_call(gguf) -> None:
             waited = time.monotonic() - t0
         assert 0.4 < waited < 3, waited
         assert joined([t], 60) and box["r"].finish_reason == "max_tokens"
-        assert m.block_logits([1]).shape == (1, m.n_vocab)
+        assert m.block_logits([1]).shape == (1, m.n_vocab())
         print("ok", round(waited, 2))
     """, gguf)
     assert out.startswith("ok")

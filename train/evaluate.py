@@ -113,7 +113,7 @@ def parse_share(m: Clover, prompt_list: list[list[int]], new: int, settings: dic
     ast.parse accepts, per setting."""
     out = {}
     for name, kw in settings.items():
-        ok = [parses(m.detokenize(p + m.generate(p, max_tokens=new, stop_at_eos=False, **kw).tokens))
+        ok = [parses(m.detokenize_text(p + m.generate(p, max_tokens=new, stop_at_eos=False, **kw).tokens))
               for p in prompt_list]
         out[name] = {"share": float(np.mean(ok)), "n": len(ok)}
         log(f"ast.parse share {name}: {out[name]['share']:.1%} of {len(ok)}")
@@ -177,7 +177,7 @@ def speed(gguf: Path, prompt_list: list[list[int]], new: int, threads: int,
         res["fast_setting"] = names[1] if np.median(rounds[names[1]]) >= np.median(rounds[names[2]]) else names[2]
         res["quality"] = parse_share(m, syntax_prompts, new, {"B=1": settings["B=1"],
                                                               res["fast_setting"]: settings[res["fast_setting"]]})
-        res["samples"] = {"prompt": m.detokenize(prompt_list[0]),
+        res["samples"] = {"prompt": m.detokenize_text(prompt_list[0]),
                           "B1": base[0].text,
                           "B32_t0.9": m.generate(prompt_list[0], max_tokens=new, block_size=32,
                                                  threshold=0.9, stop_at_eos=False).text}

@@ -90,7 +90,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
                                    tensor_split, override_tensor) as m:
         if n_predict == -1:
-            n_prompt = len(m.tokenize(text, add_special=True, parse_special=True))
+            n_prompt = len(m.tokenize(text, add_bos=True, special=True))
             kw["max_tokens"] = until_context_end(m, n_prompt, block_size, draft_self)
         r = generate_to_terminal(m, text, visual, prefix=text if echo and not no_display_prompt else "", **kw)
         sys.stdout.write("\n")
@@ -207,7 +207,7 @@ def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str
     Returns the messages and the token budget."""
     while True:
         msgs = base + history
-        n = len(m.tokenize(m.format_chat(msgs), add_special=True, parse_special=True))
+        n = len(m.tokenize(m.format_chat(msgs), add_bos=True, special=True))
         if max_tokens == -1:
             ok = m.room(n, block_size, draft_self) >= 1
         else:
@@ -215,6 +215,6 @@ def _fit_history(m: Any, base: list[dict[str, str]], history: list[dict[str, str
         if ok or len(history) <= 1:
             if not ok:
                 raise UserError(f"the message ({n} tokens) and -n {max_tokens} do not fit the context "
-                                f"({m.n_ctx}); raise -c or lower -n")
+                                f"({m.n_ctx()}); raise -c or lower -n")
             return msgs, (until_context_end(m, n, block_size, draft_self) if max_tokens == -1 else max_tokens)
         del history[:2]

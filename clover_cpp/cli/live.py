@@ -116,7 +116,7 @@ def generate_to_terminal(m: Any, prompt: Any, visual: bool, chat_messages: Any =
             n_prompt = len(m.chat_tokens(text))  # (the earlier turns' tokens: the memory is reused)
             run = functools.partial(m.generate_chat, text)
         else:
-            toks = m.tokenize(prompt, add_special=True, parse_special=True)
+            toks = m.tokenize(prompt, add_bos=True, special=True)
             n_prompt = len(toks)
             run = functools.partial(m.generate, toks)
         view = LiveView(m, color=True, n_prompt=n_prompt)

@@ -304,5 +304,5 @@ def until_context_end(m: Any, n_prompt: int, block_size: Any, draft_self: bool |
     if budget < 1:
         B = 1 if block_size == "auto" or draft_self == "on" else int(block_size)  # (draft-self: no whole blocks)
         raise UserError(f"the prompt ({n_prompt} tokens) leaves no room for a block of {B} in the context "
-                        f"({m.n_ctx}); raise -c")
+                        f"({m.n_ctx()}); raise -c")
     return budget

@@ -59,7 +59,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                model_name: str | None = None, limits: Limits | None = None) -> Any:
     """The ASGI app serving ``model`` (which the app then owns) with ``parallel`` contexts."""
     limits = limits or Limits()
-    name = model_name or model.metadata("general.name") or model.model_path.stem
+    name = model_name or model.metadata.get("general.name") or model.model_path.stem
     created = int(time.time())
     st = ServerState()
     metrics = st.metrics
@@ -67,7 +67,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     template = model.chat_template
 
     def longest_piece() -> int:
-        return max((len(model.token_to_piece(t, special=True)) for t in range(model.n_vocab)), default=1)
+        return max((len(model.token_to_piece(t, special=True)) for t in range(model.n_vocab())), default=1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -142,9 +142,9 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     def model_card() -> dict[str, Any]:
         size = model.model_path.stat().st_size if model.model_path.exists() else None
         return {"id": name, "object": "model", "created": created, "owned_by": "clover-cpp",
-                "meta": {"n_vocab": model.n_vocab, "n_ctx_train": model.n_ctx_train, "n_ctx": model.n_ctx,
+                "meta": {"n_vocab": model.n_vocab(), "n_ctx_train": model.n_ctx_train, "n_ctx": model.n_ctx(),
                          "train_block_size": model.train_block_size, "size": size,
-                         "architecture": model.metadata("general.architecture")}}
+                         "architecture": model.metadata.get("general.architecture")}}
 
     @app.get("/v1/models")
     @app.get("/models")
@@ -160,8 +160,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
 
     @app.get("/props")
     async def props() -> dict[str, Any]:
-        return {"model": name, "model_path": str(model.model_path), "n_ctx": model.n_ctx,
-                "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab,
+        return {"model": name, "model_path": str(model.model_path), "n_ctx": model.n_ctx(),
+                "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab(),
                 "block_size": "auto", "train_block_size": model.train_block_size,
                 "mode": "block-diffusion",
                 "modes": {"block-diffusion": "block_size 'auto' or 1..max_block_size, threshold, max_steps",
@@ -169,7 +169,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                           "auto": "draft_self: 'auto' with block_size 'auto': B = 1, block diffusion or draft-self "
                                   "per block (the reply's clover.mode)"},
                 "parallel": parallel, "queue_size": max_queue, "chat_template": template,
-                "total_slots": parallel, "default_generation_settings": {"n_ctx": model.n_ctx},  # (llama-server's)
+                "total_slots": parallel, "default_generation_settings": {"n_ctx": model.n_ctx()},  # (llama-server's)
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_messages": limits.max_messages,
                            "body_timeout_s": limits.body_timeout, "max_block_size": limits.max_block_size,
                            "stuck_timeout_s": limits.stuck_after, "max_stop": limits.max_stop}}
@@ -185,8 +185,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         """Refuse, untokenized, a text whose tokens cannot fit the context: every token spells
         at most max_piece bytes (x2: a normalising tokenizer)."""
         n = len(text.encode("utf-8", "replace"))
-        if n > 2 * st.max_piece * model.n_ctx:
-            raise APIError(400, f"the prompt ({n} bytes) cannot fit the context ({model.n_ctx} tokens)",
+        if n > 2 * st.max_piece * model.n_ctx():
+            raise APIError(400, f"the prompt ({n} bytes) cannot fit the context ({model.n_ctx()} tokens)",
                            code="context_length_exceeded", param=param)
 
     async def tokenize(text: str, param: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -209,10 +209,10 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     async def detokenize_ep(request: Request) -> dict[str, Any]:
         req: DetokenizeRequest = await body_of(request, DetokenizeRequest)
         check_ids(req.tokens, "tokens")
-        return {"content": await asyncio.to_thread(model.detokenize, req.tokens)}
+        return {"content": await asyncio.to_thread(model.detokenize_text, req.tokens)}
 
     def check_ids(ids: list[int], param: str) -> None:
-        n = model.n_vocab
+        n = model.n_vocab()
         bad = next((t for t in ids if not 0 <= t < n), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {n})", param=param)
@@ -299,12 +299,12 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         if isinstance(p, str):
             toks = await tokenize(p, "prompt")
         else:
-            if len(p) > model.n_ctx:
-                raise APIError(400, f"the prompt ({len(p)} tokens) does not fit the context ({model.n_ctx} tokens)",
+            if len(p) > model.n_ctx():
+                raise APIError(400, f"the prompt ({len(p)} tokens) does not fit the context ({model.n_ctx()} tokens)",
                                code="context_length_exceeded", param="prompt")
             toks = list(p)
             check_ids(toks, "prompt")
-        text = await asyncio.to_thread(model.detokenize, toks)  # (echo's, and where the reply's offsets start)
+        text = await asyncio.to_thread(model.detokenize_text, toks)  # (echo's, and where the reply's offsets start)
         return Prompt(lambda slot: slot.reuse(toks), lambda slot: toks, text=text)
 
     @app.post("/v1/completions")

@@ -208,7 +208,7 @@ class Generator:
         return {"logprobs": req.n_logprobs(), "grammar": req.grammar or forced, "response_format": rf}
 
     def gen_kwargs(self, req: Knobs, n_prompt: int, param: str, tools: ToolPlan | None) -> dict[str, Any]:
-        n_ctx = self.model.n_ctx
+        n_ctx = self.model.n_ctx()
         B = req.block_size
         if isinstance(B, int):
             top = min(self.limits.max_block_size, n_ctx)

@@ -160,15 +160,15 @@ class LlamaReply:
         if r.stats.finish_reason != "stop":  # (a stop string or token)
             return ""
         stops = [self.req.stop] if isinstance(self.req.stop, str) else self.req.stop or []
-        full = self.model.detokenize(r.tokens)
+        full = self.model.detokenize_text(r.tokens)
         return next((s for s in stops if full.startswith(s, len(r.text))), "")
 
     def final(self, r: GenerationResult, content: str) -> dict[str, Any]:
         word = self.stopping_word(r)
         return {"index": 0, "content": content, "tokens": r.tokens if self.req.return_tokens else [],
                 "id_slot": self.id_slot, "stop": True, "model": self.name, "tokens_predicted": len(r.tokens),
-                "tokens_evaluated": r.stats.n_prompt, "generation_settings": self.req.settings(self.model.n_ctx, self.name),
-                "prompt": self.model.detokenize(self.prompt, special=True), "has_new_line": "\n" in r.text,
+                "tokens_evaluated": r.stats.n_prompt, "generation_settings": self.req.settings(self.model.n_ctx(), self.name),
+                "prompt": self.model.detokenize_text(self.prompt, special=True), "has_new_line": "\n" in r.text,
                 "truncated": False, "stop_type": stop_type(r, word), "stopping_word": word,
                 "tokens_cached": r.stats.n_reused, "timings": timings(r), "clover": fmt.clover_stats(r)}
 
@@ -205,5 +205,5 @@ def renamed(e: APIError) -> APIError:
 
 def slots(pool: Pool) -> list[dict[str, Any]]:
     """``GET /slots``: one entry per decoding context, llama-server's first fields."""
-    return [{"id": s.index, "n_ctx": s.model.n_ctx, "speculative": False, "is_processing": s not in pool.free}
+    return [{"id": s.index, "n_ctx": s.model.n_ctx(), "speculative": False, "is_processing": s not in pool.free}
             for s in pool.slots]

@@ -176,7 +176,7 @@ def _run(sock: socket.socket, model: Clover, parallel: int, api_key: str | None,
          limits: Limits | None, model_name: str | None, access_log: bool,
          on_ready: Callable[[str], None] | None) -> None:
     limits = limits or Limits()  # a prompt of token ids may be as long as the context (and the body counts 2 per id)
-    limits = replace(limits, max_json_values=max(limits.max_json_values, 2 * model.n_ctx + 4096))
+    limits = replace(limits, max_json_values=max(limits.max_json_values, 2 * model.n_ctx() + 4096))
     app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue, model_name=model_name,
                      limits=limits)
     fastapi_app = app.app

@@ -239,11 +239,11 @@ def test_serve_prefix_reuse_with_offload(gguf, tiny_artifacts) -> None:
     try:
         c = s.client()
         with Clover(gguf, n_ctx=1024, n_threads=2, n_gpu_layers=-1) as local:
-            first = local.tokenize("def alpha(x):\n", add_special=True)
+            first = local.tokenize("def alpha(x):\n", add_bos=True, special=True)
             r1 = c.completions.create(model="x", prompt=first, extra_body={"block_size": 4, "ignore_eos": True}, **kw)
             w1 = local.generate(first, max_tokens=8, block_size=4, stop_at_eos=False, reuse_prefix=False)
             assert r1.choices[0].text == w1.text
-            then = local.committed_tokens + local.tokenize("    return x\n", add_special=False)
+            then = local.committed_tokens + local.tokenize("    return x\n", add_bos=False, special=True)
             w2 = local.generate(then, max_tokens=8, block_size=4, stop_at_eos=False)
             assert w2.stats.n_reused > len(first)
             r2 = c.completions.create(model="x", prompt=then, extra_body={"block_size": 4, "ignore_eos": True}, **kw)

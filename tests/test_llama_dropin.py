@@ -1,0 +1,168 @@
+"""clover_cpp.Clover as a drop-in for llama-cpp-python's ``llama_cpp.Llama`` (0.3.36), on the
+tiny preset: the signatures and return types of the calls a user touches (tokenizer, sizes,
+special tokens, metadata, constructor arguments), save_state / load_state, embeddings and
+from_pretrained. The installed llama_cpp package is the reference for the signatures."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from clover_cpp import CloverTypeError, CloverValueError
+
+pytestmark = pytest.mark.needs_libclover
+
+
+@pytest.fixture(scope="session")
+def gguf(tiny_artifacts) -> Path:
+    return tiny_artifacts["f32"]
+
+
+@pytest.fixture(scope="session")
+def cfg(tiny_artifacts) -> dict:
+    return tiny_artifacts["cfg"]
+
+
+@pytest.fixture(scope="module")
+def llm(gguf):
+    from clover_cpp import Clover
+
+    with Clover(gguf, n_ctx=512, n_threads=1, block_size=4) as m:
+        yield m
+
+
+def _llama_signature(name: str) -> inspect.Signature | None:
+    llama_cpp = pytest.importorskip("llama_cpp.llama")
+    return inspect.signature(getattr(llama_cpp.Llama, name))
+
+
+@pytest.mark.parametrize("name", ["tokenize", "detokenize", "n_ctx", "n_vocab", "n_embd", "token_eos", "token_bos",
+                                  "token_nl", "save_state", "load_state", "create_embedding", "embed"])
+def test_parameters_are_llamas(name):
+    """Each call takes llama-cpp-python's parameters, in its order, with its defaults."""
+    from clover_cpp import Clover
+
+    theirs = _llama_signature(name)
+    ours = inspect.signature(getattr(Clover, name))
+    want = [(p.name, p.default) for p in theirs.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    got = [(p.name, p.default) for p in ours.parameters.values() if p.kind is not p.KEYWORD_ONLY][:len(want)]
+    assert got == want
+
+
+def test_tokenize_as_llama(llm, cfg):
+    """tokenize(bytes, add_bos=True, special=False) and detokenize -> bytes, as llama-cpp-python's."""
+    text = b"hello <|im_start|> world"
+    [im_start] = llm.tokenize(b"<|im_start|>", add_bos=False, special=True)
+    plain = llm.tokenize(text, add_bos=False)
+    parsed = llm.tokenize(text, add_bos=False, special=True)
+    assert im_start in parsed and im_start not in plain
+    assert llm.tokenize(b"hi", add_bos=False, special=True) == llm.tokenize("hi", add_bos=False, special=True)
+    assert llm.tokenize(b"hi") == llm.tokenize(b"hi", True, False)  # (BOS as the model asks: the tiny one adds none)
+    out = llm.detokenize(plain)
+    assert isinstance(out, bytes) and out == text
+    assert llm.detokenize(parsed, special=True) == text
+    assert llm.detokenize(plain[2:], prev_tokens=plain[:2]) == llm.detokenize(plain)[len(llm.detokenize(plain[:2])):]
+    assert llm.detokenize_text(plain) == text.decode()
+
+
+def test_sizes_and_special_tokens(llm, cfg):
+    assert llm.n_ctx() == 512 and llm.n_vocab() == cfg["vocab_size"] and llm.n_embd() == cfg["hidden_size"]
+    assert llm.token_eos() == llm.eos_token == cfg["eos_token_id"]
+    assert llm.token_bos() == llm.bos_token
+    assert llm.detokenize([llm.token_nl()]) == b"\n"
+
+
+def test_metadata_is_llamas_dict(llm, gguf):
+    """Every non-array key, each value as llama.cpp renders it (what Llama.metadata holds)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    md = llm.metadata
+    assert isinstance(md, dict) and md["general.architecture"] == "clover"
+    fields = {k: f for k, f in GGUFReader(gguf).fields.items() if not k.startswith("GGUF.")}
+    arrays = {k for k, f in fields.items() if f.types[0] == GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.tokens" in arrays and set(md) == set(fields) - arrays
+    assert md["clover.embedding_length"] == str(fields["clover.embedding_length"].contents())
+    md["x"] = "y"
+    assert "x" not in llm.metadata  # (a copy)
+
+
+def test_constructor_takes_llamas_arguments(gguf):
+    """llama-cpp-python's constructor arguments: honoured, without effect where Clover sizes
+    things itself (n_batch, n_ubatch, logits_all), or refused naming the argument."""
+    from clover_cpp import Clover
+
+    with Clover(gguf, n_ctx=256, seed=7, n_batch=64, n_ubatch=64, logits_all=True, use_mlock=False, verbose=False,
+                chat_format="chatml", chat_handler=None, split_mode=1, offload_kqv=True, n_threads=1,
+                block_size=1) as m:
+        assert m.n_ctx() == 256
+        a = m.create_completion("hello", max_tokens=8, temperature=0.9)
+        b = m.create_completion("hello", max_tokens=8, temperature=0.9)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]  # (seed=7: the default seed of every call)
+    refused = {"chat_handler": lambda: 0, "chat_format": "llama-2", "vocab_only": True, "lora_path": "x.gguf",
+               "n_batch": 0, "pooling_type": 4}
+    for name, value in refused.items():
+        with pytest.raises(CloverValueError, match=name) as e:
+            Clover(gguf, **{name: value})
+        assert e.value.param == name
+    with pytest.raises(CloverTypeError, match="no_such_argument"):
+        Clover(gguf, no_such_argument=1)
+    with pytest.raises(TypeError):
+        Clover(gguf, 256, 1, 0, 4)  # (block_size, an extra, is keyword-only)
+
+
+def test_load_state_continues_exactly(llm):
+    """A generation after load_state equals the one without the calls in between (greedy), and
+    reads none of the saved prompt again."""
+    prompt = llm.tokenize(b"def fibonacci(n):", add_bos=True, special=True)
+    first = llm.generate(prompt, max_tokens=12, block_size=1, stop_at_eos=False)
+    state = llm.save_state()
+    assert state.n_tokens == len(state.input_ids) > len(prompt) and state.scores.shape == (1, llm.n_vocab())
+    go_on = prompt + list(first.tokens)
+    want = llm.generate(go_on, max_tokens=12, block_size=1, stop_at_eos=False)
+    llm.generate("something else entirely", max_tokens=8, block_size=4)  # (the memory is another text's now)
+    llm.load_state(state)
+    assert llm.committed_tokens == list(state.input_ids)
+    assert abs(llm.last_logits() - state.scores[0]).max() < 1e-3
+    got = llm.generate(go_on, max_tokens=12, block_size=1, stop_at_eos=False)
+    assert got.tokens == want.tokens and got.stats.n_reused == want.stats.n_reused == state.n_tokens
+
+
+def test_load_state_refuses_foreign_states(llm):
+    from clover_cpp.compat import LlamaState
+
+    foreign = LlamaState(llm.save_state().input_ids, llm.save_state().scores, 0, b"\x01\x02", 2, 0)
+    with pytest.raises(CloverValueError, match="load_state"):
+        llm.load_state(foreign)
+
+
+def test_embeddings(gguf):
+    """create_embedding / embed: llama.cpp's pooling of the causal pass's final hidden states
+    (mean by default); with LAST pooling the output head applied to the embedding gives the
+    logits of the prompt's last position, as Clover's causal commit computes them."""
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+    from gguf import GGUFReader
+
+    from clover_cpp import Clover
+
+    with Clover(gguf, n_ctx=256, n_threads=1, block_size=1) as plain:
+        with pytest.raises(CloverValueError, match="embedding=True"):
+            plain.embed("hello")
+    with Clover(gguf, n_ctx=256, n_threads=1, embedding=True) as m:
+        r = m.create_embedding(["hello world", "def f(x):"])
+        assert r["object"] == "list" and [d["index"] for d in r["data"]] == [0, 1]
+        assert all(d["object"] == "embedding" and len(d["embedding"]) == m.n_embd() for d in r["data"])
+        toks = [m.tokenize(t.encode()) for t in ("hello world", "def f(x):")]
+        assert r["usage"] == {"prompt_tokens": sum(map(len, toks)), "total_tokens": sum(map(len, toks))}
+        assert r["model"] == str(gguf)
+        one = m.embed("hello world", normalize=True)
+        assert abs(np.linalg.norm(one) - 1) < 1e-5
+    with Clover(gguf, n_ctx=256, n_threads=1, embedding=True, pooling_type=3) as m:
+        last = np.array(m.embed("hello world"), np.float32)
+        toks = m.tokenize(b"hello world")
+        logits = m.commit(toks, logits=True)[-1]
+    tensors = {t.name: t for t in GGUFReader(gguf).tensors}
+    head = np.asarray(tensors.get("output.weight", tensors["token_embd.weight"]).data, np.float32)
+    assert abs(head @ last - logits).max() < 1e-3 * max(1.0, abs(logits).max())
