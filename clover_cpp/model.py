@@ -519,14 +519,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
                  draft_self: bool | str | None = False, draft_steps: int = 1, grammar: str | None = None,
                  logprobs: int | None = None,
-                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context",
-                 min_p: float = 0.0, typical_p: float = 1.0, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: Mapping[int, float] | None = None, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
-                 mirostat_eta: float = 0.1, top_n_sigma: float = -1.0, xtc_probability: float = 0.0,
-                 xtc_threshold: float = 0.1, dry_multiplier: float = 0.0, dry_base: float = 1.75,
-                 dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
-                 dry_sequence_breakers: Sequence[str] | None = None, samplers: str | Sequence[str] | None = None) -> Any:
+                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context") -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
