@@ -48,7 +48,7 @@ def main(src: str, out: str | None, outtype: str, split_max_size: str | None, dr
     quant = outtype.upper() in QUANT_OUTTYPES and outtype.lower() not in OUTTYPES
     try:
         if quant:
-            from clover_cpp._files import fmt_bytes
+            from clover_gguf.files import fmt_bytes
             from .quantize_stream import convert_quantized
 
             if split_max_size is not None:

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from clover_cpp.gguf_keys import (  # re-exported: the GGUF names of our own (one owner)
+from clover_gguf.errors import UserFacingError
+from clover_gguf.keys import (  # re-exported: the GGUF names of our own (one owner)
     ARCH,
     BLOCK_OPERATOR_CLOVER,
     BLOCK_OPERATOR_RELEASE,
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-class ConversionError(ValueError):
+class ConversionError(UserFacingError, ValueError):
     """A user-facing conversion error; the message is one line."""
 
     def __init__(self, msg: str):
@@ -53,7 +54,7 @@ class ConversionError(ValueError):
 
 
 # ---------------------------------------------------------------------------
-# config.json's identity keys (the GGUF's own keys are clover_cpp.gguf_keys', re-exported here)
+# config.json's identity keys (the GGUF's own keys are clover_gguf.keys', re-exported here)
 
 # config.json's key saying which semantics the weights were trained for (gguf_keys.SEMANTICS,
 # written as KEY_SEMANTICS); weights of the retired in-place semantics (spec v1) have no such key

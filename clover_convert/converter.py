@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 
-from clover_cpp._files import check_output, clean_stale_temps, fmt_bytes, temp_path
+from clover_gguf.files import check_output, clean_stale_temps, fmt_bytes, temp_path
 
 from .config import ConversionError
 from .filler import Filler

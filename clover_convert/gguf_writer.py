@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_VERSION
 
-from clover_cpp import gguf_keys
+from clover_gguf import keys as gguf_keys
 
 from . import config as keys
 from .config import ARCH, CloverConfig

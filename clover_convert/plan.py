@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 
-from clover_cpp._files import fmt_bytes
+from clover_gguf.files import fmt_bytes
 
 from . import mapping
 from .config import CloverConfig, ConversionError, parse_config

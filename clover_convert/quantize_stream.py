@@ -28,11 +28,13 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from clover_cpp._files import check_output, clean_stale_temps, temp_path
+from clover_gguf.files import check_output, clean_stale_temps, require_regular, temp_path
+from clover_gguf.quant import NEEDS_IMATRIX, QuantizeError, check_imatrix, load_imatrix, parse_quant_type
+from clover_gguf.reader import GGUFInfoError, check_clover_gguf
 
 from .config import ConversionError
 from .filler import Filler
@@ -44,16 +46,6 @@ __all__ = ["convert_quantized", "QUANT_OUTTYPES", "is_quant_outtype"]
 #: the quantizer's slab cap (source + f32 + output rows in memory at once); the output does not
 #: depend on it (rows are quantized independently), only the memory does
 MAX_BUF_BYTES = 256 * 1024 * 1024
-
-_READ_FN = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
-                            ctypes.c_void_p)
-
-
-def _quant_types() -> dict[str, int]:
-    from clover_cpp.quant import QUANT_TYPES
-
-    return QUANT_TYPES
-
 
 #: the llama.cpp file types `clover convert --outtype` makes in one pass (the converter's own
 #: f32 / f16 / bf16 / q8_0 are written directly; Q8_0 in capitals is llama-quantize's Q8_0 mix)
@@ -117,8 +109,6 @@ def convert_quantized(
     the bf16 plan with ``out``/``shard_paths`` set to the written file and ``outtype`` to the
     type's name. Raises ConversionError (one line) on bad input; on failure or interruption
     nothing is left behind."""
-    from clover_cpp.quant import NEEDS_IMATRIX, QuantizeError, check_imatrix, load_imatrix, parse_quant_type
-
     say = log or (lambda s: print(s, file=sys.stderr))
     t0 = time.monotonic()
     try:
@@ -136,8 +126,6 @@ def convert_quantized(
     plan.out, plan.shard_paths, plan.outtype = dst, [dst], name
     im = None
     if imatrix is not None:
-        from clover_cpp._files import require_regular
-
         require_regular(Path(imatrix), ConversionError)
         try:
             im = load_imatrix(imatrix)
@@ -151,21 +139,14 @@ def convert_quantized(
     inputs = plan.source.files()
     check_output(dst, inputs + ([Path(imatrix)] if imatrix is not None else []), force, ConversionError)
     clean_stale_temps(dst)
-    from clover_cpp._lib import import_llama_cpp, llama_lib_path
+    from clover_cpp.quant import StreamQuantizer  # libllama's quantizer: the runtime's public module
 
-    llama_cpp = import_llama_cpp()
-    lib = ctypes.CDLL(str(llama_lib_path()))
-    if not hasattr(lib, "llama_model_quantize_from"):
-        raise ConversionError("this libllama lacks llama_model_quantize_from (patch 0008): rebuild clover-cpp")
-    fn = lib.llama_model_quantize_from
-    fn.restype = ctypes.c_uint32
-    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(llama_cpp.llama_model_quantize_params),
-                   _READ_FN, ctypes.c_void_p]
-    from clover_cpp.quant import quantize_params
-
-    params, keep = quantize_params(llama_cpp, ftype, n_threads=n_threads, leave_output_tensor=leave_output_tensor,
-                                   pure=pure, imatrix=None if imatrix is None else str(imatrix))
-    params.max_buf_size = MAX_BUF_BYTES
+    try:
+        quantizer = StreamQuantizer(ftype, max_buf_size=MAX_BUF_BYTES, n_threads=n_threads,
+                                    leave_output_tensor=leave_output_tensor, pure=pure,
+                                    imatrix=None if imatrix is None else str(imatrix))
+    except QuantizeError as e:
+        raise ConversionError(str(e)) from None
 
     header, tmp = temp_path(dst.with_name(dst.name + ".bf16-header")), temp_path(dst)
     by_name = {t.name: t for t in plan.tensors}
@@ -184,9 +165,9 @@ def convert_quantized(
 
             bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"Converting to {name}", leave=False)
 
-        def read(_ud: Any, cname: bytes, offs: int, size: int, ptr: int) -> bool:
+        def read(tname: str, offs: int, size: int, ptr: int) -> bool:
             try:
-                t = by_name[cname.decode()]
+                t = by_name[tname]
                 dst_arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
                 filler.fill(t, offs, size, dst_arr)
                 if bar is not None:
@@ -197,16 +178,12 @@ def convert_quantized(
                 failure.append(e)
                 return False
 
-        cb = _READ_FN(read)
-        rc = fn(os.fsencode(header), os.fsencode(tmp), ctypes.byref(params), cb, None)
-        del keep
+        rc = quantizer.run(header, tmp, read)
         if failure:
             raise failure[0]
         if rc != 0 or not tmp.is_file():
             raise ConversionError(f"llama.cpp could not quantize {plan.src} to {name} "
                                   f"(clover quantize on a bf16 conversion says why with --verbose)")
-        from clover_cpp.gguf_info import GGUFInfoError, check_clover_gguf
-
         try:
             check_clover_gguf(tmp)
         except GGUFInfoError as e:
@@ -241,8 +218,8 @@ def _loader_check(path: Path) -> str | None:
     peak memory. Its one-line reason when it refuses the file, else None."""
     import subprocess
 
-    code = ("import sys; from clover_cpp.quant import _loader_refuses; "
-            "r = _loader_refuses(sys.argv[1]); sys.stdout.write('refused: ' + r if r else 'ok')")
+    code = ("import sys; from clover_cpp.quant import loader_refuses; "
+            "r = loader_refuses(sys.argv[1]); sys.stdout.write('refused: ' + r if r else 'ok')")
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
                          stdin=subprocess.DEVNULL)
     out = res.stdout.strip()

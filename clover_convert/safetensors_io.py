@@ -31,7 +31,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from clover_cpp._files import require_regular
+from clover_gguf.errors import UserFacingError
+from clover_gguf.files import require_regular
 
 __all__ = [
     "CheckpointError",
@@ -60,7 +61,7 @@ DTYPES: dict[str, np.dtype] = {k: np.dtype(v) for k, v in {
 _NP_TO_ST = {dt: name for name, dt in DTYPES.items() if name != "BF16"}  # a bare array's dtype
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserFacingError):
     """A checkpoint file or folder is missing, malformed or inconsistent."""
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from clover_cpp._files import file_kind
+from clover_gguf.files import file_kind
 
 from .config import ConversionError
 from .safetensors_io import (

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from clover_gguf.errors import UserFacingError
+
 from . import _native as N
 
 __all__ = ["CloverError", "CloverValueError", "CloverTypeError", "set_verbosity", "show_notices", "CLOVER_OK",
@@ -25,7 +27,7 @@ CLOVER_ERR_INTERNAL = N.CLOVER_ERR_INTERNAL                  # an unexpected exc
 _verbosity = 0
 
 
-class CloverError(RuntimeError):
+class CloverError(UserFacingError, RuntimeError):
     """An error reported by libclover (or found while checking arguments for it).
 
     ``message`` is the one-line native message, ``status`` the libclover status code (one of

@@ -262,7 +262,7 @@ def write_imatrix(coll: ImatrixCollector, path: str | os.PathLike, datasets: Seq
     counts [n_mat, 1], float32), written to a temporary and renamed into place."""
     import gguf
 
-    from ._files import temp_path
+    from clover_gguf.files import temp_path
 
     path = Path(path)
     tmp = temp_path(path)

@@ -16,51 +16,21 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from clover_gguf.files import check_output, clean_stale_temps, require_regular, split_gguf_files, temp_path
+from clover_gguf.quant import (NEEDS_IMATRIX, QUANT_TYPES, UNQUANTIZED_FTYPES, QuantizeError, check_imatrix,
+                               load_imatrix, parse_quant_type)
+from clover_gguf.reader import GGUFInfoError, check_clover_gguf
 
-from ._lib import import_llama_cpp
-from .gguf_info import GGUFInfoError, check_clover_gguf
+from ._lib import import_llama_cpp, llama_lib_path
 
-__all__ = ["QUANT_TYPES", "quantize", "QuantizeError", "parse_quant_type"]
-
-#: llama.cpp ftypes by name (llama.h ``LLAMA_FTYPE_*``; the values are those of the pinned llama.cpp)
-QUANT_TYPES: dict[str, int] = {
-    "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
-    "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-    "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "Q2_K_S": 21, "IQ3_XS": 22,
-    "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
-    "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4_MOE": 38,
-    "NVFP4": 39, "Q1_0": 40, "Q2_0": 41,
-}
-_ALIASES = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "Q3_K": "Q3_K_M", "FP16": "F16",
-            "FP32": "F32", "Q8": "Q8_0"}
-#: types that llama.cpp only produces well with an importance matrix (refused without one)
-NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "Q2_K_S"}
-
-
-class QuantizeError(ValueError):
-    pass
-
+__all__ = ["QUANT_TYPES", "quantize", "QuantizeError", "parse_quant_type", "quantize_params", "StreamQuantizer",
+           "loader_refuses"]
 
 #: the most quantizer threads accepted (llama.cpp starts that many; 100000 made it abort)
 MAX_THREADS = max(256, os.cpu_count() or 1)
-
-
-def parse_quant_type(name: str | int) -> tuple[str, int]:
-    if isinstance(name, int):
-        for k, v in QUANT_TYPES.items():
-            if v == name:
-                return k, v
-        raise QuantizeError(f"unknown quantization type {name}")
-    key = str(name).strip().upper().replace("-", "_")
-    key = _ALIASES.get(key, key)
-    if key not in QUANT_TYPES:
-        raise QuantizeError(f"unknown quantization type {name!r} (choose from {', '.join(QUANT_TYPES)})")
-    return key, QUANT_TYPES[key]
 
 
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str | int, *,
@@ -76,8 +46,6 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
     data). The result is written to a temporary file next to dst, read back, and renamed
     into place; dst is replaced only with force, and never when it is not a regular file or is
     src. Returns dst."""
-    from ._files import check_output, clean_stale_temps, require_regular, split_gguf_files, temp_path
-
     src, dst = Path(src), Path(dst)
     name, ftype = parse_quant_type(qtype)
     if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 0 <= n_threads <= MAX_THREADS:
@@ -153,90 +121,6 @@ def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: st
     return dst
 
 
-@dataclass
-class ImportanceMatrix:
-    """Per weight tensor, the mean squared activation of each input column (one slice per expert)."""
-    entries: dict[str, np.ndarray]
-    datasets: list[str]
-    chunk_count: int
-
-
-def load_imatrix(path: str | os.PathLike[str]) -> ImportanceMatrix:
-    """Read a GGUF imatrix (NAME.in_sum2 and NAME.counts per weight, as llama-imatrix writes) and
-    normalise it as llama-quantize does: the sums over each expert's count, 1 where unseen."""
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise QuantizeError(f"{path}: no such importance matrix file")
-    try:
-        r = gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - any failure is the file's
-        raise QuantizeError(f"{path}: not a GGUF importance matrix ({e}); the legacy .dat format is not read: "
-                            f"convert it with llama-imatrix --in-file {path.name} -o NEW.gguf") from None
-    sums: dict[str, np.ndarray] = {}
-    counts: dict[str, np.ndarray] = {}
-    for t in r.tensors:
-        for suffix, into in ((".in_sum2", sums), (".counts", counts)):
-            if t.name.endswith(suffix):
-                if t.tensor_type != gguf.GGMLQuantizationType.F32:
-                    raise QuantizeError(f"{path}: {t.name} must be F32")
-                into[t.name[: -len(suffix)]] = np.asarray(t.data, dtype=np.float32).reshape(-1)
-    if not sums or set(sums) != set(counts):
-        odd = sorted(set(sums) ^ set(counts))
-        raise QuantizeError(f"{path}: " + (f"sums without counts or counts without sums: {odd[:3]}" if odd
-                                           else "no importance data (NAME.in_sum2 / NAME.counts tensors)"))
-    entries = {}
-    for name, s in sums.items():
-        c = counts[name]
-        if c.size == 0 or s.size % c.size:
-            raise QuantizeError(f"{path}: {name}: {s.size} sums do not split into {c.size} experts")
-        # sums of squares and counts: finite and >= 0; a tensor whose data is all zero would make
-        # every quantized block's weighting zero (the quantizer then picks scales at random: the
-        # model prints only spaces)
-        for what, a in (("sums", s), ("counts", c)):
-            if not np.isfinite(a).all():
-                raise QuantizeError(f"{path}: {name}: {what} hold NaN or infinite values")
-            if (a < 0).any():
-                raise QuantizeError(f"{path}: {name}: {what} hold negative values ({float(a.min()):g})")
-        per = s.reshape(c.size, -1)
-        if not (c > 0).any():
-            raise QuantizeError(f"{path}: {name}: every count is zero (no data was collected)")
-        if not (per[c > 0] > 0).any():
-            raise QuantizeError(f"{path}: {name}: every importance value is zero")
-        entries[name] = np.where(c[:, None] > 0, per / np.maximum(c[:, None], 1), 1.0).astype(np.float32).reshape(-1)
-
-    def field(key: str) -> Any:
-        f = r.fields.get(key)
-        return f.contents() if f is not None else None
-
-    return ImportanceMatrix(entries, list(field("imatrix.datasets") or []), int(field("imatrix.chunk_count") or 0))
-
-
-def check_imatrix(im: ImportanceMatrix, info: Any, path: Path) -> list[str]:
-    """Match an importance matrix to the model (its GGUF header): every entry names a weight
-    and has one value per input column (and expert), else QuantizeError; returns the warning
-    lines (weights that get no importance data)."""
-    shapes = {t.name: t.shape for t in info.tensors}  # numpy order: (experts, rows, columns)
-    unknown = sorted(n for n in im.entries if n not in shapes)
-    if unknown:
-        raise QuantizeError(f"{path}: {len(unknown)} of {len(im.entries)} entries name no tensor of "
-                            f"{info.path.name} (e.g. {', '.join(unknown[:3])}): an importance matrix of another model?")
-    for n, data in im.entries.items():
-        shape = shapes[n]
-        want = int(shape[-1]) * (int(shape[0]) if len(shape) == 3 else 1)
-        if len(shape) < 2 or data.size != want:
-            raise QuantizeError(f"{path}: {n}: {data.size} values, but the tensor {tuple(shape)} needs {want} "
-                                f"(one per input column{' and expert' if len(shape) == 3 else ''})")
-    missing = [t.name for t in info.tensors if len(t.shape) >= 2 and t.name.endswith(".weight")
-               and t.name != "token_embd.weight" and t.name not in im.entries]
-    if not missing:
-        return []
-    more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
-    return [f"warning: {path.name} has no data for {len(missing)} weight tensors ({', '.join(missing[:6])}{more}); "
-            f"they are quantized without importance weighting"]
-
-
 def _die_with_parent() -> None:
     """In the quantizer child (Linux): SIGKILL when the parent dies, so a killed `clover quantize`
     leaves no orphan writing its temporary file."""
@@ -245,15 +129,13 @@ def _die_with_parent() -> None:
 
 
 _PROGRESS = re.compile(r"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
-UNQUANTIZED_FTYPES = {0, 1, 32}  # F32, F16, BF16
 
 
 def quantize_params(llama_cpp: Any, ftype: int, *, n_threads: int = 0, allow_requantize: bool = False,
                     leave_output_tensor: bool = False, pure: bool = False,
                     imatrix: str | os.PathLike[str] | None = None) -> tuple[Any, list[Any]]:
-    """llama_model_quantize's parameters as `clover quantize` sets them (also the one-step
-    `clover convert --outtype Q4_K_M`, clover_convert.quantize_stream): (params, what the
-    pointers in params refer to, to be kept alive until the call returns)."""
+    """llama_model_quantize's parameters as `clover quantize` sets them (also StreamQuantizer's):
+    (params, what the pointers in params refer to, to be kept alive until the call returns)."""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = n_threads
@@ -289,6 +171,43 @@ def quantize_params(llama_cpp: Any, ftype: int, *, n_threads: int = 0, allow_req
     return params, keep
 
 
+#: the byte-range callback of llama_model_quantize_from (patch 0008): (user data, tensor name,
+#: offset, size, where to write) -> whether the bytes were written
+_READ_FN = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                            ctypes.c_void_p)
+
+
+class StreamQuantizer:
+    """llama.cpp's quantizer on a GGUF header whose tensor data comes from a callback
+    (``llama_model_quantize_from``, patch 0008), with `clover quantize`'s parameters: the
+    one-pass quantizing convert (clover_convert.quantize_stream) gives it the bf16 file's header
+    and makes each byte range it asks for. QuantizeError when this libllama lacks the patch."""
+
+    def __init__(self, ftype: int, *, max_buf_size: int, n_threads: int = 0, leave_output_tensor: bool = False,
+                 pure: bool = False, imatrix: str | os.PathLike[str] | None = None) -> None:
+        llama_cpp = import_llama_cpp()
+        lib = ctypes.CDLL(str(llama_lib_path()))
+        if not hasattr(lib, "llama_model_quantize_from"):
+            raise QuantizeError("this libllama lacks llama_model_quantize_from (patch 0008): rebuild clover-cpp")
+        self._fn = lib.llama_model_quantize_from
+        self._fn.restype = ctypes.c_uint32
+        self._fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(llama_cpp.llama_model_quantize_params),
+                             _READ_FN, ctypes.c_void_p]
+        self._params, self._keep = quantize_params(llama_cpp, ftype, n_threads=n_threads,
+                                                   leave_output_tensor=leave_output_tensor, pure=pure, imatrix=imatrix)
+        self._params.max_buf_size = max_buf_size
+
+    def run(self, header: Path, out: Path, read: Callable[[str, int, int, int], bool]) -> int:
+        """Quantize the model of header into out; ``read(tensor, offset, size, address)`` writes
+        each byte range of the tensor data the quantizer asks for and says whether it could.
+        Returns llama.cpp's status (0: written). Runs once."""
+        cb = _READ_FN(lambda _ud, name, offs, size, ptr: read(name.decode(), offs, size, ptr))
+        try:
+            return self._fn(os.fsencode(header), os.fsencode(out), ctypes.byref(self._params), cb, None)
+        finally:
+            self._keep = []  # the importance data the parameters pointed to
+
+
 def _child_main() -> None:
     """The quantizer process: llama_model_quantize with llama.cpp's log on stderr (progress)."""
     a = json.loads(sys.argv[1])
@@ -298,13 +217,13 @@ def _child_main() -> None:
     llama_cpp = import_llama_cpp()
     params, keep = quantize_params(llama_cpp, a["ftype"], n_threads=a["n_threads"], allow_requantize=a["allow_requantize"],
                                    leave_output_tensor=a["leave_output_tensor"], pure=a["pure"], imatrix=a["imatrix"])
-    why = _loader_refuses(a["src"])
+    why = loader_refuses(a["src"])
     if why is not None:  # never turn a file `clover run` refuses into one it might not
         print(f"{_REFUSED}input: {why}", file=sys.stderr, flush=True)
         os._exit(1)
     rc = llama_cpp.llama_model_quantize(os.fsencode(a["src"]), os.fsencode(a["dst"]), ctypes.byref(params))
     if rc == 0:
-        why = _loader_refuses(a["dst"])
+        why = loader_refuses(a["dst"])
         if why is not None:
             print(f"{_REFUSED}output: {why}", file=sys.stderr, flush=True)
             os._exit(1)
@@ -315,7 +234,7 @@ def _child_main() -> None:
 _REFUSED = "clover-quantize: the loader refuses the "
 
 
-def _loader_refuses(path: str) -> str | None:
+def loader_refuses(path: str) -> str | None:
     """libclover's own loader on path (memory-mapped: nothing is read but the header and the
     checks): its one-line reason when it refuses the file, else None."""
     from . import _native as N

@@ -402,8 +402,8 @@ def test_writer_built_once_per_conversion(fx, tmp_path, monkeypatch):
 
 def test_runtime_imports_no_converter():
     """Layering: no module of clover_cpp (the runtime) imports clover_convert or clover_testkit at
-    module level (the converter imports the shared helpers from clover_cpp._files and
-    clover_cpp.gguf_keys, never the other way round), and importing the runtime's file tools
+    module level (both import the shared helpers from clover_gguf, test_layering.py checks
+    every import), and importing the runtime's file tools
     (inspect, quantize, imatrix, kld) loads no converter module."""
     root = Path(__file__).resolve().parents[1] / "clover_cpp"
     found = []

@@ -215,7 +215,7 @@ def test_a_big_vocabulary_is_walked_quickly(tmp_path) -> None:
     import gguf
     import numpy as np
 
-    from clover_cpp.gguf_info import _check_structure
+    from clover_gguf.reader import _check_structure
 
     path = tmp_path / "big.gguf"
     w = gguf.GGUFWriter(str(path), "clover")

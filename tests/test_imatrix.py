@@ -83,7 +83,8 @@ def test_file_round_trip_and_quantizers_read_it(files: dict, tmp_path: Path) -> 
 
     from clover_convert.quantize_stream import convert_quantized
     from clover_cpp.imatrix import collect_imatrix, write_imatrix
-    from clover_cpp.quant import load_imatrix, quantize
+    from clover_cpp.quant import quantize
+    from clover_gguf.quant import load_imatrix
 
     coll, n = collect_imatrix(files["bf16"], files["text"].read_text(encoding="utf-8"), n_ctx=128, max_chunks=1,
                               n_threads=1)

@@ -105,7 +105,7 @@ def test_readme_tour_and_docs_run(tmp_path: Path) -> None:
     assert f"### block {n} " in err
     made = {"clover-bf16.gguf": "BF16", "clover-q8_0.gguf": "Q8_0", "clover-q4_k_m.gguf": "Q4_K",
             "shards-00001-of-00003.gguf": None}
-    from clover_cpp.gguf_info import read_info
+    from clover_gguf.reader import read_info
 
     for name, qtype in made.items():
         assert (tmp_path / name).is_file(), name

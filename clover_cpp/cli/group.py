@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 
 import click
 
+from clover_gguf.errors import UserFacingError
+
 # Ctrl-C while a command's modules load (numpy, gguf, safetensors: up to a second on a busy
 # machine) interrupted an import half-way: a traceback, or a RecursionError from a half-imported
 # numpy. As the `clover` command (not when imported), SIGINT is only noted until the command is
@@ -60,20 +62,9 @@ def _one_line(msg: object) -> str:
     return " ".join(str(msg).split()) or "unknown error"
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from ..gguf_info import GGUFInfoError
-    from .. import CloverError
-    from ..quant import QuantizeError
-
-    errs: list[type[BaseException]] = [CloverError, GGUFInfoError, QuantizeError, OSError, ValueError]
-    try:
-        from clover_convert.mapping import ConversionError
-        from clover_convert.safetensors_io import CheckpointError
-
-        errs += [ConversionError, CheckpointError]
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errs)
+#: what is reported as one line: our errors (the converter's, the reader's, the quantizer's, the
+#: runtime's all derive from UserFacingError), the system's and argument errors
+_USER_ERRORS = (UserFacingError, OSError, ValueError)
 
 
 def fail(msg: object, code: int = 1) -> NoReturn:
@@ -141,7 +132,7 @@ class CloverGroup(click.Group):
             fail(e.format_message())
         except SystemExit:
             raise
-        except _user_errors() as e:
+        except _USER_ERRORS as e:
             if isinstance(e, OSError) and getattr(e, "filename", None):
                 fail(f"{e.filename}: {e.strerror or e}")
             fail(e)

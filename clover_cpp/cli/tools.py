@@ -67,7 +67,9 @@ def quantize(inp: str, out: str, qtype: str, threads: int, force: bool, allow_re
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
     """Architecture, hyperparameters, tensors, size and tokenizer of a Clover GGUF."""
-    from ..gguf_info import format_info, read_info
+    from clover_gguf.reader import read_info
+
+    from ..gguf_info import format_info
 
     info = read_info(model, require_clover=True)
     if as_json:

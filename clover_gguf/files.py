@@ -1,8 +1,8 @@
 """Output files that cannot lose data: the rules every writer of this project follows (convert,
 quantize, imatrix), and the file checks its readers share (``clover inspect``).
 
-Shared by the runtime (clover_cpp) and the converter (clover_convert, which imports it from
-here; the runtime never imports the converter).
+Shared by the runtime (clover_cpp) and the converter (clover_convert), which never import each
+other.
 
 - An output is written to a hidden temporary file next to it and renamed into place, so a
   reader sees the old file or the new one, never a partial one.

@@ -1,6 +1,6 @@
 """The GGUF metadata of our own (spec/gguf-layout.md): the architecture name, our keys and their
 values. One owner for the file format's names: the converter writes them (clover_convert.config
-re-exports this module's names) and the runtime reads them (gguf_info, ``clover inspect``);
+re-exports this module's names) and the readers read them (clover_gguf.reader, ``clover inspect``);
 the standard keys are gguf-py's (GGUFWriter.add_*, gguf.Keys). No imports: cheap for both.
 """
 
