@@ -39,7 +39,8 @@ def _llama_signature(name: str) -> inspect.Signature | None:
 
 
 @pytest.mark.parametrize("name", ["tokenize", "detokenize", "n_ctx", "n_vocab", "n_embd", "token_eos", "token_bos",
-                                  "token_nl", "save_state", "load_state", "create_embedding", "embed"])
+                                  "token_nl", "save_state", "load_state", "create_embedding", "embed",
+                                  "from_pretrained"])
 def test_parameters_are_llamas(name):
     """Each call takes llama-cpp-python's parameters, in its order, with its defaults."""
     from clover_cpp import Clover
@@ -166,3 +167,47 @@ def test_embeddings(gguf):
     tensors = {t.name: t for t in GGUFReader(gguf).tensors}
     head = np.asarray(tensors.get("output.weight", tensors["token_embd.weight"]).data, np.float32)
     assert abs(head @ last - logits).max() < 1e-3 * max(1.0, abs(logits).max())
+
+
+def _hub_cache(root: Path, repo_id: str, files: dict[str, Path]) -> Path:
+    """A Hugging Face cache (huggingface_hub's layout) holding one snapshot of ``repo_id``."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    for name, src in files.items():
+        dst = repo / "snapshots" / commit / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(src.read_bytes())
+    return root
+
+
+def _offline(code: str, cache: Path) -> "subprocess.CompletedProcess[str]":
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent / "home")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_from_pretrained_reads_the_offline_cache(gguf, tmp_path):
+    """from_pretrained(repo_id, glob) with HF_HUB_OFFLINE=1: the cached snapshot's file, no
+    network; a glob matching none, or several, is one line naming them."""
+    pytest.importorskip("huggingface_hub")
+    cache = _hub_cache(tmp_path / "hub", "tiny-org/tiny-clover-GGUF",
+                       {"tiny-f32.gguf": gguf, "more/tiny-copy.gguf": gguf, "README.md": gguf.parent / "ck" / "config.json"})
+    r = _offline("from clover_cpp import Clover\n"
+                 "with Clover.from_pretrained('tiny-org/tiny-clover-GGUF', '*f32.gguf', n_ctx=64, n_threads=1) as m:\n"
+                 "    print(m.metadata['general.architecture'], m.n_ctx(), m.model_path)\n", cache)
+    assert r.returncode == 0, r.stderr
+    arch, n_ctx, path = r.stdout.split()
+    assert (arch, n_ctx) == ("clover", "64") and Path(path).is_relative_to(cache)
+    r = _offline("from clover_cpp import Clover\n"
+                 "try:\n    Clover.from_pretrained('tiny-org/tiny-clover-GGUF', '*.gguf')\n"
+                 "except ValueError as e:\n    print(e)\n", cache)
+    assert "2 files" in r.stdout and "more/tiny-copy.gguf" in r.stdout
+    r = _offline("from clover_cpp import Clover, CloverError\n"
+                 "try:\n    Clover.from_pretrained('tiny-org/absent', '*.gguf')\n"
+                 "except CloverError as e:\n    print(e)\n", cache)
+    assert r.stdout.startswith("from_pretrained: tiny-org/absent is not in the Hugging Face cache")
