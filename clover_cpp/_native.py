@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 4
+CLOVER_API_VERSION = 5
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -119,6 +119,28 @@ class clover_generate_params(Structure):
         ("draft_steps", c_int32),
         ("stop_tokens", POINTER(c_int32)),
         ("n_stop_tokens", c_int32),
+        ("min_p", c_double),
+        ("typical_p", c_double),
+        ("top_n_sigma", c_double),
+        ("xtc_probability", c_double),
+        ("xtc_threshold", c_double),
+        ("repeat_last_n", c_int32),
+        ("repeat_penalty", c_double),
+        ("frequency_penalty", c_double),
+        ("presence_penalty", c_double),
+        ("dry_multiplier", c_double),
+        ("dry_base", c_double),
+        ("dry_allowed_length", c_int32),
+        ("dry_penalty_last_n", c_int32),
+        ("dry_sequence_breakers", POINTER(c_char_p)),
+        ("n_dry_sequence_breakers", c_int32),
+        ("mirostat", c_int32),
+        ("mirostat_tau", c_double),
+        ("mirostat_eta", c_double),
+        ("logit_bias_tokens", POINTER(c_int32)),
+        ("logit_bias", POINTER(c_float)),
+        ("n_logit_bias", c_int32),
+        ("samplers", c_char_p),
     ]
 
 

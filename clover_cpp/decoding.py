@@ -22,7 +22,7 @@ import numpy as np
 from . import _native as N
 from ._args import INT32_MAX, bool_arg, float_arg, int32_arg, int_arg, strings_arg, tristate_arg
 from ._handles import BLOCK_SIZE_AUTO, is_auto
-from .errors import CloverValueError, check, lib
+from .errors import CloverTypeError, CloverValueError, check, lib
 from .output import OutputFollower
 
 if TYPE_CHECKING:
@@ -204,7 +204,93 @@ _PARAM_FIELDS = {"block_size": ("block_size",), "threshold": ("threshold",), "ma
                  "temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",),
                  "max_tokens": ("max_tokens",), "draft_self": ("draft_self",), "draft_steps": ("draft_steps",),
                  "logprobs": ("n_top_logprobs", "top_tokens", "top_logprobs"),
-                 "stop_tokens": ("n_stop_tokens", "stop_tokens")}
+                 "stop_tokens": ("n_stop_tokens", "stop_tokens"),
+                 # llama.cpp's sampler chain (ChainParams)
+                 "min_p": ("min_p",), "typical_p": ("typical_p",), "top_n_sigma": ("top_n_sigma",),
+                 "xtc_probability": ("xtc_probability",), "xtc_threshold": ("xtc_threshold",),
+                 "repeat_last_n": ("repeat_last_n",), "repeat_penalty": ("repeat_penalty",),
+                 "frequency_penalty": ("frequency_penalty",), "presence_penalty": ("presence_penalty",),
+                 "dry_multiplier": ("dry_multiplier",), "dry_base": ("dry_base",),
+                 "dry_allowed_length": ("dry_allowed_length",), "dry_penalty_last_n": ("dry_penalty_last_n",),
+                 "dry_sequence_breakers": ("n_dry_sequence_breakers", "dry_sequence_breakers"),
+                 "mirostat_mode": ("mirostat",), "mirostat_tau": ("mirostat_tau",), "mirostat_eta": ("mirostat_eta",),
+                 "logit_bias": ("n_logit_bias", "logit_bias_tokens", "logit_bias"), "samplers": ("samplers",)}
+
+
+@dataclass
+class ChainParams:
+    """llama.cpp's sampler chain of one call (clover.h, clover_generate_params.min_p ... samplers):
+    llama-cpp-python's argument names (mirostat_mode for the C field mirostat), every sampler off
+    by default. The ranges are libclover's (GenParams.check)."""
+
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repeat_last_n: int = 64
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None  # None = llama.cpp's ["\n", ":", "\"", "*"]
+    mirostat_mode: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    samplers: str | None = None  # llama-server's names (";"-separated or a list) or llama-cli's letters
+
+    FLOATS = ("min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "repeat_penalty",
+              "frequency_penalty", "presence_penalty", "dry_multiplier", "dry_base", "mirostat_tau", "mirostat_eta")
+    INTS = ("repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode")
+
+    @classmethod
+    def of(cls, a: Mapping[str, Any]) -> "ChainParams":
+        """The chain's keywords of ``a`` (absent ones keep the defaults), checked for types."""
+        p = cls()
+        for k in cls.FLOATS:
+            if k in a:
+                setattr(p, k, float_arg(k, a[k]))
+        for k in cls.INTS:
+            if k in a:
+                setattr(p, k, int32_arg(k, a[k]))
+        if a.get("dry_sequence_breakers") is not None:
+            p.dry_sequence_breakers = strings_arg("dry_sequence_breakers", a["dry_sequence_breakers"])
+        if a.get("logit_bias"):
+            p.logit_bias = logit_bias_arg(a["logit_bias"])
+        if a.get("samplers") is not None:
+            v = a["samplers"]
+            p.samplers = v if isinstance(v, str) else ";".join(strings_arg("samplers", v))
+        return p
+
+    def set_native(self, gp: N.clover_generate_params, keep: list[Any]) -> None:
+        for k in self.FLOATS + self.INTS:
+            setattr(gp, "mirostat" if k == "mirostat_mode" else k, getattr(self, k))
+        if self.dry_sequence_breakers:
+            keep.append((ctypes.c_char_p * len(self.dry_sequence_breakers))(
+                *[b.encode("utf-8") for b in self.dry_sequence_breakers]))
+            gp.dry_sequence_breakers, gp.n_dry_sequence_breakers = keep[-1], len(self.dry_sequence_breakers)
+        if self.logit_bias:
+            keep.append(N.as_int32_array(list(self.logit_bias)))
+            keep.append((ctypes.c_float * len(self.logit_bias))(*self.logit_bias.values()))
+            gp.logit_bias_tokens, gp.logit_bias, gp.n_logit_bias = keep[-2], keep[-1], len(self.logit_bias)
+        if self.samplers:
+            keep.append(self.samplers.encode("utf-8"))
+            gp.samplers = keep[-1]
+
+
+def logit_bias_arg(v: Any) -> dict[int, float]:
+    """{token id: bias} (llama-cpp-python's; a JSON object's keys are digit strings), -inf bans."""
+    if not isinstance(v, Mapping):
+        raise CloverTypeError(f"logit_bias must be a mapping of token id to bias, got {v!r}"[:200], param="logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        out[int_arg("logit_bias token id", tok, -INT32_MAX - 1, INT32_MAX)] = float_arg("logit_bias value", b)
+    return out
 
 
 @dataclass
@@ -227,6 +313,7 @@ class GenParams:
     draft_steps: int = 1
     grammar: str | None = None
     logprobs: int | None = None  # top log-probabilities per token; None = off
+    chain: ChainParams = field(default_factory=ChainParams)
 
     @classmethod
     def of(cls, max_tokens: Any, block_size: Any, threshold: Any, max_steps: Any, temperature: Any, top_k: Any,
@@ -250,7 +337,7 @@ class GenParams:
                    a["top_p"], a["seed"])
         return replace(p, **cls.options(a["stop"], a["reuse_prefix"], a["draft_self"], a["draft_steps"]),
                        **cls.constraints(a["grammar"], a["logprobs"], a["response_format"]),
-                       stop_at_eos=bool_arg("stop_at_eos", a["stop_at_eos"]))
+                       stop_at_eos=bool_arg("stop_at_eos", a["stop_at_eos"]), chain=ChainParams.of(a))
 
     def native(self, keep: list[Any]) -> N.clover_generate_params:
         """These values as clover_generate_params (``keep`` holds what its pointers point to;
@@ -268,6 +355,7 @@ class GenParams:
         if self.grammar:
             keep.append(self.grammar.encode("utf-8"))
             gp.grammar = keep[-1]
+        self.chain.set_native(gp, keep)
         if self.logprobs is not None:  # (1-entry top buffers until the call passes its own)
             keep += [(ctypes.c_int32 * 1)(), (ctypes.c_float * 1)()]
             gp.n_top_logprobs, gp.top_tokens, gp.top_logprobs = self.logprobs, keep[-2], keep[-1]

@@ -519,7 +519,14 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  stop_tokens: Sequence[int] = (), stop: str | Sequence[str] = (), reuse_prefix: bool = True,
                  draft_self: bool | str | None = False, draft_steps: int = 1, grammar: str | None = None,
                  logprobs: int | None = None,
-                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context") -> Any:
+                 response_format: Mapping[str, Any] | None = None, coreset: int | str | None = "context",
+                 min_p: float = 0.0, typical_p: float = 1.0, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                 mirostat_eta: float = 0.1, top_n_sigma: float = -1.0, xtc_probability: float = 0.0,
+                 xtc_threshold: float = 0.1, dry_multiplier: float = 0.0, dry_base: float = 1.75,
+                 dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
+                 dry_sequence_breakers: Sequence[str] | None = None, samplers: str | Sequence[str] | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -568,6 +575,13 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         coreset: the block expert coreset of this call's block passes (see :attr:`coreset`):
         "context" (default) = the context's, N, None or 0 = off, "model" = the GGUF's default;
         the context's own setting is back after the call.
+        min_p, typical_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
+        logit_bias ({token id: bias}, -inf bans), mirostat_mode / _tau / _eta, top_n_sigma,
+        xtc_probability / _threshold, dry_multiplier / _base / _allowed_length / _penalty_last_n /
+        _sequence_breakers, samplers (the order: llama-server's names or llama-cli's letters):
+        llama.cpp's sampler chain, llama-cpp-python's and llama-server's names; every one off by
+        default (clover.h, spec/decoding.md "Sampler chain": what each means under block diffusion
+        and draft-self). The penalties count the prompt too, as llama.cpp does.
         A cancelled generation returns what the finished blocks produced (finish_reason
         "cancelled"); exceptions raised by callbacks cancel it and are re-raised here.
 

@@ -76,6 +76,13 @@ void usage(const char * argv0) {
             "  --top-k N              top-k (default 0 = off; llama-cli: 40)\n"
             "  --top-p X              top-p (default 1 = off; 0 = the most probable token; llama-cli: 0.95)\n"
             "  -s, --seed N           sampling seed (default 0; -1 = random, llama-cli's default)\n"
+            "  llama.cpp's samplers (llama-cli's flags; every one off by default; spec/decoding.md):\n"
+            "  --min-p X  --typical X  --top-nsigma X  --xtc-probability X  --xtc-threshold X\n"
+            "  --repeat-penalty X  --repeat-last-n N  --presence-penalty X  --frequency-penalty X\n"
+            "  --dry-multiplier X  --dry-base X  --dry-allowed-length N  --dry-penalty-last-n N\n"
+            "  --dry-sequence-breaker S (repeatable)  --mirostat N  --mirostat-lr X  --mirostat-ent X\n"
+            "  -l, --logit-bias TOKEN(+|-)BIAS (repeatable)  --samplers NAMES (';'-separated)\n"
+            "  --sampling-seq LETTERS (e d s k y p m x t)\n"
             "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
             "  -r, --reverse-prompt T stop before the text T (repeatable; matched across blocks)\n"
             "  -fa, --flash-attn X    flash attention: on, off or auto (default auto)\n"
@@ -295,6 +302,40 @@ int main(int argc, char ** argv) {
     std::string            rpc_servers;
     std::string            overrides; // -ot, repeatable
     std::vector<float>     split;
+    // llama.cpp's sampler chain: llama-cli's flags -> clover_generate_params
+    const std::pair<const char *, double *> chain_doubles[] = {
+        { "--min-p", &gp.min_p }, { "--typical", &gp.typical_p }, { "--top-nsigma", &gp.top_n_sigma },
+        { "--top-n-sigma", &gp.top_n_sigma }, { "--xtc-probability", &gp.xtc_probability },
+        { "--xtc-threshold", &gp.xtc_threshold }, { "--repeat-penalty", &gp.repeat_penalty },
+        { "--presence-penalty", &gp.presence_penalty }, { "--frequency-penalty", &gp.frequency_penalty },
+        { "--dry-multiplier", &gp.dry_multiplier }, { "--dry-base", &gp.dry_base },
+        { "--mirostat-lr", &gp.mirostat_eta }, { "--mirostat-ent", &gp.mirostat_tau },
+    };
+    const std::pair<const char *, int32_t *> chain_ints[] = {
+        { "--repeat-last-n", &gp.repeat_last_n }, { "--dry-allowed-length", &gp.dry_allowed_length },
+        { "--dry-penalty-last-n", &gp.dry_penalty_last_n }, { "--mirostat", &gp.mirostat },
+    };
+    auto chain_double = [&](const std::string & a) -> double * {
+        for (const auto & f : chain_doubles) {
+            if (a == f.first) {
+                return f.second;
+            }
+        }
+        return nullptr;
+    };
+    auto chain_int = [&](const std::string & a) -> int32_t * {
+        for (const auto & f : chain_ints) {
+            if (a == f.first) {
+                return f.second;
+            }
+        }
+        return nullptr;
+    };
+    std::vector<std::string>  breakers;
+    std::vector<const char *> breaker_ptrs;
+    std::vector<int32_t>      bias_tokens;
+    std::vector<float>        bias;
+    std::string               samplers;
     cp.n_threads = 0; // from the hardware, as `clover run` does
     gp.max_tokens = CLOVER_CLI_DEFAULT_N_PREDICT; // -n's default on the command lines (clover run's too), not
                                                   // the library's CLOVER_DEFAULT_MAX_TOKENS
@@ -397,6 +438,23 @@ int main(int argc, char ** argv) {
             gp.top_k = (int32_t) parse_int(a, val(), INT32_MIN, INT32_MAX);
         } else if (a == "--top-p") {
             gp.top_p = parse_double(a, val()); // (0 = the most probable token only, as the library)
+        } else if (chain_double(a)) {
+            *chain_double(a) = parse_double(a, val()); // (the ranges: clover_generate_params_check below)
+        } else if (chain_int(a)) {
+            *chain_int(a) = (int32_t) parse_int(a, val(), INT32_MIN, INT32_MAX);
+        } else if (a == "--dry-sequence-breaker") {
+            breakers.push_back(val());
+        } else if (a == "-l" || a == "--logit-bias") {
+            const std::string v  = val();
+            const size_t      at = v.find_first_of("+-", 1);
+            if (at == std::string::npos) {
+                die("option " + a + " expects TOKEN(+|-)BIAS, got '" + v + "'");
+            }
+            bias_tokens.push_back((int32_t) parse_int(a, v.substr(0, at).c_str(), 0, INT32_MAX));
+            const std::string b = v.substr(at); // ("-inf" bans the token, as llama-cli)
+            bias.push_back(b == "-inf" ? -std::numeric_limits<float>::infinity() : (float) parse_double(a, b.c_str()));
+        } else if (a == "--samplers" || a == "--sampling-seq" || a == "--sampler-seq") {
+            samplers = val();
         } else if (a == "-s" || a == "--seed") {
             const char * v   = val();
             char *       end = nullptr;
@@ -439,6 +497,15 @@ int main(int argc, char ** argv) {
     if (model_path.empty()) {
         die("no model given (-m MODEL.gguf)");
     }
+    for (const std::string & b : breakers) {
+        breaker_ptrs.push_back(b.c_str());
+    }
+    gp.dry_sequence_breakers   = breaker_ptrs.empty() ? nullptr : breaker_ptrs.data();
+    gp.n_dry_sequence_breakers = (int32_t) breaker_ptrs.size();
+    gp.logit_bias_tokens       = bias_tokens.empty() ? nullptr : bias_tokens.data();
+    gp.logit_bias              = bias.empty() ? nullptr : bias.data();
+    gp.n_logit_bias            = (int32_t) bias.size();
+    gp.samplers                = samplers.empty() ? nullptr : samplers.c_str();
     {   // libclover's rules for the generation options, before anything is loaded (-n -1 is resolved later)
         clover_generate_params chk = gp;
         chk.max_tokens             = std::max<int32_t>(chk.max_tokens, 0);

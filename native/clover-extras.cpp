@@ -434,11 +434,20 @@ gen_extras::~gen_extras() {
 }
 
 bool gen_extras::forces_ar(const clover_generate_params & gp) {
-    return gp.grammar && gp.grammar[0] && gp.draft_self != 1; // (draft_self auto included)
+    return (gp.grammar && gp.grammar[0] && gp.draft_self != 1) || // (draft_self auto included)
+           sampler_chain::forces_ar(gp);
 }
 
-int gen_extras::init(const clover_model * m, const clover_generate_params & gp, std::string & msg) {
+int gen_extras::init(const clover_context * ctx, const clover_generate_params & gp, const int32_t * prompt,
+                     int32_t n_prompt, std::string & msg) {
+    const clover_model * m = ctx->model;
     model      = m;
+    if (chain.init(m, gp, ctx->n_ctx, msg) != CLOVER_OK) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    for (int32_t i = 0; i < n_prompt; ++i) { // (llama-completion and llama-server count the prompt too)
+        chain.accept(prompt[i]);
+    }
     draft_self = gp.draft_self == 1;
     // (the ranges of n_top_logprobs and block_size: clover_impl::check_params, checked first)
     n_top   = gp.n_top_logprobs;
@@ -470,7 +479,22 @@ bool gen_extras::allows(llama_sampler * g, int32_t tok) const {
     return one.logit != -std::numeric_limits<float>::infinity();
 }
 
+void gen_extras::choose(const float * row, const clover_generate_params & gp, std::mt19937_64 & rng,
+                        pick_work & w, int32_t & tok, double & conf) {
+    if (!chain.on()) {
+        pick_candidate(row, model->n_vocab, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
+        return;
+    }
+    if (step_stale && !verifying) { // the history of a step: committed + the canvas's unmasked tokens
+        chain.begin_step(canvas_tok);
+        step_stale = false;
+    }
+    chain.choose(row, !verifying, gp, rng, w, tok, conf);
+}
+
 void gen_extras::accept(int32_t tok) {
+    chain.accept(tok);
+    step_stale = true;
     if (smpl && allows(smpl, tok)) { // (a token the grammar refuses is only ever the stuck case's EOS)
         llama_sampler_accept(smpl, tok);
     }
@@ -479,7 +503,7 @@ void gen_extras::accept(int32_t tok) {
 void gen_extras::pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
                       pick_work & w, int32_t & tok, double & conf) {
     if (!smpl || !next) {
-        pick_candidate(row, model->n_vocab, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
+        choose(row, gp, rng, w, tok, conf);
         return;
     }
     pick_in(smpl, row, gp, rng, w, tok, conf);
@@ -542,7 +566,7 @@ void gen_extras::pick_in(llama_sampler * g, const float * row, const clover_gene
                          std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
     const int32_t V = model->n_vocab;
     if (gp.temperature == 0.0) { // greedy: the free argmax, when the grammar allows it, is the constrained one
-        pick_candidate(row, V, model->mask, 0.0, gp.top_k, gp.top_p, rng, w, tok, conf);
+        choose(row, gp, rng, w, tok, conf);
         if (allows(g, tok)) {
             return;
         }
@@ -569,7 +593,7 @@ void gen_extras::pick_in(llama_sampler * g, const float * row, const clover_gene
         w.p[tok] = 1.0;
         return;
     }
-    pick_candidate(constrained.data(), V, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
+    choose(constrained.data(), gp, rng, w, tok, conf);
 }
 
 void gen_extras::record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp) {
@@ -626,6 +650,7 @@ void gen_extras::unmasked(int32_t p, const float * row, int32_t tok) {
         canvas_tok.resize(p + 1, -1);
     }
     canvas_tok[p] = tok;
+    step_stale    = true;
     if (want_lp) {
         if ((int32_t) canvas_lp.size() <= p) {
             canvas_lp.resize(p + 1);
@@ -651,6 +676,7 @@ void gen_extras::block_from_canvas(int32_t n) {
 }
 
 void gen_extras::verify_begin() {
+    verifying = true;
     block_tok.clear();
     block_verified = true;
     block_lp.clear();
@@ -678,6 +704,8 @@ void gen_extras::take_block() {
     }
     block_tok.clear();
     block_verified = false;
+    verifying      = false;
+    step_stale     = true;
     std::fill(canvas_tok.begin(), canvas_tok.end(), -1);
     if (draft) { // the next block's draft starts from the grammar's state after this block
         llama_sampler_free(draft);

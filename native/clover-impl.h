@@ -203,6 +203,8 @@ double ms_since(std::chrono::steady_clock::time_point t0);
 int32_t training_block_size(const clover_model * m, int32_t n_ctx);
 // the rules that need no context (clover_generate_params_check): CLOVER_OK or CLOVER_ERR_INVALID_ARG + msg
 int check_params(const clover_generate_params & gp, std::string & msg);
+// check_params's part for llama.cpp's sampler chain (min_p ... samplers)
+int check_chain_params(const clover_generate_params & gp, std::string & msg);
 // clover_context_params' rules that need no model (clover_context_params_check, clover_context_new)
 int check_context_params(const clover_context_params & cp, std::string & msg);
 // the block expert coreset: its rule (>= 0 or CLOVER_CORESET_MODEL) and CLOVER_CORESET_MODEL resolved
@@ -253,6 +255,49 @@ bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::
 int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t max_steps, int32_t step,
                       int32_t * order_out);
 
+// ---- llama.cpp's sampler chain (clover-sampling.cpp; spec/decoding.md, "Sampler chain")
+
+// the samplers `samplers` may name, llama-server's names and llama-cli's letters
+enum class chain_sampler { penalties, dry, top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature };
+// `samplers` (NULL / "" = llama-server's default order) -> order; false with msg on an unknown name
+bool parse_samplers(const char * samplers, std::vector<chain_sampler> & order, std::string & msg);
+
+// A call's sampler chain, built from clover_generate_params by llama.cpp's llama_sampler_init_*:
+// the modifiers (logit_bias, penalties, DRY: they change logits and keep the token history) and
+// the filters (the rest of the `samplers` order, and temperature; or Mirostat). choose() runs a
+// row through both and picks with pick_candidate (double precision, our seeded draw) from what is
+// left; Mirostat draws itself (llama.cpp's). Off (active() false): the callers use pick_candidate.
+class sampler_chain {
+  public:
+    sampler_chain() = default;
+    sampler_chain(const sampler_chain &) = delete;
+    sampler_chain & operator=(const sampler_chain &) = delete;
+    ~sampler_chain();
+    // whether gp asks for the chain (at temperature 0: only what can change the argmax)
+    static bool active(const clover_generate_params & gp);
+    // Mirostat keeps a state per drawn token: the call decodes at block size 1
+    static bool forces_ar(const clover_generate_params & gp);
+    int  init(const clover_model * m, const clover_generate_params & gp, int32_t n_ctx, std::string & msg);
+    bool on() const { return modifiers != nullptr; }
+    // a committed token (the prompt's too): the penalties and DRY count it
+    void accept(int32_t tok);
+    // the history a block's step sees: the committed tokens then the canvas's unmasked ones (-1: masked)
+    void begin_step(const std::vector<int32_t> & canvas_tok);
+    // the candidate of a row and its confidence; in_step: with begin_step's history, else the committed one
+    void choose(const float * row, bool in_step, const clover_generate_params & gp, std::mt19937_64 & rng,
+                pick_work & w, int32_t & tok, double & conf);
+
+  private:
+    void run(llama_sampler * s, std::vector<float> & row);
+    const clover_model *          model     = nullptr;
+    llama_sampler *               modifiers = nullptr; // logit_bias, penalties, DRY; accepts the committed tokens
+    llama_sampler *               step      = nullptr; // a clone of modifiers with the step's canvas accepted
+    llama_sampler *               filters   = nullptr; // the rest of the order (temperature last by default)
+    bool                          mirostat  = false;
+    std::vector<llama_token_data> cur;
+    std::vector<float>            proc;
+};
+
 // A GBNF grammar checked before llama.cpp's grammar engine gets it (clover-extras.cpp): true, or
 // false with msg one line naming the rule ("invalid grammar: ..."): size, nesting and rule count,
 // a repetition whose minimum is above its maximum, the size once repetitions are written out, left
@@ -271,10 +316,12 @@ class gen_extras {
     gen_extras(const gen_extras &) = delete;
     gen_extras & operator=(const gen_extras &) = delete;
     ~gen_extras();
-    // a grammar without draft-self: the call decodes at block size 1
+    // a grammar without draft-self, or Mirostat: the call decodes at block size 1
     static bool forces_ar(const clover_generate_params & gp);
-    // parse the grammar, check the logprob buffers: CLOVER_OK or CLOVER_ERR_INVALID_ARG + msg
-    int init(const clover_model * m, const clover_generate_params & gp, std::string & msg);
+    // parse the grammar, build the sampler chain (its penalties see the prompt), check the logprob
+    // buffers: CLOVER_OK or CLOVER_ERR_INVALID_ARG + msg
+    int init(const clover_context * ctx, const clover_generate_params & gp, const int32_t * prompt, int32_t n_prompt,
+             std::string & msg);
     // the candidate of a position; next = it is the next output position (the grammar applies)
     void pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
               pick_work & w, int32_t & tok, double & conf);
@@ -302,6 +349,12 @@ class gen_extras {
     void pick_in(llama_sampler * g, const float * row, const clover_generate_params & gp, std::mt19937_64 & rng,
                  pick_work & w, int32_t & tok, double & conf);
     void accept(int32_t tok);
+    // a candidate from a row: the sampler chain's when on, else pick_candidate's
+    void choose(const float * row, const clover_generate_params & gp, std::mt19937_64 & rng, pick_work & w,
+                int32_t & tok, double & conf);
+    sampler_chain chain;
+    bool          step_stale = true;  // the canvas or the committed tokens changed since chain.begin_step
+    bool          verifying  = false; // draft-self: a verification chooses from the committed history
     void record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp);
     const clover_model * model = nullptr;
     llama_sampler *      smpl  = nullptr;

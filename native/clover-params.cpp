@@ -74,7 +74,86 @@ int check_params(const clover_generate_params & gp, std::string & msg) {
     if (gp.n_stop_tokens > 0 && !gp.stop_tokens) {
         return bad("n_stop_tokens > 0 needs the stop_tokens array");
     }
-    return CLOVER_OK;
+    return check_chain_params(gp, msg);
+}
+
+// the sampler chain's fields (clover.h; the ranges llama-server accepts, finite everywhere)
+int check_chain_params(const clover_generate_params & gp, std::string & msg) {
+    auto bad = [&](std::string what) {
+        msg = std::move(what);
+        return CLOVER_ERR_INVALID_ARG;
+    };
+    auto in = [](double x, double lo, double hi) { return x >= lo && x <= hi; };
+    if (!in(gp.min_p, 0.0, 1.0)) {
+        return bad("min_p must be in [0, 1], got " + num(gp.min_p));
+    }
+    if (!(gp.typical_p > 0.0 && gp.typical_p <= 1.0)) {
+        return bad("typical_p must be in (0, 1], got " + num(gp.typical_p));
+    }
+    if (!std::isfinite(gp.top_n_sigma)) {
+        return bad("top_n_sigma must be finite (<= 0 = off), got " + num(gp.top_n_sigma));
+    }
+    if (!in(gp.xtc_probability, 0.0, 1.0)) {
+        return bad("xtc_probability must be in [0, 1], got " + num(gp.xtc_probability));
+    }
+    if (!in(gp.xtc_threshold, 0.0, 1.0)) {
+        return bad("xtc_threshold must be in [0, 1], got " + num(gp.xtc_threshold));
+    }
+    if (gp.repeat_last_n < -1) {
+        return bad("repeat_last_n must be >= -1 (-1 = the context size, 0 = off), got " +
+                   std::to_string(gp.repeat_last_n));
+    }
+    if (!(gp.repeat_penalty > 0.0) || !std::isfinite(gp.repeat_penalty)) {
+        return bad("repeat_penalty must be finite and > 0 (1 = off), got " + num(gp.repeat_penalty));
+    }
+    if (!in(gp.frequency_penalty, -2.0, 2.0)) {
+        return bad("frequency_penalty must be in [-2, 2], got " + num(gp.frequency_penalty));
+    }
+    if (!in(gp.presence_penalty, -2.0, 2.0)) {
+        return bad("presence_penalty must be in [-2, 2], got " + num(gp.presence_penalty));
+    }
+    if (!(gp.dry_multiplier >= 0.0) || !std::isfinite(gp.dry_multiplier)) {
+        return bad("dry_multiplier must be finite and >= 0 (0 = off), got " + num(gp.dry_multiplier));
+    }
+    if (!(gp.dry_base >= 1.0) || !std::isfinite(gp.dry_base)) {
+        return bad("dry_base must be finite and >= 1, got " + num(gp.dry_base));
+    }
+    if (gp.dry_allowed_length < 0) {
+        return bad("dry_allowed_length must be >= 0, got " + std::to_string(gp.dry_allowed_length));
+    }
+    if (gp.dry_penalty_last_n < -1) {
+        return bad("dry_penalty_last_n must be >= -1 (-1 = the context size, 0 = off), got " +
+                   std::to_string(gp.dry_penalty_last_n));
+    }
+    if (gp.n_dry_sequence_breakers < 0 || (gp.n_dry_sequence_breakers > 0 && !gp.dry_sequence_breakers)) {
+        return bad("n_dry_sequence_breakers must be >= 0, with the dry_sequence_breakers array when > 0");
+    }
+    for (int32_t i = 0; i < gp.n_dry_sequence_breakers; ++i) {
+        if (!gp.dry_sequence_breakers[i] || !gp.dry_sequence_breakers[i][0]) {
+            return bad("dry_sequence_breakers[" + std::to_string(i) + "] must be a non-empty string");
+        }
+    }
+    if (gp.mirostat < 0 || gp.mirostat > 2) {
+        return bad("mirostat must be 0, 1 or 2, got " + std::to_string(gp.mirostat));
+    }
+    if (!(gp.mirostat_tau > 0.0) || !std::isfinite(gp.mirostat_tau)) {
+        return bad("mirostat_tau must be finite and > 0, got " + num(gp.mirostat_tau));
+    }
+    if (!(gp.mirostat_eta > 0.0) || !std::isfinite(gp.mirostat_eta)) {
+        return bad("mirostat_eta must be finite and > 0, got " + num(gp.mirostat_eta));
+    }
+    if (gp.n_logit_bias < 0 || (gp.n_logit_bias > 0 && (!gp.logit_bias_tokens || !gp.logit_bias))) {
+        return bad("n_logit_bias must be >= 0, with the logit_bias_tokens and logit_bias arrays when > 0");
+    }
+    for (int32_t i = 0; i < gp.n_logit_bias; ++i) {
+        const float b = gp.logit_bias[i];
+        if (gp.logit_bias_tokens[i] < 0 || b != b || b == std::numeric_limits<float>::infinity()) {
+            return bad("logit_bias: token " + std::to_string(gp.logit_bias_tokens[i]) + ": the id must be >= 0 "
+                       "and the bias a number or -inf, got " + num(b));
+        }
+    }
+    std::vector<clover_detail::chain_sampler> order;
+    return clover_detail::parse_samplers(gp.samplers, order, msg) ? CLOVER_OK : CLOVER_ERR_INVALID_ARG;
 }
 
 int check_context_params(const clover_context_params & cp, std::string & msg) {
@@ -240,6 +319,29 @@ clover_generate_params clover_generate_default_params(void) {
     p.top_logprobs   = nullptr;
     p.stop_tokens    = nullptr;
     p.n_stop_tokens  = 0;
+    // llama.cpp's sampler chain, every sampler off (llama-server's defaults for its parameters)
+    p.min_p                   = 0.0;
+    p.typical_p               = 1.0;
+    p.top_n_sigma             = -1.0;
+    p.xtc_probability         = 0.0;
+    p.xtc_threshold           = 0.1;
+    p.repeat_last_n           = 64;
+    p.repeat_penalty          = 1.0;
+    p.frequency_penalty       = 0.0;
+    p.presence_penalty        = 0.0;
+    p.dry_multiplier          = 0.0;
+    p.dry_base                = 1.75;
+    p.dry_allowed_length      = 2;
+    p.dry_penalty_last_n      = -1;
+    p.dry_sequence_breakers   = nullptr;
+    p.n_dry_sequence_breakers = 0;
+    p.mirostat                = 0;
+    p.mirostat_tau            = 5.0;
+    p.mirostat_eta            = 0.1;
+    p.logit_bias_tokens       = nullptr;
+    p.logit_bias              = nullptr;
+    p.n_logit_bias            = 0;
+    p.samplers                = nullptr;
     return p;
 }
 

@@ -249,6 +249,297 @@ int32_t select_unmask(const double * conf, int32_t n, double threshold, int32_t 
     return std::min(k, n);
 }
 
+// ------------------------------------------------------------------ llama.cpp's sampler chain
+
+namespace {
+
+struct sampler_name {
+    const char *  name;
+    char          letter;
+    chain_sampler which;
+};
+
+// llama-server's names (common/sampling.cpp, common_sampler_type_to_str) and llama-cli's letters
+const sampler_name k_sampler_names[] = {
+    { "penalties", 'e', chain_sampler::penalties }, { "dry", 'd', chain_sampler::dry },
+    { "top_n_sigma", 's', chain_sampler::top_n_sigma }, { "top_k", 'k', chain_sampler::top_k },
+    { "typ_p", 'y', chain_sampler::typ_p }, { "top_p", 'p', chain_sampler::top_p },
+    { "min_p", 'm', chain_sampler::min_p }, { "xtc", 'x', chain_sampler::xtc },
+    { "temperature", 't', chain_sampler::temperature },
+    // llama.cpp's other spellings (common_sampler_types_from_names' alternative names)
+    { "top-k", 0, chain_sampler::top_k }, { "top-p", 0, chain_sampler::top_p }, { "nucleus", 0, chain_sampler::top_p },
+    { "typical-p", 0, chain_sampler::typ_p }, { "typical", 0, chain_sampler::typ_p },
+    { "typ-p", 0, chain_sampler::typ_p }, { "typical_p", 0, chain_sampler::typ_p },
+    { "top-n-sigma", 0, chain_sampler::top_n_sigma }, { "min-p", 0, chain_sampler::min_p },
+    { "temp", 0, chain_sampler::temperature },
+};
+
+const char k_default_order[] = "edskypmxt"; // llama-server's default (common.h, common_params_sampling)
+
+bool sampler_by_name(const std::string & name, chain_sampler & which) {
+    for (const auto & s : k_sampler_names) {
+        if (name == s.name) {
+            which = s.which;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool sampler_by_letter(char c, chain_sampler & which) {
+    for (const auto & s : k_sampler_names) {
+        if (s.letter == c) {
+            which = s.which;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool has(const std::vector<chain_sampler> & order, chain_sampler s) {
+    return std::find(order.begin(), order.end(), s) != order.end();
+}
+
+} // namespace
+
+bool parse_samplers(const char * samplers, std::vector<chain_sampler> & order, std::string & msg) {
+    order.clear();
+    const std::string text = samplers && samplers[0] ? samplers : k_default_order;
+    chain_sampler     which{};
+    if (text.find_first_of(";,") == std::string::npos && !sampler_by_name(text, which)) {
+        for (char c : text) { // llama-cli's letters
+            if (!sampler_by_letter(c, which)) {
+                msg = std::string("samplers: unknown sampler letter '") + c + "' (known: " + k_default_order + ")";
+                return false;
+            }
+            order.push_back(which);
+        }
+        return true;
+    }
+    size_t from = 0;
+    while (from <= text.size()) {
+        const size_t      to   = std::min(text.find_first_of(";,", from), text.size());
+        const std::string name = text.substr(from, to - from);
+        if (!name.empty()) {
+            if (!sampler_by_name(name, which)) {
+                msg = "samplers: unknown sampler '" + name +
+                      "' (known: penalties, dry, top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature)";
+                return false;
+            }
+            order.push_back(which);
+        }
+        from = to + 1;
+    }
+    return true;
+}
+
+static bool penalties_on(const clover_generate_params & gp) {
+    return gp.repeat_last_n != 0 &&
+           (gp.repeat_penalty != 1.0 || gp.frequency_penalty != 0.0 || gp.presence_penalty != 0.0);
+}
+
+static bool dry_on(const clover_generate_params & gp) {
+    return gp.dry_multiplier > 0.0 && gp.dry_penalty_last_n != 0;
+}
+
+static bool xtc_on(const clover_generate_params & gp) {
+    return gp.xtc_probability > 0.0 && gp.xtc_threshold <= 0.5;
+}
+
+bool sampler_chain::active(const clover_generate_params & gp) {
+    const bool modifies = penalties_on(gp) || dry_on(gp) || gp.n_logit_bias > 0;
+    if (gp.temperature == 0.0) { // greedy: top_k, top_p, min_p, top_n_sigma keep the argmax, Mirostat is greedy
+        return modifies || gp.typical_p < 1.0 || xtc_on(gp);
+    }
+    return modifies || gp.min_p > 0.0 || gp.typical_p < 1.0 || gp.top_n_sigma > 0.0 || xtc_on(gp) ||
+           gp.mirostat != 0 || (gp.samplers && gp.samplers[0]);
+}
+
+bool sampler_chain::forces_ar(const clover_generate_params & gp) {
+    return gp.mirostat != 0 && gp.temperature > 0.0;
+}
+
+sampler_chain::~sampler_chain() {
+    for (llama_sampler * s : { modifiers, step, filters }) {
+        if (s) {
+            llama_sampler_free(s);
+        }
+    }
+}
+
+int sampler_chain::init(const clover_model * m, const clover_generate_params & gp, int32_t n_ctx,
+                        std::string & msg) {
+    if (!active(gp)) {
+        return CLOVER_OK;
+    }
+    model = m;
+    std::vector<chain_sampler> order;
+    if (!parse_samplers(gp.samplers, order, msg)) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    std::vector<llama_logit_bias> bias;
+    for (int32_t i = 0; i < gp.n_logit_bias; ++i) {
+        if (gp.logit_bias_tokens[i] >= m->n_vocab) {
+            msg = "logit_bias: token " + std::to_string(gp.logit_bias_tokens[i]) + " is past the vocabulary (" +
+                  std::to_string(m->n_vocab) + " tokens)";
+            return CLOVER_ERR_INVALID_ARG;
+        }
+        bias.push_back({ gp.logit_bias_tokens[i], gp.logit_bias[i] });
+    }
+    const llama_sampler_chain_params cp = llama_sampler_chain_default_params();
+    modifiers                           = llama_sampler_chain_init(cp);
+    filters                             = llama_sampler_chain_init(cp);
+    auto add = [](llama_sampler * chain, llama_sampler * s) {
+        if (!s) {
+            throw std::runtime_error("llama.cpp refused a sampler's parameters");
+        }
+        llama_sampler_chain_add(chain, s);
+    };
+    if (!bias.empty()) { // (first, as llama-server puts it)
+        add(modifiers, llama_sampler_init_logit_bias(m->n_vocab, (int32_t) bias.size(), bias.data()));
+    }
+    const uint32_t seed   = (uint32_t) (gp.seed ^ (gp.seed >> 32)); // (llama.cpp's samplers take 32 bits)
+    const float    T      = (float) gp.temperature;
+    const bool     greedy = gp.temperature == 0.0;
+    for (chain_sampler s : order) {
+        if (s == chain_sampler::penalties && penalties_on(gp)) {
+            add(modifiers, llama_sampler_init_penalties(m->n_vocab, gp.repeat_last_n == -1 ? n_ctx : gp.repeat_last_n,
+                                                        (float) gp.repeat_penalty, (float) gp.frequency_penalty,
+                                                        (float) gp.presence_penalty));
+        } else if (s == chain_sampler::dry && dry_on(gp)) {
+            std::vector<const char *> breakers = { "\n", ":", "\"", "*" }; // (common.h's default)
+            if (gp.n_dry_sequence_breakers > 0) {
+                breakers.assign(gp.dry_sequence_breakers, gp.dry_sequence_breakers + gp.n_dry_sequence_breakers);
+            }
+            add(modifiers, llama_sampler_init_dry(m->vocab, (float) gp.dry_multiplier, (float) gp.dry_base,
+                                                  gp.dry_allowed_length,
+                                                  gp.dry_penalty_last_n == -1 ? n_ctx : gp.dry_penalty_last_n,
+                                                  breakers.data(), breakers.size()));
+        }
+    }
+    if (gp.mirostat != 0 && !greedy) { // (llama-server: temperature then Mirostat, in place of the rest)
+        mirostat = true;
+        add(filters, llama_sampler_init_temp(T));
+        add(filters, gp.mirostat == 1 ? llama_sampler_init_mirostat(m->n_vocab, seed, (float) gp.mirostat_tau,
+                                                                    (float) gp.mirostat_eta, 100)
+                                      : llama_sampler_init_mirostat_v2(seed, (float) gp.mirostat_tau,
+                                                                       (float) gp.mirostat_eta));
+        return CLOVER_OK;
+    }
+    for (chain_sampler s : order) {
+        switch (s) {
+            case chain_sampler::top_n_sigma:
+                if (!greedy && gp.top_n_sigma > 0.0) {
+                    add(filters, llama_sampler_init_top_n_sigma((float) gp.top_n_sigma));
+                }
+                break;
+            case chain_sampler::top_k:
+                if (!greedy && gp.top_k > 0) {
+                    add(filters, llama_sampler_init_top_k(gp.top_k));
+                }
+                break;
+            case chain_sampler::typ_p:
+                if (gp.typical_p < 1.0) {
+                    add(filters, llama_sampler_init_typical((float) gp.typical_p, 0));
+                }
+                break;
+            case chain_sampler::top_p:
+                if (!greedy && gp.top_p < 1.0) {
+                    add(filters, llama_sampler_init_top_p((float) gp.top_p, 0));
+                }
+                break;
+            case chain_sampler::min_p:
+                if (!greedy && gp.min_p > 0.0) {
+                    add(filters, llama_sampler_init_min_p((float) gp.min_p, 0));
+                }
+                break;
+            case chain_sampler::xtc:
+                if (xtc_on(gp)) {
+                    add(filters, llama_sampler_init_xtc((float) gp.xtc_probability, (float) gp.xtc_threshold, 0,
+                                                        seed));
+                }
+                break;
+            case chain_sampler::temperature:
+                if (!greedy) {
+                    add(filters, llama_sampler_init_temp(T));
+                }
+                break;
+            case chain_sampler::penalties:
+            case chain_sampler::dry:
+                break; // (modifiers)
+        }
+    }
+    return CLOVER_OK;
+}
+
+void sampler_chain::accept(int32_t tok) {
+    if (modifiers) {
+        llama_sampler_accept(modifiers, tok);
+    }
+}
+
+void sampler_chain::begin_step(const std::vector<int32_t> & canvas_tok) {
+    if (step) {
+        llama_sampler_free(step);
+        step = nullptr;
+    }
+    if (!modifiers || std::none_of(canvas_tok.begin(), canvas_tok.end(), [](int32_t t) { return t >= 0; })) {
+        return;
+    }
+    step = llama_sampler_clone(modifiers);
+    for (int32_t t : canvas_tok) { // the unmasked tokens in position order (a masked one is skipped)
+        if (t >= 0) {
+            llama_sampler_accept(step, t);
+        }
+    }
+}
+
+// row (n_vocab logits) through sampler s: the survivors keep their new logits, the rest are -inf
+void sampler_chain::run(llama_sampler * s, std::vector<float> & row) {
+    const int32_t V = model->n_vocab;
+    cur.resize(V);
+    for (int32_t i = 0; i < V; ++i) {
+        cur[i] = llama_token_data{ i, row[i], 0.0f };
+    }
+    llama_token_data_array arr{ cur.data(), (size_t) V, -1, false };
+    llama_sampler_apply(s, &arr);
+    std::fill(row.begin(), row.end(), -std::numeric_limits<float>::infinity());
+    for (size_t j = 0; j < arr.size; ++j) {
+        row[arr.data[j].id] = arr.data[j].logit;
+    }
+}
+
+void sampler_chain::choose(const float * row, bool in_step, const clover_generate_params & gp,
+                           std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
+    const int32_t V    = model->n_vocab;
+    const int32_t mask = model->mask;
+    const float   NEG  = -std::numeric_limits<float>::infinity();
+    proc.resize(V);
+    for (int32_t i = 0; i < V; ++i) { // (the mask token and NaN never win, as in pick_candidate)
+        proc[i] = i == mask || row[i] != row[i] ? NEG : row[i];
+    }
+    run(in_step && step ? step : modifiers, proc);
+    if (mirostat) { // llama.cpp's Mirostat draws the token (and moves its target) itself
+        for (int32_t i = 0; i < V; ++i) {
+            cur[i] = llama_token_data{ i, proc[i], 0.0f };
+        }
+        llama_token_data_array arr{ cur.data(), (size_t) V, -1, false };
+        llama_sampler_apply(filters, &arr);
+        w.p.assign(V, 0.0);
+        for (size_t j = 0; j < arr.size; ++j) {
+            w.p[arr.data[j].id] = arr.data[j].p;
+        }
+        tok  = arr.selected >= 0 ? arr.data[arr.selected].id : greedy_candidate(proc.data(), V, mask);
+        conf = w.p[tok];
+        return;
+    }
+    if (llama_sampler_chain_n(filters) > 0) {
+        run(filters, proc);
+    }
+    // temperature, top-k and top-p are the chain's: what is left is the distribution (T = 1), in double
+    pick_candidate(proc.data(), V, mask, gp.temperature == 0.0 ? 0.0 : 1.0, 0, 1.0, rng, w, tok, conf);
+}
+
 } // namespace clover_detail
 
 using clover_impl::check_params;

@@ -27,7 +27,7 @@ struct decode_run {
     int32_t                        B;
     std::string                    msg;
     clover_detail::gen_extras &    ex; // grammar and log-probabilities (clover-sampling.cpp)
-    // greedy without a grammar: a row whose confidence nothing reads needs its argmax only
+    // greedy without a grammar or sampler chain: a row whose confidence nothing reads needs its argmax only
     const bool                     greedy_plain;
 
     std::mt19937_64          rng;
@@ -61,7 +61,8 @@ struct decode_run {
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b,
                clover_detail::gen_extras & e)
         : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), ex(e),
-          greedy_plain(p.temperature == 0.0 && !(p.grammar && p.grammar[0])), rng(p.seed) {}
+          greedy_plain(p.temperature == 0.0 && !(p.grammar && p.grammar[0]) && !clover_detail::sampler_chain::active(p)),
+          rng(p.seed) {}
 
     // commit the prompt past the reused prefix (L_last: its last token's logits)
     int prefill(int32_t reuse) {
@@ -507,7 +508,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             rc = check_block_diffusion(ctx->model, B, msg);
         }
         if (rc == CLOVER_OK) {
-            rc = ex.init(ctx->model, gp, msg);
+            rc = ex.init(ctx, gp, prompt, n_prompt, msg);
         }
         if (rc != CLOVER_OK || gp.max_tokens <= 0) {
             return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);

@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 4
+#define CLOVER_API_VERSION 5
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -364,6 +364,39 @@ typedef struct clover_generate_params {
      * NULL when it is 0; read during the call only. Default none. */
     const int32_t * stop_tokens;
     int32_t         n_stop_tokens;
+    /* llama.cpp's sampler chain (spec/decoding.md, "Sampler chain"): llama-server's samplers, names
+     * and defaults; every one off by default. When any is on (or `samplers` is given) a position's
+     * row goes through llama.cpp's llama_sampler_init_* samplers: logit_bias first, then the
+     * `samplers` order (default llama-server's "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;
+     * xtc;temperature", temperature last as there); else temperature, top_k, top_p as above. */
+    double  min_p;              /* [0, 1]; 0 = off */
+    double  typical_p;          /* (0, 1]; 1 = off */
+    double  top_n_sigma;        /* <= 0 = off (default -1) */
+    double  xtc_probability;    /* [0, 1]; 0 = off */
+    double  xtc_threshold;      /* [0, 1]; default 0.1; > 0.5 = off */
+    int32_t repeat_last_n;      /* tokens (prompt included) the penalties look back over; 0 = off, -1 = n_ctx; default 64 */
+    double  repeat_penalty;     /* > 0; 1 = off */
+    double  frequency_penalty;  /* [-2, 2]; 0 = off */
+    double  presence_penalty;   /* [-2, 2]; 0 = off */
+    double  dry_multiplier;     /* >= 0; 0 = off */
+    double  dry_base;           /* >= 1; default 1.75 */
+    int32_t dry_allowed_length; /* >= 0; default 2 */
+    int32_t dry_penalty_last_n; /* 0 = off, -1 = n_ctx; default -1 (llama-server's) */
+    /* DRY's sequence breakers; NULL with n = 0: llama.cpp's default "\n", ":", "\"", "*" */
+    const char * const * dry_sequence_breakers;
+    int32_t              n_dry_sequence_breakers;
+    int32_t mirostat;           /* 0 = off, 1 = Mirostat, 2 = Mirostat 2.0 (replaces the chain but
+                                   logit_bias and the penalties; decodes at block size 1; greedy at temperature 0) */
+    double  mirostat_tau;       /* > 0; default 5 */
+    double  mirostat_eta;       /* > 0; default 0.1 */
+    /* added to a token's logit (-INFINITY bans it), as llama-server's logit_bias; ids in [0, n_vocab) */
+    const int32_t * logit_bias_tokens;
+    const float *   logit_bias;
+    int32_t         n_logit_bias;
+    /* the chain's order: llama-server's names ("top_k;min_p;temperature", ';' or ',' separated) or
+     * llama-cli's letters ("kmt": e penalties, d dry, s top_n_sigma, k top_k, y typ_p, p top_p,
+     * m min_p, x xtc, t temperature); NULL or "" = the default order */
+    const char * samplers;
 } clover_generate_params;
 
 #define CLOVER_MAX_TOP_LOGPROBS 20
@@ -380,7 +413,8 @@ CLOVER_API clover_generate_params clover_generate_default_params(void);
  * a CLOVER_BLOCK_SIZE_* value; threshold in [0, 1]; temperature finite and >= 0; top_p in [0, 1];
  * top_k, max_steps, max_tokens, draft_steps >= 0; draft_self 0, 1 or CLOVER_DRAFT_SELF_AUTO;
  * n_top_logprobs in [0, CLOVER_MAX_TOP_LOGPROBS] with both top buffers when > 0; n_stop_tokens
- * >= 0 with stop_tokens when > 0. CLOVER_OK, or CLOVER_ERR_INVALID_ARG and the first broken rule
+ * >= 0 with stop_tokens when > 0; the sampler chain's ranges (each field's comment), its arrays
+ * given when their count is > 0, `samplers` only known names. CLOVER_OK, or CLOVER_ERR_INVALID_ARG and the first broken rule
  * in err ("threshold must be in [0, 1], got 2": each message starts with the field's name). */
 CLOVER_API int clover_generate_params_check(const clover_generate_params * params, char * err, size_t err_len);
 
