@@ -263,6 +263,40 @@ class LlamaCompat:
         seed = int_arg("seed", seed, -1, LLAMA_DEFAULT_SEED)
         self._llama = replace(self._llama, seed=None if seed in (-1, LLAMA_DEFAULT_SEED) else seed)
 
+    def eval(self, tokens: Sequence[int]) -> None:
+        """llama-cpp-python's ``Llama.eval``: commit ``tokens`` causally after the memory (after
+        :meth:`reset`: from the start); :meth:`sample` then draws the next token."""
+        toks = self._tokens(tokens)
+        if toks:
+            self.commit(toks)
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_eta: float = 0.1,
+               mirostat_tau: float = 5.0, penalize_nl: bool = True, logits_processor: Any = None,
+               grammar: Any = None, idx: int | None = None) -> int:
+        """llama-cpp-python's ``Llama.sample``: the next token after the memory, drawn by its chain
+        of llama.cpp's samplers (:mod:`.llama_sample`; the seed: the constructor's or
+        :meth:`set_seed`'s, random when none) from the last committed position's logits (the mask
+        token excluded); the penalties count the last 64 committed tokens. tfs_z (gone from
+        llama.cpp) and penalize_nl are accepted and have no effect, as in llama-cpp-python;
+        logits_processor, grammar and idx (only the last position's logits are kept) are refused."""
+        from ._lib import import_llama_cpp  # noqa: PLC0415 - optional: llama-cpp-python's Python layer
+        from .llama_sample import SampleArgs, sample_token  # noqa: PLC0415
+
+        for name, value in (("logits_processor", logits_processor), ("grammar", grammar), ("idx", idx)):
+            if value is not None:
+                raise CloverValueError(f"sample: {name} is not supported by Clover; leave it None", param=name)
+        a = SampleArgs(int_arg("top_k", top_k), float(top_p), float(min_p), float(typical_p), float(temp),
+                       float(repeat_penalty), float(frequency_penalty), float(presence_penalty),
+                       int_arg("mirostat_mode", mirostat_mode, 0, 2), float(mirostat_eta), float(mirostat_tau))
+        with self._op():
+            logits, history = self.last_logits(), self.committed_tokens
+        if self.mask_token >= 0:
+            logits[self.mask_token] = -np.inf
+        seed = self._llama.seed
+        return sample_token(import_llama_cpp(), logits, history, a, LLAMA_DEFAULT_SEED if seed is None else seed)
+
     def _embedder(self, where: str) -> Any:
         """llama-cpp-python's ``Llama`` over this GGUF with embeddings on (loaded once, on our
         libllama): llama.cpp's pooling of the causal pass's final hidden states."""

@@ -40,7 +40,7 @@ def _llama_signature(name: str) -> inspect.Signature | None:
 
 @pytest.mark.parametrize("name", ["tokenize", "detokenize", "n_ctx", "n_vocab", "n_embd", "token_eos", "token_bos",
                                   "token_nl", "save_state", "load_state", "create_embedding", "embed",
-                                  "from_pretrained"])
+                                  "from_pretrained", "eval", "sample"])
 def test_parameters_are_llamas(name):
     """Each call takes llama-cpp-python's parameters, in its order, with its defaults."""
     from clover_cpp import Clover
@@ -211,3 +211,24 @@ def test_from_pretrained_reads_the_offline_cache(gguf, tmp_path):
                  "try:\n    Clover.from_pretrained('tiny-org/absent', '*.gguf')\n"
                  "except CloverError as e:\n    print(e)\n", cache)
     assert r.stdout.startswith("from_pretrained: tiny-org/absent is not in the Hugging Face cache")
+
+
+def test_eval_and_sample(llm):
+    """eval(tokens) then sample(): llama-cpp-python's loop; temp=0 is the greedy token of
+    Clover's own B = 1 generation, a seed makes draws repeat."""
+    pytest.importorskip("llama_cpp")
+    prompt = llm.tokenize(b"def fibonacci(n):", add_bos=True, special=True)
+    want = llm.generate(prompt, max_tokens=6, block_size=1, stop_at_eos=False).tokens
+    llm.reset()
+    llm.eval(prompt)
+    got = []
+    for _ in range(6):
+        got.append(llm.sample(temp=0.0))
+        llm.eval(got[-1:])
+    assert got == list(want)
+    llm.set_seed(11)
+    draws = {llm.sample(temp=1.5, top_k=0, top_p=1.0, min_p=0.0) for _ in range(3)}
+    assert len(draws) == 1 and llm.mask_token not in draws
+    with pytest.raises(CloverValueError, match="grammar"):
+        llm.sample(grammar="root ::= \"a\"")
+    llm.set_seed(-1)
