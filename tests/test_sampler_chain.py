@@ -5,6 +5,9 @@ output where it should; draft-self stays B = 1's under the chain; bad values are
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from test_llama_tools import N_CTX, PROMPT, default_gguf, run_logged_tool, tool 
 pytestmark = pytest.mark.needs_libclover
 
 N = 32
+REPO = Path(__file__).resolve().parents[1]
 
 # each llama.cpp penalty at a strength that changes the default model's greedy text
 PENALTIES = [({"repeat_penalty": 1.5}, ["--repeat-penalty", 1.5]),
@@ -109,3 +113,27 @@ def test_bad_values_are_refused_before_loading():
     with pytest.raises(CloverError, match=r"^typical_p must be in \(0, 1\], got 0$") as e:
         Clover.check_generate_args(typical_p=0.0)
     assert e.value.param == "typical_p"
+
+
+CLI_FLAGS = ["--repeat-penalty", "1.5", "--presence-penalty", "0.5", "--samplers", "penalties;top_k;temperature",
+             "-l", "5-inf", "--dry-multiplier", "2", "--dry-sequence-breaker", "\n"]
+
+
+def cli_text(args: list) -> str:
+    res = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@pytest.mark.parametrize("exe", ["clover-cli", "clover run"])
+def test_the_command_lines_take_llama_clis_sampler_flags(model, default_gguf, exe):  # noqa: F811
+    want = model.detokenize(greedy(model, repeat_penalty=1.5, presence_penalty=0.5, logit_bias={5: -math.inf},
+                                   samplers="penalties;top_k;temperature", dry_multiplier=2.0,
+                                   dry_sequence_breakers=["\n"])).decode()
+    cmd = [REPO / "build" / "bin" / "clover-cli"] if exe == "clover-cli" else [sys.executable, "-m", "clover_cpp.cli", "run"]
+    common = ["-m", default_gguf, "-p", PROMPT, "-n", N, "--block-size", 1, "--ignore-eos", "--no-echo", "-c", N_CTX]
+    assert cli_text(cmd + common + CLI_FLAGS).rstrip("\n") == want.rstrip("\n")
+    bad = subprocess.run([str(a) for a in cmd + common + ["--min-p", "2"]], capture_output=True, text=True,
+                         timeout=300, stdin=subprocess.DEVNULL)
+    assert bad.returncode != 0 and "min_p must be in [0, 1], got 2" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

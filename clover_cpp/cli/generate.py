@@ -12,9 +12,9 @@ import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (check_flags, constraint_kwargs, constraint_options, coreset_option, flag_errors, gen_kwargs,
-                      model_option, open_model, runtime_options, sampling_options, until_context_end, use_visual,
-                      visual_option)
+from .options import (chain_options, check_flags, constraint_kwargs, constraint_options, coreset_option, flag_errors,
+                      gen_kwargs, model_option, open_model, runtime_options, sampling_options, until_context_end,
+                      use_visual, visual_option)
 
 CHAT_SEPARATOR = "----"
 
@@ -72,19 +72,21 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
               help="llama-cli's name for --no-echo.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
 @constraint_options
+@chain_options
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int,
         n_gpu_layers: int, flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
         verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
         grammar: str | None = None, grammar_file: str | None = None, json_schema: str | None = None,
-        json_schema_file: str | None = None, json_object: bool = False) -> None:
+        json_schema_file: str | None = None, json_object: bool = False, chain: dict | None = None) -> None:
     """Generate text from a prompt with block-diffusion decoding (the prompt is echoed first,
     as llama-cli does; --no-echo leaves it out)."""
     text = _read_prompt(prompt, file)
     kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                     reverse_prompt, draft_self, coreset)
     kw.update(constraint_kwargs(grammar, grammar_file, json_schema, json_schema_file, json_object))
+    kw.update(chain)
     check_flags(kw)
     visual = use_visual(visual)
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
@@ -139,6 +141,7 @@ def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, n
 @click.option("--separator", default=CHAT_SEPARATOR, show_default=True, metavar="TEXT",
               help="Line written between replies when stdout is not a terminal ('' = none).")
 @constraint_options
+@chain_options
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str, ignore_eos: bool,
          reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int, n_gpu_layers: int,
@@ -146,7 +149,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
          verbose: bool, visual: bool | None, stats: bool, separator: str, grammar: str | None = None,
          grammar_file: str | None = None, json_schema: str | None = None, json_schema_file: str | None = None,
-         json_object: bool = False) -> None:
+         json_object: bool = False, chain: dict | None = None) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
     /reset to forget the conversation. Earlier turns stay in the context's memory and are
     not read again (prefix reuse). When stdout is not a terminal, a separator line is written
@@ -154,6 +157,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                     reverse_prompt, draft_self, coreset)
     kw.update(constraint_kwargs(grammar, grammar_file, json_schema, json_schema_file, json_object))
+    kw.update(chain)
     check_flags(kw)
     interactive = sys.stdin.isatty()
     visual = use_visual(visual)

@@ -5,6 +5,7 @@ open the model, turn the flags into Clover.generate's arguments, the budget of -
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import sys
@@ -156,13 +157,71 @@ def constraint_kwargs(grammar: str | None, grammar_file: str | None, json_schema
         raise UserError(f"{flag}: {e}") from None
 
 
+# llama.cpp's samplers, llama-cli's flags -> Clover.generate's keywords (each off unless given;
+# spec/decoding.md, "Sampler chain")
+CHAIN_FLAGS = [("min_p", "--min-p", float, "Min-p (0 = off)."), ("typical_p", "--typical", float, "Typical-p (1 = off)."),
+               ("top_n_sigma", "--top-nsigma", float, "Top-n-sigma (<= 0 = off)."),
+               ("xtc_probability", "--xtc-probability", float, "XTC probability (0 = off)."),
+               ("xtc_threshold", "--xtc-threshold", float, "XTC threshold (> 0.5 = off)."),
+               ("repeat_penalty", "--repeat-penalty", float, "Repeat penalty (1 = off)."),
+               ("repeat_last_n", "--repeat-last-n", int, "Tokens the penalties look back over (-1 = n_ctx)."),
+               ("presence_penalty", "--presence-penalty", float, "Presence penalty (0 = off)."),
+               ("frequency_penalty", "--frequency-penalty", float, "Frequency penalty (0 = off)."),
+               ("dry_multiplier", "--dry-multiplier", float, "DRY multiplier (0 = off)."),
+               ("dry_base", "--dry-base", float, "DRY base."),
+               ("dry_allowed_length", "--dry-allowed-length", int, "DRY allowed length."),
+               ("dry_penalty_last_n", "--dry-penalty-last-n", int, "Tokens DRY looks back over (-1 = n_ctx)."),
+               ("mirostat_mode", "--mirostat", int, "Mirostat 1 or 2 (0 = off; decodes at block size 1)."),
+               ("mirostat_eta", "--mirostat-lr", float, "Mirostat learning rate (eta)."),
+               ("mirostat_tau", "--mirostat-ent", float, "Mirostat target entropy (tau)."),
+               ("samplers", "--samplers", str, "The chain's order: llama-server's names, ';'-separated."),
+               ("samplers", "--sampling-seq", str, "The chain's order as llama-cli's letters (edskypmxt).")]
+
+
+def chain_options(f: Any) -> Any:
+    """llama-cli's sampler flags, passed to the command as one dict ``chain`` of the ones given."""
+    keys = {name for name, *_ in CHAIN_FLAGS}
+
+    @functools.wraps(f)
+    def command(*args: Any, **kw: Any) -> Any:
+        chain = {k: kw.pop(k) for k in list(kw) if k in keys or k.startswith("_seq_")}
+        chain = {("samplers" if k.startswith("_seq_") else k): v for k, v in chain.items() if v is not None}
+        breakers, biases = kw.pop("dry_sequence_breaker"), kw.pop("logit_bias")
+        if breakers:
+            chain["dry_sequence_breakers"] = list(breakers)
+        if biases:
+            chain["logit_bias"] = dict(logit_bias_flag(b) for b in biases)
+        return f(*args, chain=chain, **kw)
+
+    options = [click.option(flag, "_seq_" + name if flag == "--sampling-seq" else name, type=t, default=None,
+                            help=text) for name, flag, t, text in CHAIN_FLAGS]
+    options += [click.option("--dry-sequence-breaker", "dry_sequence_breaker", multiple=True, metavar="TEXT",
+                             help="A DRY sequence breaker (repeatable; default llama.cpp's)."),
+                click.option("-l", "--logit-bias", "logit_bias", multiple=True, metavar="TOKEN(+|-)BIAS",
+                             help="Add BIAS to TOKEN's logit (repeatable; -inf bans it), as llama-cli.")]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def logit_bias_flag(text: str) -> tuple[int, float]:
+    """llama-cli's --logit-bias TOKEN(+|-)BIAS ("15043+1", "15043-inf")."""
+    at = min((i for i in (text.find("+", 1), text.find("-", 1)) if i > 0), default=-1)
+    try:
+        return int(text[:at]), float(text[at:])
+    except ValueError:
+        raise UserError(f"--logit-bias: expects TOKEN(+|-)BIAS, got {text!r}") from None
+
+
 # The generating flags' values go to Clover as given: their ranges are libclover's rules (one owner),
 # and a value it refuses is reported under the flag that set it (CloverError.param -> the flag)
 FLAGS = {"max_tokens": "--n-predict", "block_size": "--block-size", "threshold": "--threshold",
          "max_steps": "--step-cap", "temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "draft_self": "--draft-self", "stop": "--reverse-prompt", "n_ctx": "--ctx-size", "n_threads": "--threads",
          "n_gpu_layers": "--n-gpu-layers", "flash_attn": "--flash-attn", "rpc_servers": "--rpc",
-         "tensor_split": "--tensor-split", "override_tensor": "--override-tensor", "coreset": "--coreset"}
+         "tensor_split": "--tensor-split", "override_tensor": "--override-tensor", "coreset": "--coreset",
+         "dry_sequence_breakers": "--dry-sequence-breaker", "logit_bias": "--logit-bias",
+         **{name: flag for name, flag, *_ in CHAIN_FLAGS if flag != "--sampling-seq"}}
 
 
 def refused(e: Any) -> UserError:
