@@ -617,6 +617,10 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         p = GenParams.of_kwargs(a, self._block_size_arg(a["block_size"]))
         toks = self._prompt_tokens(a["prompt"])
         p = replace(p, stop_tokens=self._tokens(a["stop_tokens"] if a["stop_tokens"] is not None else ()))
+        for t in p.chain.logit_bias:  # (the ids need the vocabulary, as stop_tokens')
+            if t >= self.n_vocab():  # (a negative id: libclover's rule, p.check)
+                raise CloverValueError(f"logit_bias: token {t} is past the vocabulary ({self.n_vocab()} tokens)",
+                                       param="logit_bias")
         p.check()  # libclover's ranges, before waiting
         stream = bool_arg("stream", a["stream"])
         on_step, on_block = callable_arg("on_step", a["on_step"]), callable_arg("on_block", a["on_block"])

@@ -395,9 +395,12 @@ def test_llama_cpp_python_runs_a_clover_gguf_as_the_causal_model(gguf, local, tm
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 3.0}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"five": 3.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999999": 3.0}}, "logit_bias"),
+    ({"prompt": "x", "samplers": "top_k;bogus"}, "samplers"),
+    ({"prompt": "x", "mirostat": 3}, "mirostat"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "x", "frobnicate": True}, "frobnicate"),
@@ -433,7 +436,8 @@ def test_every_field_honoured_or_named(server, body, param) -> None:
 
 @pytest.mark.parametrize("field,value", [("threshold", 2), ("threshold", 1e400), ("temperature", -1), ("top_p", 1.5),
                                          ("top_k", -1), ("top_k", 2**40), ("max_steps", -1), ("seed", -2),
-                                         ("max_tokens", -1), ("logprobs", 21)])
+                                         ("max_tokens", -1), ("logprobs", 21), ("min_p", 1.5),
+                                         ("presence_penalty", 3), ("repeat_penalty", 0), ("dry_base", 0.5)])
 def test_ranges_are_the_runtimes(server, local, field, value) -> None:
     """generate's ranges have one owner (libclover's clover_generate_params_check, through the
     runtime): the server's 400 carries the runtime's message word for word, naming the field;
@@ -461,7 +465,7 @@ def test_top_p_zero_is_argmax(server) -> None:
 
 def test_chat_fields_honoured_or_named(server) -> None:
     c = server.client()
-    for kw, param in [(dict(presence_penalty=1.0), "presence_penalty"), (dict(logit_bias={"1": 5}), "logit_bias"),
+    for kw, param in [(dict(presence_penalty=3.0), "presence_penalty"), (dict(logit_bias={"x": 5}), "logit_bias"),
                       (dict(extra_body={"tools_please": 1}), "tools_please"),
                       (dict(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
                       (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),

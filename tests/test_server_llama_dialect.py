@@ -99,12 +99,14 @@ def test_streaming_shape(server) -> None:
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"min_p": 0.05}, "min_p"),
-    ({"repeat_penalty": 1.1}, "repeat_penalty"),
-    ({"mirostat": 2}, "mirostat"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repeat_penalty": 0.0}, "repeat_penalty"),
+    ({"mirostat": 3}, "mirostat"),
+    ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
+    ({"dynatemp_range": 0.5}, "dynatemp_range"),
     ({"n_probs": 3}, "n_probs"),
     ({"id_slot": 1}, "id_slot"),
-    ({"samplers": ["top_k"]}, "samplers"),
+    ({"samplers": ["top_k", "bogus"]}, "samplers"),
     ({"n_predict": -2}, "n_predict"),
     ({"n_predict": 5000}, "n_predict"),
     ({"prompt": ["a", "b"]}, "prompt"),
@@ -114,6 +116,23 @@ def test_a_field_not_honoured_is_named(server, body, param) -> None:
     r = post(server, "/completion", {"prompt": "x", "n_predict": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_sampler_chain_fields_are_honoured(server, tiny_artifacts) -> None:
+    """llama-server's sampler fields run llama.cpp's samplers: the reply is Clover.generate's with them."""
+    from clover_cpp import Clover
+
+    chain = {"repeat_penalty": 1.5, "presence_penalty": 0.5, "repeat_last_n": 32, "logit_bias": [[5, False]],
+             "samplers": ["penalties", "top_k", "temperature"]}
+    r = post(server, "/completion", {"prompt": PROMPT, "n_predict": 16, "return_tokens": True, **GREEDY, **chain})
+    assert r.status_code == 200, r.text
+    plain = post(server, "/completion", {"prompt": PROMPT, "n_predict": 16, "return_tokens": True, **GREEDY}).json()
+    assert r.json()["tokens"] != plain["tokens"] and 5 not in r.json()["tokens"]
+    with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
+        want = m.generate(PROMPT, max_tokens=16, temperature=0, block_size=4, stop_at_eos=False, repeat_penalty=1.5,
+                          presence_penalty=0.5, repeat_last_n=32, logit_bias={5: float("-inf")},
+                          samplers="penalties;top_k;temperature")
+    assert r.json()["tokens"] == want.tokens
 
 
 def test_neutral_values_are_accepted(server) -> None:

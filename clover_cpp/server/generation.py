@@ -196,7 +196,6 @@ class Generator:
     def constraints(self, req: Knobs, tools: ToolPlan | None = None) -> dict[str, Any]:
         """logprobs, response_format and grammar as Clover.generate takes them (a constrained
         request decodes autoregressively or with draft-self: stats.grammar_mode)."""
-        req.check_neutral()
         rf = req.structured_output()
         if rf is not None and req.grammar:
             other = "json_schema" if req.json_schema is not None else "response_format"
@@ -237,7 +236,7 @@ class Generator:
         given = {k: v for k in ("threshold", "max_steps", "top_k", "top_p", "coreset") if (v := getattr(req, k)) is not None}
         return dict(max_tokens=max_tokens, block_size=B, temperature=req.temperature, seed=req.seed,
                     stop=req.stops(self.limits), stop_at_eos=not req.ignore_eos, draft_self=req.draft_self,
-                    **given, **self.constraints(req, tools))
+                    **given, **req.chain(), **self.constraints(req, tools))
 
     async def wait_disconnect(self, request: Request, cancel: threading.Event) -> None:
         """Sets ``cancel`` when the client goes away (the body has been read: the next ASGI

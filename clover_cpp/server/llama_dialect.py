@@ -27,10 +27,7 @@ __all__ = ["LlamaCompletion", "LlamaReply", "slots", "uncached", "without_done"]
 #: llama-server's fields with no sampler (or feature) behind them here: accepted only at these
 #: values, which change nothing (the samplers' "disabled", the features' "off")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "min_p": (0.0,), "typical_p": (1.0,), "top_n_sigma": (-1.0,), "dynatemp_range": (0.0,),
-    "repeat_penalty": (1.0,), "repeat_last_n": (0, 64), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
-    "dry_multiplier": (0.0,), "xtc_probability": (0.0,), "mirostat": (0,), "logit_bias": ([], {}),
-    "n_probs": (0,), "post_sampling_probs": (False,), "n_indent": (0,), "n_keep": (0,),
+    "dynatemp_range": (0.0,), "min_keep": (0,), "n_probs": (0,), "post_sampling_probs": (False,), "n_indent": (0,), "n_keep": (0,),
     "t_max_predict_ms": (0,), "id_slot": (-1,), "n_cmpl": (1,), "timings_per_token": (False,),
     "return_progress": (False,), "lora": ([],),
 }
@@ -63,6 +60,26 @@ class LlamaCompletion(BaseModel):
     threshold: float | None = None
     max_steps: int | None = None
     draft_self: Union[bool, Literal["auto"]] = False
+    # llama.cpp's sampler chain (None: off), as Knobs
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = Field(default=None, max_length=64)
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    samplers: Union[list[str], str, None] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -92,7 +109,8 @@ class LlamaCompletion(BaseModel):
             prompt=self.prompt, max_tokens=None if self.n_predict == -1 else self.n_predict,
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=self.stop,
             grammar=self.grammar, json_schema=self.json_schema, stream=self.stream, ignore_eos=self.ignore_eos,
-            block_size=self.block_size, threshold=self.threshold, max_steps=self.max_steps, draft_self=self.draft_self)
+            block_size=self.block_size, threshold=self.threshold, max_steps=self.max_steps, draft_self=self.draft_self,
+            **{f: getattr(self, f) for f in CompletionRequest.CHAIN_FIELDS + ("mirostat", "logit_bias")})
 
     def settings(self, n_ctx: int, model: str) -> dict[str, Any]:
         """The reply's ``generation_settings``: the fields as given, with n_ctx and the model."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -212,10 +212,28 @@ class Knobs(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)  # an end-user id (OpenAI's): not used for output
-    # OpenAI's penalties and biases: only their neutral values (there is no penalty sampler)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's penalties and biases and llama-server's samplers: llama.cpp's sampler chain
+    # (spec/decoding.md, "Sampler chain"; None: Clover.generate's default, off; the ranges are libclover's)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # {token id: bias} (OpenAI's), or llama-server's [[token id, bias], ...]; a bias of false bans the token
+    logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
+    min_p: float | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = Field(default=None, max_length=64)
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    samplers: Union[list[str], str, None] = None  # the chain's order: llama-server's names or letters
     # structured output: a JSON object / schema (OpenAI's) or a GBNF grammar (llama-server's)
     response_format: ResponseFormat | None = None
     grammar: str | None = Field(default=None, max_length=1 << 20)
@@ -246,13 +264,31 @@ class Knobs(BaseModel):
             raise APIError(400, "stop: an empty string never matches", param="stop")
         return s
 
-    def check_neutral(self) -> None:
-        """The OpenAI fields with no sampler behind them: refused unless neutral."""
-        for f in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, f):
-                raise unsupported(f, "there is no penalty sampler (send 0 or leave it out)")
+    CHAIN_FIELDS: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "min_p", "typical_p", "top_n_sigma", "repeat_penalty",
+                    "repeat_last_n", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+                    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
+                    "mirostat_eta", "samplers")
+
+    def chain(self) -> dict[str, Any]:
+        """The sampler chain's fields given, as Clover.generate's keywords."""
+        kw = {f: v for f in self.CHAIN_FIELDS if (v := getattr(self, f)) is not None}
+        if self.mirostat is not None:
+            kw["mirostat_mode"] = self.mirostat
         if self.logit_bias:
-            raise unsupported("logit_bias", "there is no logit bias (send {} or leave it out)")
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            bias: dict[int, float] = {}
+            for pair in pairs:
+                if not isinstance(self.logit_bias, dict) and (len(pair) != 2 or type(pair[0]) is not int):
+                    raise APIError(400, f"logit_bias: {json.dumps(pair)[:40]} is not [token id, bias]",
+                                   param="logit_bias")
+                tok, b = pair
+                if isinstance(tok, str) and not tok.strip().isdigit():
+                    raise APIError(400, f"logit_bias: {tok!r} is not a token id", param="logit_bias")
+                if b is True:
+                    raise APIError(400, "logit_bias: a bias is a number, or false to ban the token", param="logit_bias")
+                bias[int(tok)] = float("-inf") if b is False else float(b)
+            kw["logit_bias"] = bias
+        return kw
 
     def n_logprobs(self) -> int | None:
         """generate()'s logprobs: None = off, N = each token's and the N most probable."""
@@ -271,7 +307,7 @@ class Knobs(BaseModel):
         """The request's field for a keyword of Clover.generate (CloverError.param)."""
         if param == "max_tokens":
             return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        return {"stop_at_eos": "ignore_eos"}.get(param, param)
+        return {"stop_at_eos": "ignore_eos", "mirostat_mode": "mirostat"}.get(param, param)
 
 
 class TextPart(BaseModel):
