@@ -138,7 +138,8 @@ def main() -> int:
     ref = CloverReference.from_pretrained(ckpt)
     report["default"] = counts("default model (trained)", ref, tokens, sweep, a.bytes_type)
     if not a.no_small:
-        from clover_testkit.checkpoints import train_fixture_tokenizer, write_checkpoint
+        from clover_testkit.checkpoints import write_checkpoint
+        from clover_testkit.presets import train_fixture_tokenizer
 
         with tempfile.TemporaryDirectory() as d:
             write_checkpoint(Path(d), preset="small", dtype="f32")

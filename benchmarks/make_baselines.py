@@ -160,7 +160,7 @@ def qwen35moe_from_clover(src: Path, out: Path) -> int:
 def llada_moe_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
     import gguf
     from gguf import quants
-    from clover_testkit.checkpoints import preset_config
+    from clover_testkit.presets import preset_config
 
     out = cache / f"llada-moe-{PRESET}-{outtype}.gguf"
     if not force and out.is_file():

@@ -252,7 +252,7 @@ def measured_run_all(path: Path) -> tuple[dict[int, float], dict[int, float]]:
 
 
 def check(threads: int, results: Path, tol: float) -> int:
-    from clover_testkit.checkpoints import PRESETS
+    from clover_testkit.presets import PRESETS
 
     cfg = dict(PRESETS["small"], vocab_size=1280)
     d, q = Dims.of(cfg), QUANTS["f16"]
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     devices = [Device(**{**dev.__dict__, "overhead_ms_per_layer": next((v for k, v in over.items() if dev.name.startswith(k)),
                                                                         dev.overhead_ms_per_layer)}) for dev in DEVICES]
-    from clover_testkit.checkpoints import PRESETS
+    from clover_testkit.presets import PRESETS
 
     d = Dims.of(PRESETS["35b-a3b"])
     print("35B-A3B (40 layers: 30 gated-delta-net + 10 attention; 256 experts top-8 of width 512 + a shared one)")

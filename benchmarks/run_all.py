@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     types = [x for x in (a.types or ("f16" if a.quick else "f16,q8_0")).split(",") if x]
 
     t_start = time.perf_counter()
-    from clover_testkit.checkpoints import count_params, preset_config
+    from clover_testkit.presets import count_params, preset_config
     cfg = preset_config("small")
     log("models")
     models = make_baselines.ensure_models(a.cache, types)

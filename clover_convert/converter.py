@@ -31,12 +31,12 @@ from .plan import (
     NO_MASK_WARNING,
     OUTTYPES,
     ConversionPlan,
-    TensorPlan,
     parse_size,
     plan_conversion,
 )
 from .safetensors_io import CheckpointError, CheckpointReader
 from .source import HUB_PATTERNS
+from .tensors import TensorPlan
 
 __all__ = [
     "convert",

@@ -26,7 +26,7 @@ from .mapping import apply_fn
 from .safetensors_io import CheckpointReader, f32_to_bf16
 
 if TYPE_CHECKING:
-    from .plan import Piece, TensorPlan
+    from .tensors import Piece, TensorPlan
 
 __all__ = ["Filler", "ChunkResult", "CHUNK_ELEMS", "RELEASE_BYTES", "F16_OVERFLOW"]
 

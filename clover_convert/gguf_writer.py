@@ -21,7 +21,7 @@ from .config import ARCH, CloverConfig
 from .tokenizer import TokenizerInfo, add_tokenizer
 
 if TYPE_CHECKING:
-    from .plan import TensorPlan
+    from .tensors import TensorPlan
 
 __all__ = ["ShardWriter", "Placement", "WriteBack", "build_writer", "add_identity", "add_metadata",
            "WRITEBACK_BYTES"]

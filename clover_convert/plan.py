@@ -26,9 +26,10 @@ from .gguf_writer import ShardWriter, build_writer
 from .mapping import Rule, perm_index, rule_applies
 from .safetensors_io import require_inside
 from .source import Inventory, Source, check_regular_inputs, open_inventory, resolve_source
+from .tensors import Piece, TensorPlan
 from .tokenizer import TokenizerInfo, load_tokenizer
 
-__all__ = ["OUTTYPES", "SUPPORTED_SRC_DTYPES", "NO_MASK_WARNING", "Piece", "TensorPlan", "ConversionPlan",
+__all__ = ["OUTTYPES", "SUPPORTED_SRC_DTYPES", "NO_MASK_WARNING", "ConversionPlan",
            "parse_size", "tensor_nbytes", "out_path", "plan_conversion"]
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "auto")
@@ -78,34 +79,6 @@ def _first_of(problems: list[str]) -> str:
 
 # ---------------------------------------------------------------------------
 # the plan
-
-
-@dataclass
-class Piece:
-    """One source slab of an output tensor: the tensor hf, or in a fused expert tensor, the rows
-    row0.. (as many as the output piece has) of expert ``expert``."""
-
-    hf: str
-    expert: int | None = None
-    row0: int = 0
-
-
-@dataclass
-class TensorPlan:
-    name: str
-    shape: tuple[int, ...]        # numpy order, final
-    qtype: QT
-    nbytes: int
-    pieces: list[Piece]           # one per expert when stacked
-    stacked: bool
-    rule: Rule
-    src_dtype: str
-    row_perm: np.ndarray | None = field(default=None, repr=False)
-    col_perm: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def n_params(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass

@@ -38,8 +38,9 @@ from clover_gguf.reader import GGUFInfoError, check_clover_gguf
 
 from .config import ConversionError
 from .filler import Filler
-from .plan import ConversionPlan, TensorPlan, out_path, plan_conversion
+from .plan import ConversionPlan, out_path, plan_conversion
 from .safetensors_io import CheckpointReader
+from .tensors import TensorPlan
 
 __all__ = ["convert_quantized", "QUANT_OUTTYPES", "is_quant_outtype"]
 

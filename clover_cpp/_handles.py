@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,8 +21,6 @@ from . import _native as N
 from ._args import INT32_MAX, MAX_THREADS, bool_arg, float_arg, int32_arg, int_arg, tristate_arg
 from .errors import CloverError, CloverTypeError, CloverValueError, check, lib
 
-if TYPE_CHECKING:
-    from .decoding import GenerationStream
 
 #: the Python spelling of "B chosen per block" (clover.h: CLOVER_BLOCK_SIZE_AUTO); None means it too
 BLOCK_SIZE_AUTO = "auto"
@@ -204,6 +202,13 @@ def new_context(model: int, a: ContextArgs) -> int:
     return int(c)
 
 
+class Decoding(Protocol):
+    """What a Gate hands its hold to: a generation decoding on its own thread
+    (decoding.GenerationStream), cancelled by its event."""
+
+    _cancel: threading.Event
+
+
 @dataclass(eq=False)
 class Gate:
     """Serialises the calls on one Clover object's context (see the Clover class doc).
@@ -240,12 +245,12 @@ class Gate:
                 self.holder, self.depth, self.cancel = None, 0, None
                 self.cond.notify_all()
 
-    def hand_to(self, stream: "GenerationStream") -> None:
+    def hand_to(self, stream: Decoding) -> None:
         """The calling thread's hold passes to a stream (released when its decoding ends)."""
         with self.cond:
             self.holder, self.depth, self.cancel = stream, 1, stream._cancel
 
-    def release(self, stream: "GenerationStream") -> None:
+    def release(self, stream: Decoding) -> None:
         with self.cond:
             if self.holder is stream:
                 self.holder, self.depth, self.cancel = None, 0, None

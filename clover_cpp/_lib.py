@@ -126,9 +126,9 @@ def import_llama_cpp() -> ModuleType:
             from . import _native
 
             _native.lib().clover_model_default_params()
-            from .model import _current_verbosity
+            from .errors import current_verbosity
 
-            _native.lib().clover_set_verbosity(_current_verbosity())
+            _native.lib().clover_set_verbosity(current_verbosity())
             saved = get_log_callback()
         except Exception:  # noqa: BLE001 - libclover is optional for llama_cpp users
             saved = None

@@ -19,8 +19,8 @@ API::
 
 The module is cut by job: the numeric primitives (reference_math), the forward model
 (here: config, memory, commit, block pass, causal logits, perplexity) and the decoding
-loop (reference_decode: generate, its result, the candidate rule); every name stays
-importable from here.
+loop (reference_decode: generate, its result, the candidate rule ``candidates``); generate,
+its result and ubatch_tokens are importable from here too.
 
 Project decisions (beyond the spec):
 
@@ -85,7 +85,7 @@ from typing import Sequence
 import numpy as np
 
 from clover_convert import mapping
-from clover_testkit.reference_decode import GenerateResult, _candidates, generate, ubatch_tokens  # noqa: F401
+from clover_testkit.reference_decode import GenerateResult, generate, ubatch_tokens  # noqa: F401
 from clover_testkit.reference_math import (QK_NORM_EPS, bidirectional_conv, block_tau, l2_norm,  # noqa: F401
                                            rms_norm_1p, rope_neox, sigmoid, silu, softmax, softplus)
 

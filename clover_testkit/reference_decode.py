@@ -47,14 +47,21 @@ Decoding (``generate``, spec "Decoding"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from clover_testkit.reference_math import softmax
 
-if TYPE_CHECKING:
-    from clover_testkit.reference import CloverReference
+class CloverReference(Protocol):
+    """What the loop asks of the model (clover_testkit.reference.CloverReference, which imports
+    this module): its config, a fresh memory, causal commits and block passes."""
+
+    cfg: Any
+
+    def new_memory(self) -> Any: ...
+    def commit(self, mem: Any, tokens: Sequence[int]) -> np.ndarray: ...
+    def block_pass(self, mem: Any, tokens: Sequence[int], block_size: int, **kw: Any) -> np.ndarray: ...
 
 
 @dataclass
@@ -67,7 +74,7 @@ class GenerateResult:
     finish_reason: str = ""   # "eos", "max_tokens" or "cancelled"
 
 
-def _candidates(logits: np.ndarray, mask_id: int | None, temperature: float, top_k: int,
+def candidates(logits: np.ndarray, mask_id: int | None, temperature: float, top_k: int,
                 top_p: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Per row of logits [m, V]: candidate token and its confidence."""
     l = logits.astype(np.float64).copy()
@@ -148,7 +155,7 @@ def generate(model: CloverReference, prompt_tokens: Sequence[int], *, max_tokens
                                    else model.block_pass(mem, canvas, B))
                     n_steps += 1
                 rows = np.stack([L_last if i == 0 else pass_logits[i - 1] for i in masked])
-                cand, conf = _candidates(rows, mask, temperature, top_k, top_p, rng)
+                cand, conf = candidates(rows, mask, temperature, top_k, top_p, rng)
                 if np.any(cand == mask):             # would never terminate
                     raise RuntimeError("the mask token was chosen as a candidate")
                 ranked = sorted(range(len(masked)), key=lambda j: (-conf[j], masked[j]))

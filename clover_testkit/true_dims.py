@@ -1,15 +1,15 @@
 """The 35B-A3B shape, sliced: every real width, 4 layers, the real vocabulary (issue 26 part 4).
 
-Preset ``35b-a3b-slice`` (registered in :mod:`clover_testkit.checkpoints`): the config of preset
-``35b-a3b`` (the dimensions of /work/shared/clover-architecture.md: hidden 2048, 256 experts top-8
-+ 1 shared of width 512, attention 16 heads / 2 KV heads of head_dim 256, GDN 16 key / 32 value
-heads of 128, vocabulary 248,320) with ``num_hidden_layers = 4``: three GDN layers and one full
+Preset ``35b-a3b-slice`` (registered in :mod:`clover_testkit.presets`, written by
+:mod:`clover_testkit.checkpoints`): the config of preset ``35b-a3b`` (the dimensions of
+/work/shared/clover-architecture.md: hidden 2048, 256 experts top-8 + 1 shared of width 512,
+attention 16 heads / 2 KV heads of head_dim 256, GDN 16 key / 32 value heads of 128, vocabulary 248,320) with ``num_hidden_layers = 4``: three GDN layers and one full
 attention layer, one period of the real layer pattern (``full_attention_interval`` 4), so the
 40-layer model is ten of these slices plus the same embedding and head.
 
 ``write_true_dims(folder)`` writes it as a bf16 Hugging Face checkpoint of about 8.7 GB
 (4.35 B parameters: 256 experts x 3 x 2048 x 512 per layer, and two 248,320 x 2048 matrices)
-tensor by tensor: the weights are ``clover_testkit.checkpoints``' (the same per-tensor draws and
+tensor by tensor: the weights are ``clover_testkit.presets``' (the same per-tensor draws and
 scales, so a value does not depend on the file layout) and the two vocabulary matrices are drawn
 in row chunks from the same generator stream, so memory stays at one expert matrix or one chunk
 (about 64 MB) whatever the size. Experts are written per expert (the Hugging Face layout).
@@ -41,6 +41,8 @@ from tokenizers import Tokenizer
 from clover_convert.safetensors_io import INDEX_NAME, SINGLE_NAME, f32_to_bf16
 
 from . import bpe
+from .presets import (init_weight, preset_config, split_shards, tensor_plan, train_fixture_tokenizer, weight_rng,
+                      write_json)
 
 __all__ = ["PRESET", "SLICE_LAYERS", "REAL_DIMS", "slice_config", "slice_tokenizer", "write_true_dims",
            "tensor_bytes"]
@@ -77,8 +79,6 @@ def _synthetic_tokens() -> Iterator[str]:
 
 @lru_cache(maxsize=2)
 def _slice_tokenizer_json(vocab_size: int) -> str:
-    from .checkpoints import train_fixture_tokenizer
-
     j = json.loads(train_fixture_tokenizer("small").to_str())
     vocab: dict[str, int] = j["model"]["vocab"]
     merges: list[list[str]] = j["model"]["merges"]
@@ -107,8 +107,6 @@ def slice_tokenizer(vocab_size: int = REAL_DIMS["vocab_size"]) -> Tokenizer:
 
 def slice_config(dtype: str = "bf16") -> dict[str, Any]:
     """config.json of the slice, token ids from its tokenizer."""
-    from .checkpoints import preset_config
-
     tok = slice_tokenizer()
     ids = {"eos_token_id": tok.token_to_id(bpe.EOS_TOKEN), "pad_token_id": tok.token_to_id(bpe.EOS_TOKEN),
            "mask_token_id": tok.token_to_id(bpe.MASK_TOKEN)}
@@ -116,20 +114,16 @@ def slice_config(dtype: str = "bf16") -> dict[str, Any]:
 
 
 def tensor_bytes(cfg: dict[str, Any], itemsize: int = 2) -> int:
-    from .checkpoints import tensor_plan
-
     return sum(math.prod(s) for _, s in tensor_plan(cfg)) * itemsize
 
 
 def _chunks(name: str, shape: tuple[int, ...], cfg: dict[str, Any], seed: int) -> Iterator[np.ndarray]:
-    """A tensor's f32 values in row chunks: the generator's own values (checkpoints._init); the
+    """A tensor's f32 values in row chunks: the generator's own values (presets.init_weight); the
     two vocabulary matrices drawn chunk by chunk from the same stream with the same scale."""
-    from .checkpoints import _init, _rng
-
     if name not in ("model.embed_tokens.weight", "lm_head.weight"):
-        yield _init(name, shape, cfg, seed, False)
+        yield init_weight(name, shape, cfg, seed, False)
         return
-    rng = _rng(seed, name)
+    rng = weight_rng(seed, name)
     std = np.float32(1.0 if name == "model.embed_tokens.weight" else 2.0 / math.sqrt(cfg["hidden_size"]))
     rows = max(1, _CHUNK_ELEMS // shape[1])
     for r0 in range(0, shape[0], rows):
@@ -174,8 +168,6 @@ def write_true_dims(folder: str | os.PathLike, dtype: str = "bf16", seed: int = 
     config. ``shards`` > 1 writes ``model-0000k-of-0000n.safetensors`` + the index.
     ``unsupported``: write_checkpoint's fused_experts, tied and config_overrides, refused when set
     (the slice is the real layout: per-expert tensors, an lm_head, the preset's config)."""
-    from .checkpoints import _dump_json, _split_shards, tensor_plan
-
     if any(unsupported):
         raise ValueError(f"preset {PRESET!r} is written with per-expert tensors, untied, without config "
                          "overrides (--fused-experts / --tied / overrides are not supported)")
@@ -195,14 +187,14 @@ def write_true_dims(folder: str | os.PathLike, dtype: str = "bf16", seed: int = 
         _write_file(folder / SINGLE_NAME, plan, cfg, seed, dtype, progress)
     else:
         weight_map: dict[str, str] = {}
-        for k, group in enumerate(_split_shards(plan, itemsize, shards)):
+        for k, group in enumerate(split_shards(plan, itemsize, shards)):
             fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
             _write_file(folder / fname, group, cfg, seed, dtype, progress)
             weight_map.update({n: fname for n, _ in group})
-        _dump_json(folder / INDEX_NAME, {"metadata": {"total_size": tensor_bytes(cfg, itemsize)},
+        write_json(folder / INDEX_NAME, {"metadata": {"total_size": tensor_bytes(cfg, itemsize)},
                                          "weight_map": dict(sorted(weight_map.items()))})
-    _dump_json(folder / "config.json", dict(sorted(cfg.items())))
-    _dump_json(folder / "generation_config.json", {
+    write_json(folder / "config.json", dict(sorted(cfg.items())))
+    write_json(folder / "generation_config.json", {
         "_from_model_config": False, "bos_token_id": None, "eos_token_id": cfg["eos_token_id"],
         "pad_token_id": cfg["pad_token_id"], "mask_token_id": cfg["mask_token_id"],
         "block_size": cfg["block_size"], "do_sample": False})

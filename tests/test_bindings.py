@@ -269,7 +269,7 @@ def test_tokenize_matches_tokenizers(model, tiny) -> None:
     the checkpoint's tokenizer.json, which clover_testkit.bpe trained)."""
     from tokenizers import Tokenizer
 
-    from clover_testkit.checkpoints import FIXTURE_TEXT
+    from clover_testkit.presets import FIXTURE_TEXT
 
     hf = Tokenizer.from_file(str(tiny[0] / "tokenizer.json"))
     for text in [FIXTURE_TEXT, *PROMPTS, "It's what they'd say: WE'RE here, I'll go. 12345 + 678",

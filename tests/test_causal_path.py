@@ -14,7 +14,7 @@ import pytest
 
 from clover_cpp import Clover
 from clover_testkit import reference as R
-from clover_testkit.checkpoints import FIXTURE_TEXT
+from clover_testkit.presets import FIXTURE_TEXT
 
 BIN = Path(__file__).resolve().parents[1] / "build" / "bin"
 

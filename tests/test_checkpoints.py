@@ -9,13 +9,8 @@ from tokenizers import Tokenizer
 
 from clover_convert.safetensors_io import CheckpointReader, f32_to_bf16
 from clover_testkit import bpe
-from clover_testkit.checkpoints import (
-    cli,
-    count_params,
-    preset_config,
-    tensor_plan,
-    write_checkpoint,
-)
+from clover_testkit.checkpoints import cli, write_checkpoint
+from clover_testkit.presets import count_params, preset_config, tensor_plan
 
 
 def _files(folder):

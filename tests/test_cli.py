@@ -436,7 +436,7 @@ def test_perplexity(files, tmp_path: Path) -> None:
     import re
 
     from clover_cpp import Clover
-    from clover_testkit.checkpoints import FIXTURE_TEXT
+    from clover_testkit.presets import FIXTURE_TEXT
     from clover_testkit.reference import CloverReference
 
     n_ctx = 16

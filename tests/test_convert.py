@@ -31,7 +31,8 @@ from clover_convert import gguf_writer as writer_mod
 from clover_convert import plan as plan_mod
 from clover_convert.cli import main as cli_main
 from clover_convert.safetensors_io import CheckpointReader, write_safetensors
-from clover_testkit.checkpoints import preset_config, tensor_plan, write_checkpoint
+from clover_testkit.checkpoints import write_checkpoint
+from clover_testkit.presets import preset_config, tensor_plan
 
 VARIANTS = {
     "bf16": dict(dtype="bf16"),

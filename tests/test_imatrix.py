@@ -17,7 +17,8 @@ BIN = Path(__file__).resolve().parent.parent / "build" / "bin"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from clover_convert import convert
-    from clover_testkit.checkpoints import FIXTURE_TEXT, write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint
+    from clover_testkit.presets import FIXTURE_TEXT
 
     d = tmp_path_factory.mktemp("imatrix")
     ck = d / "ck"

@@ -18,7 +18,8 @@ WIDE = dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermedia
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from clover_convert import convert
     from clover_convert.quantize_stream import convert_quantized
-    from clover_testkit.checkpoints import FIXTURE_TEXT, write_checkpoint
+    from clover_testkit.checkpoints import write_checkpoint
+    from clover_testkit.presets import FIXTURE_TEXT
 
     d = tmp_path_factory.mktemp("kld")
     ck = d / "ck"

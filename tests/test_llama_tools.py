@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from clover_testkit.checkpoints import FIXTURE_TEXT
+from clover_testkit.presets import FIXTURE_TEXT
 
 pytestmark = pytest.mark.needs_libclover
 

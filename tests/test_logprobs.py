@@ -111,13 +111,13 @@ def reference_block_run(ref, monkeypatch, **kw):
     import clover_testkit.reference_decode as D
 
     calls, steps = [], []
-    orig = D._candidates
+    orig = D.candidates
 
     def spy(logits, *a, **k):
         calls.append(np.array(logits, dtype=np.float64))
         return orig(logits, *a, **k)
 
-    monkeypatch.setattr(D, "_candidates", spy)  # (the module whose generate calls it)
+    monkeypatch.setattr(D, "candidates", spy)  # (the module whose generate calls it)
     res = D.generate(ref, PROMPT, step_callback=lambda start, canvas, n_masked: steps.append((start, canvas)) and False,
                      **kw)
     monkeypatch.undo()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import clover_convert.mapping as M
-from clover_testkit import checkpoints, reference
+from clover_testkit import checkpoints, presets, reference
 
 
 def test_every_reader_of_the_table_sees_a_new_rule(monkeypatch, tmp_path) -> None:
@@ -21,7 +21,7 @@ def test_every_reader_of_the_table_sees_a_new_rule(monkeypatch, tmp_path) -> Non
     cfg = checkpoints.write_checkpoint(ck, preset="tiny", dtype="f32")
     probe = M.Rule(M.L_ + "probe.weight", "blk.{i}.probe.weight", "layer", lambda c: (3, c.H))
     monkeypatch.setattr(M, "TENSOR_TABLE", [*M.TENSOR_TABLE, probe])
-    names = [n for n, _ in checkpoints.tensor_plan(cfg)]
+    names = [n for n, _ in presets.tensor_plan(cfg)]
     ref = reference.hf_tensor_shapes(reference.CloverConfig.from_dict(cfg), tied=False)
     for i in range(cfg["num_hidden_layers"]):
         want = f"model.layers.{i}.probe.weight"
@@ -39,7 +39,7 @@ def test_generator_reference_and_converter_agree(tmp_path) -> None:
     cfg = checkpoints.write_checkpoint(ck, preset="tiny", dtype="f32")
     written = set(CheckpointReader(ck).names())
     ref = reference.hf_tensor_shapes(reference.CloverConfig.from_dict(cfg), tied=cfg.get("tie_word_embeddings", False))
-    assert written == set(ref) == {n for n, _ in checkpoints.tensor_plan(cfg)}
+    assert written == set(ref) == {n for n, _ in presets.tensor_plan(cfg)}
     plan_conversion(ck, tmp_path / "x.gguf", "f16", dry_run=True)  # no tensor missing, none unexpected
 
 
@@ -65,7 +65,7 @@ def test_unknown_tensor_fails_conversion_with_its_name(tmp_path) -> None:
 
 def test_one_config_validator() -> None:
     """The reference and the generator refuse a bad config with the converter's message."""
-    bad = {**checkpoints.preset_config("tiny"), "linear_num_value_heads": 3}
+    bad = {**presets.preset_config("tiny"), "linear_num_value_heads": 3}
     with pytest.raises(M.ConversionError) as e:
         M.parse_config(bad)
     msg = str(e.value)
@@ -73,7 +73,7 @@ def test_one_config_validator() -> None:
         reference.CloverConfig.from_dict(bad)
     assert str(e.value) == msg
     with pytest.raises(ValueError) as e:
-        checkpoints.preset_config("tiny", {"linear_num_value_heads": 3})
+        presets.preset_config("tiny", {"linear_num_value_heads": 3})
     assert str(e.value) == msg
 
 
@@ -83,7 +83,7 @@ def test_one_config_class() -> None:
     import dataclasses
 
     assert reference.CloverConfig is M.CloverConfig
-    cfg = M.CloverConfig.from_dict({**checkpoints.preset_config("tiny"), "eos_token_id": [3, 5]})
+    cfg = M.CloverConfig.from_dict({**presets.preset_config("tiny"), "eos_token_id": [3, 5]})
     assert cfg.eos_token_id == 3 and cfg.eos_token_ids == (3, 5)
     again = M.CloverConfig.from_dict(cfg.to_dict())
     assert dataclasses.replace(again, raw={}) == dataclasses.replace(cfg, raw={})

@@ -530,7 +530,7 @@ def _ref_generate(ref, prompt, **kw):
 def _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, threshold, max_steps, max_tokens,
                             tol=F32_TOL) -> str | None:
     """If the first step where the two runs differ is a near-tie in the reference, describe it."""
-    from clover_testkit.reference import _candidates
+    from clover_testkit.reference_decode import candidates
 
     mask = ref.cfg.mask_token_id
     for i, (rs, ns) in enumerate(zip(ref_steps, nat_steps)):
@@ -560,7 +560,7 @@ def _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, threshold, max
     rows = np.stack([l_last if q == 0 else pass_logits[q - 1] for q in masked])
     scale = max(1.0, float(np.abs(rows).max()))
     eps = 4 * tol * scale  # the logits may differ by up to tol*scale each: gaps below 2x that are ties
-    cand, conf = _candidates(rows, mask, 0.0, 0, 1.0, None)
+    cand, conf = candidates(rows, mask, 0.0, 0, 1.0, None)
     for j, q in enumerate(masked):
         top = np.sort(np.delete(rows[j], mask))[-2:]
         if top[1] - top[0] < eps:
@@ -890,14 +890,14 @@ def test_seeded_sampling_reproducible(model, vocab_hi):
 
 
 def test_pick_candidate_greedy_matches_reference(ref):
-    from clover_testkit.reference import _candidates
+    from clover_testkit.reference_decode import candidates
 
     rng = np.random.default_rng(3)
     V, mask = ref.cfg.vocab_size, ref.cfg.mask_token_id
     logits = rng.normal(0, 2, (64, V)).astype(np.float32)
     logits[5, mask] = 100.0        # the mask is never a candidate
     logits[6, [3, 9]] = 50.0       # exact tie: lowest id
-    want_tok, want_conf = _candidates(logits, mask, 0.0, 0, 1.0, None)
+    want_tok, want_conf = candidates(logits, mask, 0.0, 0, 1.0, None)
     for i in range(len(logits)):
         tok, conf = ctypes.c_int32(), ctypes.c_double()
         row = np.ascontiguousarray(logits[i])

@@ -91,7 +91,7 @@ def assert_mem_equal(a: Memory, b: Memory, tol: float = 0.0) -> None:
 # ------------------------------------------------------------------------- config
 
 def test_config_defaults_and_layer_types():
-    from clover_testkit.checkpoints import PRESETS
+    from clover_testkit.presets import PRESETS
 
     c = CloverConfig.from_dict({**PRESETS["35b-a3b"], "mask_token_id": 0})
     assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_experts) == (248320, 2048, 40, 256)

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from clover_testkit import bpe, checkpoints, true_dims
-from clover_testkit.checkpoints import PRESETS, count_params, preset_config, tensor_plan
+from clover_testkit import bpe, checkpoints, presets, true_dims
+from clover_testkit.presets import PRESETS, count_params, preset_config, tensor_plan
 
 # clover-architecture.md's table: the numbers the slice must keep, written out here once more
 ARCH = {"vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
@@ -35,7 +35,7 @@ def test_slice_config_has_the_real_dimensions(cfg):
     assert {k: v for k, v in true_dims.REAL_DIMS.items()} == {k: ARCH[k] for k in true_dims.REAL_DIMS}
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     # one period of the real pattern: the 40-layer model is ten slices
-    assert checkpoints.layer_types_of(40, 4) == cfg["layer_types"] * 10
+    assert presets.layer_types_of(40, 4) == cfg["layer_types"] * 10
     assert cfg["torch_dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is False
 
 
@@ -82,7 +82,7 @@ def test_slice_tokenizer_has_every_entry(cfg, tmp_path):
     vocab = tok.get_vocab(with_added_tokens=False)
     assert sorted(vocab.values()) == list(range(n_bpe))
     # the fixture tokenizer's entries keep their ids; the synthetic merges are used
-    small = checkpoints.train_fixture_tokenizer("small").get_vocab(with_added_tokens=False)
+    small = presets.train_fixture_tokenizer("small").get_vocab(with_added_tokens=False)
     assert all(vocab[t] == i for t, i in small.items())
     text = "def fibonacci(n): the quick brown fox <|mask|> zzqx café"
     ids = bpe.encode(tok, text)
@@ -103,7 +103,7 @@ def test_vocabulary_matrices_are_the_generators_values_in_chunks(cfg, monkeypatc
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         chunks = list(true_dims._chunks(name, (50, 2048), cfg, 3))
         assert len(chunks) == 8
-        assert np.array_equal(np.concatenate(chunks), checkpoints._init(name, (50, 2048), cfg, 3, False))
+        assert np.array_equal(np.concatenate(chunks), presets.init_weight(name, (50, 2048), cfg, 3, False))
 
 
 def test_streamed_writer_at_the_real_widths(cfg, tmp_path):
@@ -123,7 +123,7 @@ def test_streamed_writer_at_the_real_widths(cfg, tmp_path):
         for name, shape in plan:
             got = f.get_tensor(name)
             assert got.shape == shape and str(got.dtype) == "bfloat16"
-            want = bf16_to_f32(f32_to_bf16(checkpoints._init(name, shape, cfg, 0, False)))
+            want = bf16_to_f32(f32_to_bf16(presets.init_weight(name, shape, cfg, 0, False)))
             assert np.array_equal(got.astype(np.float32), want), name
     assert not list(tmp_path.glob(".*tmp"))
 

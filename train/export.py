@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from clover_convert.safetensors_io import write_safetensors
-from clover_testkit.checkpoints import HF_IDENTITY
+from clover_testkit.presets import HF_IDENTITY
 from clover_convert.mapping import keeps_f32
 from clover_testkit.reference import CloverConfig
 from train.model import CloverTorch
