@@ -408,7 +408,7 @@ class LlamaCompat:
                             for t, lp, row in zip(r.tokens, r.logprobs, tops)]}
 
     def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
-                          temperature: float = 0.8, top_p: float = 0.95, min_p: float | None = None,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
                           typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
                           stop: str | Sequence[str] | None = None, frequency_penalty: float = 0.0,
                           presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
@@ -420,9 +420,11 @@ class LlamaCompat:
         (temperature 0.8, top_p 0.95, top_k 40, max_tokens 16; None or <= 0 = until EOS or the
         context's end) and an OpenAI-shaped ``text_completion`` dict, or with ``stream=True`` an
         iterator of ``text_completion`` chunks (the last one carries ``finish_reason``).
-        Arguments Clover's sampler lacks (min_p, typical_p, penalties, mirostat, tfs_z,
-        logit_bias, suffix, stopping_criteria, logits_processor) are refused unless left at
-        their neutral values; ``logprobs`` / ``grammar`` need a build whose generate() has them.
+        min_p (0.05), typical_p, the penalties, mirostat and logit_bias are llama.cpp's sampler
+        chain (spec/decoding.md, "Sampler chain"; top_n_sigma, xtc_*, dry_*, samplers as extra
+        keywords); tfs_z (gone from llama.cpp), suffix, stopping_criteria and logits_processor are
+        refused unless left at their neutral values; ``logprobs`` / ``grammar`` need a build whose
+        generate() has them.
         ``logprobs=N`` gives llama-cpp-python's ``logprobs`` object (text offsets from the prompt's
         start, each top dict the N most probable and the token's own); with ``echo=True`` the
         prompt's tokens come first, scored by :meth:`prompt_logprobs` (the first one's None).
@@ -431,14 +433,11 @@ class LlamaCompat:
         Extra keyword arguments go to :meth:`generate` (block_size, threshold, ...)."""
         where = "create_completion"
         kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, grammar, None,
-                                stream, {"suffix": (suffix, None), "min_p": (min_p, (0.0, None)),
-                                         "typical_p": (typical_p, 1.0), "frequency_penalty": (frequency_penalty, 0.0),
-                                         "presence_penalty": (presence_penalty, 0.0),
-                                         "repeat_penalty": (repeat_penalty, 1.0), "tfs_z": (tfs_z, 1.0),
-                                         "mirostat_mode": (mirostat_mode, 0),
+                                stream, {"suffix": (suffix, None), "tfs_z": (tfs_z, 1.0),
                                          "stopping_criteria": (stopping_criteria, None),
-                                         "logits_processor": (logits_processor, None),
-                                         "logit_bias": (logit_bias or None, None)})
+                                         "logits_processor": (logits_processor, None)})
+        kw.update(_chain_kwargs(min_p, typical_p, frequency_penalty, presence_penalty, repeat_penalty, mirostat_mode,
+                                mirostat_tau, mirostat_eta, logit_bias))
         if isinstance(prompt, str):
             prompt_text, toks = prompt, self.tokenize(prompt, add_bos=True, special=True)
         else:
@@ -488,7 +487,7 @@ class LlamaCompat:
     def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], functions: Any = None,
                                function_call: Any = None, tools: Any = None, tool_choice: Any = None,
                                temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
-                               min_p: float | None = None, typical_p: float = 1.0, stream: bool = False,
+                               min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
                                stop: str | Sequence[str] | None = None, seed: int | None = None,
                                response_format: Mapping[str, Any] | None = None, max_tokens: int | None = None,
                                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
@@ -502,8 +501,8 @@ class LlamaCompat:
         top_p 0.95, top_k 40, max_tokens None = until the end of the turn or of the context), and
         an OpenAI-shaped ``chat.completion`` dict, or with ``stream=True`` an iterator of
         ``chat.completion.chunk`` dicts (first delta: the role; last: ``finish_reason``).
-        Tool / function calling is refused (``clover serve`` has it); arguments Clover's sampler
-        lacks are refused unless neutral (see :meth:`create_completion`)."""
+        Tool / function calling is refused (``clover serve`` has it); the sampler arguments are
+        llama.cpp's sampler chain, the rest as :meth:`create_completion` says."""
         where = "create_chat_completion"
         if logprobs is not None:
             logprobs = bool_arg("logprobs", logprobs)
@@ -514,11 +513,9 @@ class LlamaCompat:
                                 response_format, stream,
                                 {"functions": (functions, None), "function_call": (function_call, None),
                                  "tools": (tools or None, None), "tool_choice": (tool_choice, (None, "none", "auto")),
-                                 "min_p": (min_p, (0.0, None)), "typical_p": (typical_p, 1.0),
-                                 "frequency_penalty": (frequency_penalty, 0.0),
-                                 "presence_penalty": (presence_penalty, 0.0), "repeat_penalty": (repeat_penalty, 1.0),
-                                 "tfs_z": (tfs_z, 1.0), "mirostat_mode": (mirostat_mode, 0),
-                                 "logits_processor": (logits_processor, None), "logit_bias": (logit_bias or None, None)})
+                                 "tfs_z": (tfs_z, 1.0), "logits_processor": (logits_processor, None)})
+        kw.update(_chain_kwargs(min_p, typical_p, frequency_penalty, presence_penalty, repeat_penalty, mirostat_mode,
+                                mirostat_tau, mirostat_eta, logit_bias))
         prompt = self.format_chat(messages)
         self._budget(kw, len(self.chat_tokens(prompt)), gen_kwargs)
         head = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()),
@@ -545,3 +542,13 @@ class LlamaCompat:
                              "logprobs": self._chat_logprobs(r), "finish_reason": finish_reason(r, kw["max_tokens"])}],
                 "usage": {"prompt_tokens": r.stats.n_prompt, "completion_tokens": len(r.tokens),
                           "total_tokens": r.stats.n_prompt + len(r.tokens)}}
+
+
+def _chain_kwargs(min_p: Any, typical_p: Any, frequency_penalty: Any, presence_penalty: Any, repeat_penalty: Any,
+                  mirostat_mode: Any, mirostat_tau: Any, mirostat_eta: Any, logit_bias: Any) -> dict[str, Any]:
+    """llama-cpp-python's sampler arguments as generate()'s (llama.cpp's sampler chain; None = its
+    default, as llama-cpp-python's min_p=None)."""
+    kw = dict(min_p=min_p, typical_p=typical_p, frequency_penalty=frequency_penalty,
+              presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, mirostat_mode=mirostat_mode,
+              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, logit_bias=logit_bias or None)
+    return {k: v for k, v in kw.items() if v is not None}

@@ -548,12 +548,15 @@ def test_shims_logprobs_and_refusals(model) -> None:
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == r["usage"]["completion_tokens"]
     assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 and bytes(e["bytes"]) for e in content)
-    # what Clover's sampler does not have is refused, naming the argument, unless left neutral
-    for kw in (dict(min_p=0.2), dict(repeat_penalty=1.3), dict(frequency_penalty=0.5), dict(mirostat_mode=2),
-               dict(logit_bias={1: 5.0}), dict(suffix="x"), dict(typical_p=0.5)):
-        with pytest.raises(CloverError, match=next(iter(kw))):
+    # what Clover does not have is refused, naming the argument, unless left neutral; llama.cpp's
+    # samplers are honoured (tests/test_sampler_chain.py), their bad values refused by name
+    for kw in (dict(suffix="x"), dict(tfs_z=0.5), dict(min_p=1.5), dict(repeat_penalty=0.0), dict(mirostat_mode=3)):
+        with pytest.raises(CloverError, match=next(iter(kw)).replace("_mode", "")):
             model.create_completion("hi", max_tokens=2, **kw)
-    model.create_completion("hi", max_tokens=2, min_p=0.0, repeat_penalty=1.0, logit_bias={})
+    plain = model.create_completion("hi", max_tokens=1, temperature=0)["choices"][0]["text"]
+    bias = {model.generate("hi", max_tokens=1, temperature=0).tokens[0]: float("-inf")}
+    assert model.create_completion("hi", max_tokens=1, temperature=0, logit_bias=bias)["choices"][0]["text"] != plain
+    model.create_completion("hi", max_tokens=2, min_p=0.0, repeat_penalty=1.3, logit_bias={})
     with pytest.raises(CloverError, match="tools"):
         model.create_chat_completion([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
 

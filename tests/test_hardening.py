@@ -286,7 +286,7 @@ LEAKS = {
     "new_context(bad=1)": (lambda m: m.new_context(bad=1), ValueError),
     "new_context(n_ctx=-1)": (lambda m: m.new_context(n_ctx=-1), ValueError),
     "perplexity(None)": (lambda m: m.perplexity(None), TypeError),
-    "create_completion min_p": (lambda m: m.create_completion("x", min_p=0.5), ValueError),
+    "create_completion min_p": (lambda m: m.create_completion("x", min_p=1.5), ValueError),
     "create_chat_completion tools": (lambda m: m.create_chat_completion([{"role": "user", "content": "x"}],
                                                                         tools=[{"type": "function"}]), ValueError),
 }
