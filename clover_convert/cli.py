@@ -7,10 +7,11 @@ import sys
 
 import click
 
+from clover_gguf.errors import UserFacingError
+
 from .config import ConversionError
 from .converter import OUTTYPES, convert
 from .quantize_stream import QUANT_OUTTYPES
-from .safetensors_io import CheckpointError
 
 
 def _on_sigterm(signum, frame):  # noqa: ARG001
@@ -65,7 +66,7 @@ def main(src: str, out: str | None, outtype: str, split_max_size: str | None, dr
                 raise ConversionError(f"--imatrix needs a quantized --outtype (q4_k_m, iq4_xs, ...), not {outtype}")
             plan = convert(src, out, outtype=outtype.lower(), split_max_size=split_max_size, dry_run=dry_run,
                            force=force, progress=not no_progress and sys.stderr.isatty())
-    except (ConversionError, CheckpointError, OSError) as e:
+    except (UserFacingError, OSError) as e:
         msg = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.filename else \
             f"{e.filename}: {e.strerror or e}"
         click.echo(f"error: {msg}", err=True)
