@@ -45,6 +45,7 @@ def test_wheel_carries_the_native_parts(wheel: Path) -> None:
         assert f"clover_cpp/lib/{tool}" in names
     assert "clover_cpp/models/clover-default/model.safetensors" in names
     assert "clover_convert/converter.py" in names and "clover_cpp/model.py" in names
+    assert "clover_gguf/reader.py" in names  # the package both import
     assert "clover_cpp/cli/__init__.py" in names and "clover_cpp/demo.py" in names
     assert "clover_cpp/server/static/index.html" in names and "clover_cpp/server/static/app.js" in names
     # the product only: the test kit stays in the repository, and tokenizers (its fixture
