@@ -297,6 +297,17 @@ class LlamaCompat:
         seed = self._llama.seed
         return sample_token(import_llama_cpp(), logits, history, a, LLAMA_DEFAULT_SEED if seed is None else seed)
 
+    @property
+    def n_tokens(self) -> int:
+        """The tokens in the memory (llama-cpp-python's ``Llama.n_tokens``)."""
+        return len(self.committed_tokens)
+
+    def pooling_type(self) -> int:
+        """The pooling of :meth:`embed` (llama.cpp's enum llama_pooling_type; mean unless the
+        constructor's pooling_type said otherwise)."""
+        p = self._llama.pooling_type
+        return POOLING_MEAN if p == POOLING_UNSPECIFIED else p
+
     def _embedder(self, where: str) -> Any:
         """llama-cpp-python's ``Llama`` over this GGUF with embeddings on (loaded once, on our
         libllama): llama.cpp's pooling of the causal pass's final hidden states."""
@@ -305,12 +316,11 @@ class LlamaCompat:
         if self._embed_llama is None:
             from ._lib import import_llama_cpp  # noqa: PLC0415 - optional: llama-cpp-python's Python layer
 
-            pooling = self._llama.pooling_type
             self._embed_llama = import_llama_cpp().Llama(
                 str(self.model_path), embedding=True, verbose=False, n_ctx=self.n_ctx(), n_batch=self._llama.n_batch,
                 n_ubatch=self._llama.n_ubatch, n_threads=self._ctx_args.n_threads,
                 n_gpu_layers=self._load_args.n_gpu_layers, use_mmap=self._load_args.use_mmap is not False,
-                pooling_type=POOLING_MEAN if pooling == POOLING_UNSPECIFIED else pooling)
+                pooling_type=self.pooling_type())
         return self._embed_llama
 
     def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,

@@ -40,7 +40,7 @@ def _llama_signature(name: str) -> inspect.Signature | None:
 
 @pytest.mark.parametrize("name", ["tokenize", "detokenize", "n_ctx", "n_vocab", "n_embd", "token_eos", "token_bos",
                                   "token_nl", "save_state", "load_state", "create_embedding", "embed",
-                                  "from_pretrained", "eval", "sample"])
+                                  "from_pretrained", "eval", "sample", "pooling_type"])
 def test_parameters_are_llamas(name):
     """Each call takes llama-cpp-python's parameters, in its order, with its defaults."""
     from clover_cpp import Clover
@@ -124,7 +124,7 @@ def test_load_state_continues_exactly(llm):
     want = llm.generate(go_on, max_tokens=12, block_size=1, stop_at_eos=False)
     llm.generate("something else entirely", max_tokens=8, block_size=4)  # (the memory is another text's now)
     llm.load_state(state)
-    assert llm.committed_tokens == list(state.input_ids)
+    assert llm.committed_tokens == list(state.input_ids) and llm.n_tokens == state.n_tokens
     assert abs(llm.last_logits() - state.scores[0]).max() < 1e-3
     got = llm.generate(go_on, max_tokens=12, block_size=1, stop_at_eos=False)
     assert got.tokens == want.tokens and got.stats.n_reused == want.stats.n_reused == state.n_tokens
@@ -152,6 +152,7 @@ def test_embeddings(gguf):
         with pytest.raises(CloverValueError, match="embedding=True"):
             plain.embed("hello")
     with Clover(gguf, n_ctx=256, n_threads=1, embedding=True) as m:
+        assert m.pooling_type() == 1  # (LLAMA_POOLING_TYPE_MEAN: the default)
         r = m.create_embedding(["hello world", "def f(x):"])
         assert r["object"] == "list" and [d["index"] for d in r["data"]] == [0, 1]
         assert all(d["object"] == "embedding" and len(d["embedding"]) == m.n_embd() for d in r["data"])
@@ -161,6 +162,7 @@ def test_embeddings(gguf):
         one = m.embed("hello world", normalize=True)
         assert abs(np.linalg.norm(one) - 1) < 1e-5
     with Clover(gguf, n_ctx=256, n_threads=1, embedding=True, pooling_type=3) as m:
+        assert m.pooling_type() == 3
         last = np.array(m.embed("hello world"), np.float32)
         toks = m.tokenize(b"hello world")
         logits = m.commit(toks, logits=True)[-1]
