@@ -28,16 +28,20 @@ def _hub() -> SimpleNamespace:
 
 
 def _repo_files(hub: SimpleNamespace, repo_id: str, local_dir: Path | None, cache_dir: Path | None) -> list[str]:
-    """The repository's file paths ("sub/name.gguf"): the Hub's list, or offline the cached
-    snapshot's (local_dir's when given)."""
+    """The repository's file paths ("sub/name.gguf"): the Hub's list; offline, or when the Hub
+    cannot be asked, the cached snapshot's (local_dir's when given), as hf_hub_download falls
+    back to its cache."""
+    why = "HF_HUB_OFFLINE is set"
     if not hub.is_offline_mode():
-        return list(hub.HfApi().list_repo_files(repo_id))
+        try:
+            return list(hub.HfApi().list_repo_files(repo_id))
+        except Exception as e:  # noqa: BLE001 - any failure of the Hub's (network, HTTP): the cache decides
+            why = f"the Hub did not answer ({' '.join(str(e).split())[:200]})"
     if local_dir is None:
         try:
             local_dir = Path(hub.snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
         except hub.LocalEntryNotFoundError:
-            raise CloverError(f"from_pretrained: {repo_id} is not in the Hugging Face cache and HF_HUB_OFFLINE is "
-                              "set") from None
+            raise CloverError(f"from_pretrained: {repo_id} is not in the Hugging Face cache and {why}") from None
     return sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*")
                   if p.is_file() and ".cache" not in p.relative_to(local_dir).parts)
 

@@ -93,11 +93,12 @@ def test_constructor_takes_llamas_arguments(gguf):
     """llama-cpp-python's constructor arguments: honoured, without effect where Clover sizes
     things itself (n_batch, n_ubatch, logits_all), or refused naming the argument."""
     from clover_cpp import Clover
+    from clover_cpp.chat import CHATML_TEMPLATE
 
     with Clover(gguf, n_ctx=256, seed=7, n_batch=64, n_ubatch=64, logits_all=True, use_mlock=False, verbose=False,
                 chat_format="chatml", chat_handler=None, split_mode=1, offload_kqv=True, n_threads=1,
                 block_size=1) as m:
-        assert m.n_ctx() == 256
+        assert m.n_ctx() == 256 and m.chat_template == CHATML_TEMPLATE
         a = m.create_completion("hello", max_tokens=8, temperature=0.9)
         b = m.create_completion("hello", max_tokens=8, temperature=0.9)
         assert a["choices"][0]["text"] == b["choices"][0]["text"]  # (seed=7: the default seed of every call)
