@@ -235,3 +235,23 @@ def test_eval_and_sample(llm):
     with pytest.raises(CloverValueError, match="grammar"):
         llm.sample(grammar="root ::= \"a\"")
     llm.set_seed(-1)
+
+
+def test_llama_cpp_python_readme_usage(gguf):
+    """llama-cpp-python's README usage, with Clover imported as Llama: the same calls run and
+    return the same shapes."""
+    from clover_cpp import Clover as Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=256, n_threads=1, seed=1337, verbose=False, n_batch=512, n_gpu_layers=0)
+    try:
+        out = llm("Q: Name the planets in the solar system? A: ", max_tokens=8, stop=["Q:", "\n"], echo=True)
+        assert out["object"] == "text_completion" and out["choices"][0]["text"].startswith("Q: Name the planets")
+        assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+        chat = llm.create_chat_completion(messages=[{"role": "system", "content": "You are an assistant."},
+                                                    {"role": "user", "content": "Describe this image in detail."}],
+                                          max_tokens=8)
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        toks = llm.tokenize(b"hi", add_bos=False, special=True)
+        assert llm.detokenize(toks) == b"hi" and 0 <= llm.token_eos() < llm.n_vocab() and llm.n_ctx() == 256
+    finally:
+        llm.close()
