@@ -6,7 +6,8 @@ localhost ports, started and stopped here, hold the offloaded layers of the tiny
 * block-pass logits (on memories of any length: blocks are not aligned) and causal commit
   logits equal the local run (f32, <= 1e-5 relative) for B in {1, 8, 32};
 * greedy generation equals the numpy reference, tokens and counters (passes, decode blocks
-  committed, forwards), for B in {1, 8, 32} and for auto (replaying the schedule auto chose,
+  committed, forwards), for B in {1, 8, 32} (up to an MoE routing tie, where f32 builds may
+  route either way: clover_testkit.routing_ties) and for auto (replaying the schedule auto chose,
   whose blocks start right after the prompt), and a block-size switch that saves and restores
   the memory (B = 1 -> 512 over a reused prefix) gives the tokens of a cleared local memory;
 * a server killed mid-generation: CloverError within 10 s, the process lives on, and
@@ -119,17 +120,25 @@ def _assert_counters(got, want) -> None:
     assert got.stats.n_forward == want.n_forward
 
 
-@pytest.mark.parametrize("B", [1, pytest.param(8, marks=pytest.mark.xfail(
-    reason="2026-12-04: over RPC (once in CI) and on Vulkan, B = 8 diverged from the reference at token 28 "
-           "(457 vs 1); not reproduced here: under investigation", strict=False)), 32])
+@pytest.mark.parametrize("B", [1, 8, 32])
 def test_greedy_generation_equals_reference(remote, local, ref, tiny_artifacts, B: int) -> None:
+    """Tokens and counters of the reference, up to an MoE routing tie (clover_testkit.routing_ties):
+    at B = 8 this prompt meets a router whose 2nd and 3rd experts are one f32 ulp apart, where an
+    f32 build may route either way (seen once in CI over RPC, and on Vulkan: token 28, 457 for 1);
+    the output must then agree with the reference up to the block that holds the tie."""
     from clover_testkit.reference import generate
+    from clover_testkit.routing_ties import assert_same_tokens_up_to_a_tie
 
     toks = _prompt(7, 21, tiny_artifacts["cfg"])
     want = generate(ref, toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False)
-    got = remote.generate(toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False)
-    _assert_counters(got, want)
-    assert local.generate(toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False).tokens == want.tokens
+    for where, m in (("remote", remote), ("local", local)):
+        steps = []
+        got = m.generate(toks, max_tokens=40, block_size=B, threshold=0.9, stop_at_eos=False,
+                         on_step=lambda c, _n, at: steps.append((at, list(c))) and False)
+        assert_same_tokens_up_to_a_tie(ref, toks, got.tokens, want.tokens, steps, B,
+                                       tiny_artifacts["cfg"]["mask_token_id"], what=(where, B))
+        if where == "remote" and got.tokens == want.tokens:
+            _assert_counters(got, want)
 
 
 def test_auto_equals_reference_schedule(remote, ref, tiny_artifacts) -> None:

@@ -13,9 +13,9 @@ Three placements of the tiny preset (f32 weights, f32 KV, no flash attention):
 For each: causal commit logits and block-pass logits (B = 1, 8, 16, on memories of several
 lengths) against the CPU build (build/bin: tests/vulkan/cpu_build.py in a subprocess) and the
 numpy reference; greedy generation with B = 1, block diffusion (B = 4, 8, 16) and draft-self
-equal to the CPU build token for token. Then, with every layer offloaded: the load really put the
-layers on the device; prefix reuse across turns in `clover serve -ngl -1`; the block-size
-calibration keyed by the device.
+equal to the CPU build token for token, up to an MoE routing tie (clover_testkit.routing_ties).
+Then, with every layer offloaded: the load really put the layers on the device; prefix reuse
+across turns in `clover serve -ngl -1`; the block-size calibration keyed by the device.
 
 Tolerance for logits: max |vulkan - cpu| <= 1e-4 * max(1, max |cpu|) (the measured gap is
 printed with -s). Both sides compute in f32 from the same f32 weights; they differ only in the
@@ -149,17 +149,25 @@ def cpu_tokens(cpu_build, gguf, tiny_artifacts):
     return [list(map(int, t)) for t in cpu_build(gguf, CTX, jobs)]
 
 
-@pytest.mark.xfail(reason="2026-12-04: on llvmpipe, block diffusion B = 8 (prompt seed 7) diverges from the CPU build "
-                          "at token 28 (457 vs 1), as the RPC backend did once in CI: under investigation", strict=False)
-def test_greedy_generation_equals_cpu_build(placed, cpu_tokens, tiny_artifacts) -> None:
+def test_greedy_generation_equals_cpu_build(placed, cpu_tokens, ref, tiny_artifacts) -> None:
+    """Token for token the CPU build's output, up to an MoE routing tie: where the float64
+    reference has a router whose k-th and (k+1)-th expert probabilities are an ulp or so apart,
+    the two f32 builds may route differently (clover_testkit.routing_ties: the prompt (7, 21) at
+    B = 8 meets one, and llvmpipe forks there at token 28); the outputs must then agree up to the
+    block that holds the tie, and the tie must be there."""
+    from clover_testkit.routing_ties import assert_same_tokens_up_to_a_tie
+
     name, m = placed
     cfg = tiny_artifacts["cfg"]
     i = 0
     for s, n in GEN_PROMPTS:
         prompt = _prompt(cfg, s, n)
         for case in GEN_CASES:
-            got = m.generate(prompt, max_tokens=40, threshold=0.9, stop_at_eos=False, **case)
-            assert list(got.tokens) == cpu_tokens[i], (name, s, case)
+            steps = []
+            got = m.generate(prompt, max_tokens=40, threshold=0.9, stop_at_eos=False,
+                             on_step=lambda c, _n, at: steps.append((at, list(c))) and False, **case)
+            assert_same_tokens_up_to_a_tie(ref, prompt, got.tokens, cpu_tokens[i], steps, case["block_size"],
+                                           cfg["mask_token_id"], what=(name, s, case))
             if case.get("draft_self"):
                 assert got.stats.n_verifications > 0 and got.stats.mode == "draft-self"
             i += 1
