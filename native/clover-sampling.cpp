@@ -399,11 +399,13 @@ int sampler_chain::init(const clover_model * m, const clover_generate_params & g
         add(modifiers, llama_sampler_init_logit_bias(m->n_vocab, (int32_t) bias.size(), bias.data()));
     }
     const uint32_t seed   = (uint32_t) (gp.seed ^ (gp.seed >> 32)); // (llama.cpp's samplers take 32 bits)
+    // -1 = the context; more than the context can hold is the context (llama.cpp allocates the window)
+    auto window = [n_ctx](int32_t last_n) { return last_n == -1 ? n_ctx : std::min(last_n, n_ctx); };
     const float    T      = (float) gp.temperature;
     const bool     greedy = gp.temperature == 0.0;
     for (chain_sampler s : order) {
         if (s == chain_sampler::penalties && penalties_on(gp)) {
-            add(modifiers, llama_sampler_init_penalties(m->n_vocab, gp.repeat_last_n == -1 ? n_ctx : gp.repeat_last_n,
+            add(modifiers, llama_sampler_init_penalties(m->n_vocab, window(gp.repeat_last_n),
                                                         (float) gp.repeat_penalty, (float) gp.frequency_penalty,
                                                         (float) gp.presence_penalty));
         } else if (s == chain_sampler::dry && dry_on(gp)) {
@@ -413,7 +415,7 @@ int sampler_chain::init(const clover_model * m, const clover_generate_params & g
             }
             add(modifiers, llama_sampler_init_dry(m->vocab, (float) gp.dry_multiplier, (float) gp.dry_base,
                                                   gp.dry_allowed_length,
-                                                  gp.dry_penalty_last_n == -1 ? n_ctx : gp.dry_penalty_last_n,
+                                                  window(gp.dry_penalty_last_n),
                                                   breakers.data(), breakers.size()));
         }
     }

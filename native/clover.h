@@ -374,14 +374,15 @@ typedef struct clover_generate_params {
     double  top_n_sigma;        /* <= 0 = off (default -1) */
     double  xtc_probability;    /* [0, 1]; 0 = off */
     double  xtc_threshold;      /* [0, 1]; default 0.1; > 0.5 = off */
-    int32_t repeat_last_n;      /* tokens (prompt included) the penalties look back over; 0 = off, -1 = n_ctx; default 64 */
+    int32_t repeat_last_n;      /* tokens (prompt included) the penalties look back over; 0 = off, -1 = n_ctx
+                                   (more is n_ctx); default 64 */
     double  repeat_penalty;     /* > 0; 1 = off */
     double  frequency_penalty;  /* [-2, 2]; 0 = off */
     double  presence_penalty;   /* [-2, 2]; 0 = off */
     double  dry_multiplier;     /* >= 0; 0 = off */
     double  dry_base;           /* >= 1; default 1.75 */
     int32_t dry_allowed_length; /* >= 0; default 2 */
-    int32_t dry_penalty_last_n; /* 0 = off, -1 = n_ctx; default -1 (llama-server's) */
+    int32_t dry_penalty_last_n; /* 0 = off, -1 = n_ctx (more is n_ctx); default -1 (llama-server's) */
     /* DRY's sequence breakers; NULL with n = 0: llama.cpp's default "\n", ":", "\"", "*" */
     const char * const * dry_sequence_breakers;
     int32_t              n_dry_sequence_breakers;

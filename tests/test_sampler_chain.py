@@ -137,3 +137,9 @@ def test_the_command_lines_take_llama_clis_sampler_flags(model, default_gguf, ex
                          timeout=300, stdin=subprocess.DEVNULL)
     assert bad.returncode != 0 and "min_p must be in [0, 1], got 2" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_windows_past_the_context_are_the_context(model):
+    """repeat_last_n / dry_penalty_last_n past n_ctx are n_ctx (llama.cpp would allocate the window)."""
+    big = dict(repeat_penalty=1.5, dry_multiplier=1.0, repeat_last_n=2**31 - 1, dry_penalty_last_n=2**31 - 1)
+    assert greedy(model, **big) == greedy(model, **dict(big, repeat_last_n=-1, dry_penalty_last_n=-1))

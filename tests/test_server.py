@@ -453,6 +453,24 @@ def test_ranges_are_the_runtimes(server, local, field, value) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
 
 
+def test_sampler_chain_fields_are_generates(server, local) -> None:
+    """OpenAI's penalties and logit_bias and llama-server's sampler fields run llama.cpp's samplers:
+    the reply is Clover.generate's with them (chat too, through the openai client's extra_body)."""
+    chain = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repeat_penalty": 1.3, "min_p": 0.1}
+    body = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "block_size": 4, "ignore_eos": True}
+    plain = local.generate("def add(a, b):", max_tokens=12, temperature=0, block_size=4, stop_at_eos=False)
+    ban = plain.tokens[0]
+    r = _post(server, "/v1/completions", {**body, **chain, "logit_bias": {str(ban): -100}})
+    assert r.status_code == 200, r.text
+    want = local.generate("def add(a, b):", max_tokens=12, temperature=0, block_size=4, stop_at_eos=False,
+                          logit_bias={ban: -100.0}, **chain)
+    assert r.json()["choices"][0]["text"] == want.text and want.tokens[0] != ban
+    c = server.client()
+    reply = c.chat.completions.create(model="x", messages=MSGS, max_tokens=4, presence_penalty=1.0,
+                                      extra_body={"dry_multiplier": 0.8, "samplers": "edkt", "mirostat": 0})
+    assert reply.choices[0].message.content is not None
+
+
 def test_top_p_zero_is_argmax(server) -> None:
     """top_p 0 keeps only the most probable token (libclover's rule; the server refused it before):
     accepted, and the seed no longer matters."""
