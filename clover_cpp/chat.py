@@ -24,16 +24,39 @@ from pathlib import Path
 from typing import Any
 
 from ._args import str_arg
-from .errors import CLOVER_ERR_INTERNAL, CloverError, CloverTypeError
+from .errors import CLOVER_ERR_INTERNAL, CloverError, CloverTypeError, CloverValueError
 
-__all__ = ["CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "TEMPLATE_LIMITS", "ChatCalls", "ChatExchange", "ChatTemplateError",
-           "TemplateLimits", "render_chat"]
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "OVERRIDE_HINT", "TEMPLATE_LIMITS", "ChatCalls",
+           "ChatExchange", "ChatTemplateError", "TemplateLimits", "render_chat", "template_override"]
 
 #: used when the GGUF has no template (the format the default model is trained on)
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+#: the templates ``--chat-template`` / ``chat_template=`` take by name (as llama-server's; any other
+#: value is the template's Jinja text)
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
+
+#: what a failing model template's error adds: the way out
+OVERRIDE_HINT = "use --chat-template-file/--chat-template to override"
+
+
+def template_override(chat_template: Any, chat_format: str | None = None) -> str | None:
+    """The template rendered instead of the GGUF's: ``chat_template`` (a name of
+    :data:`BUILTIN_TEMPLATES` or Jinja text; it wins over ``chat_format``), else ChatML for
+    ``chat_format="chatml"``; None: the GGUF's own."""
+    if chat_template is None:
+        return CHATML_TEMPLATE if chat_format == "chatml" else None
+    if not isinstance(chat_template, str):
+        raise CloverTypeError(f"chat_template must be a string (Jinja text or a name: "
+                              f"{', '.join(BUILTIN_TEMPLATES)}), got {type(chat_template).__name__}",
+                              param="chat_template")
+    if not chat_template.strip():
+        raise CloverValueError("chat_template must not be empty", param="chat_template")
+    return BUILTIN_TEMPLATES.get(chat_template, chat_template)
+
 
 #: the end-of-turn markers a chat stops at (besides EOS), when one is a single token of the model's
 END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
@@ -180,16 +203,16 @@ class _Workers:
 _workers = _Workers()
 
 
-def _render(template: str, variables: dict[str, Any], source: str) -> str:
+def _render(template: str, variables: dict[str, Any], source: str, way_out: str = "") -> str:
     """``template`` rendered by a worker; ``source`` names it in errors ("chat template", or the
-    model's with its key)."""
+    model's with its key); ``way_out`` ends the error of a template that failed."""
     reply = _workers.render(template, variables, TEMPLATE_LIMITS)
     if "text" in reply:
         return str(reply["text"])
     message = " ".join(str(reply["error"]).split())
     if reply["kind"] == "refused":
         raise CloverError(f"{source}: {message}")
-    raise ChatTemplateError(f"{source} failed: {message}")
+    raise ChatTemplateError(f"{source} failed: {message}" + (f"; {way_out}" if way_out else ""))
 
 
 def _checked_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -263,6 +286,7 @@ class ChatCalls:
     metadata: Any
     mask_token: Any
     chat_template: Any
+    chat_template_source: Any
     generate: Any
     _generate: Any
     _tokens: Any
@@ -334,13 +358,15 @@ class ChatCalls:
 
     def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
-        """The prompt text of messages under the model's chat template (see :func:`render_chat`;
-        its errors name the model's template)."""
+        """The prompt text of messages under the chat template (:attr:`chat_template`, see
+        :func:`render_chat`; its errors name the template, and a failing GGUF template's the way out)."""
         template = self.chat_template
         variables = dict(template_kwargs, messages=_checked_messages(messages),
                          add_generation_prompt=bool(add_generation_prompt),
                          bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
                          eos_token=self._special_text("tokenizer.ggml.eos_token_id"))
-        source = f"the chat template of {Path(self.model_path).name} (tokenizer.chat_template)" if template else \
-            "chat template"
+        if self.chat_template_source == "model":
+            source = f"the chat template of {Path(self.model_path).name} (tokenizer.chat_template)"
+            return _render(template, variables, source, OVERRIDE_HINT)
+        source = "the chat template given (chat_template, --chat-template)" if template else "chat template"
         return _render(template or CHATML_TEMPLATE, variables, source)

@@ -47,7 +47,7 @@ from . import _native as N
 from . import decoding as D
 from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, text_bytes, token_id, \
     token_ids, tristate_arg
-from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat
+from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat, template_override
 from .compat import LLAMA_DEFAULT_SEED, POOLING_UNSPECIFIED, LlamaCompat, LlamaSettings
 from .decoding import BlockCallback, DecodeThread, Generation, GenerationResult, GenerationStats, \
     GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
@@ -94,7 +94,9 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     of :meth:`generate`; None (default) = "auto" (chosen per block; its cost curve is measured
     once per model file, backend, build and thread count and kept in a disk cache, see
     ``clover.h``); an integer fixes it. ``flash_attn``: None or "auto" = llama.cpp's automatic
-    choice, False or "off" off, True or "on" on. ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
+    choice, False or "off" off, True or "on" on. ``chat_template``: the chat template to render
+    instead of the GGUF's (Jinja text, or a name: "chatml"; llama-server's --chat-template; it wins
+    over ``chat_format``). ``kv_f32=True`` keeps the KV cache in f32 instead of f16 (with flash_attn=False:
     exact parity runs against the numpy reference). ``rpc_servers``: llama.cpp RPC servers
     ("HOST:PORT", a list or a comma-separated string, each running ``ggml-rpc-server``) that
     hold the offloaded layers (``n_gpu_layers``; the rest stays on this machine's CPU), split by
@@ -124,7 +126,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  kv_f32: bool = False, use_mmap: bool | None = None, use_mlock: bool = False, verbose: bool = False,
                  seed: int = LLAMA_DEFAULT_SEED, n_batch: int = 512, n_ubatch: int = 512, logits_all: bool = False,
                  embedding: bool = False, pooling_type: int = POOLING_UNSPECIFIED, chat_format: str | None = None,
-                 chat_handler: Any = None, rpc_servers: str | Sequence[str] | None = None,
+                 chat_handler: Any = None, chat_template: str | None = None,
+                 rpc_servers: str | Sequence[str] | None = None,
                  tensor_split: Sequence[float] | None = None, override_tensor: str | None = None,
                  coreset: int | str | None = "model", _model: H.ModelRef | None = None, **llama_kwargs: Any) -> None:
         # (_model: new_context's, a loaded model this object shares instead of loading one)
@@ -145,6 +148,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor, use_mlock)
         self._llama = LlamaSettings.of(seed, n_batch, n_ubatch, logits_all, embedding, pooling_type, chat_format,
                                        chat_handler, llama_kwargs)
+        self._template_override = template_override(chat_template, self._llama.chat_format)
         self.verbose = bool_arg("verbose", verbose)
         if _model is None:
             H.check_model_path(self.model_path)
@@ -229,6 +233,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                           override_tensor=la.override_tensor, seed=ls.seed if ls.seed is not None else -1,
                           n_batch=ls.n_batch, n_ubatch=ls.n_ubatch, logits_all=ls.logits_all,
                           embedding=ls.embedding, pooling_type=ls.pooling_type, chat_format=ls.chat_format,
+                          chat_template=self._template_override,
                           _model=self._info())
 
     # -- lifetime
@@ -460,9 +465,19 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
     @property
     def chat_template(self) -> str | None:
-        if self._llama.chat_format == "chatml":
-            return CHATML_TEMPLATE
+        """The chat template chats render (:attr:`chat_template_source` says whose); None: the GGUF
+        has none and none was given, so chats render ChatML."""
+        if self._template_override is not None:
+            return self._template_override
         return self.metadata.get("tokenizer.chat_template")
+
+    @property
+    def chat_template_source(self) -> str:
+        """Whose :attr:`chat_template` it is: "given" (chat_template= / chat_format="chatml"),
+        "model" (the GGUF's tokenizer.chat_template) or "default" (ChatML: the GGUF has none)."""
+        if self._template_override is not None:
+            return "given"
+        return "model" if self.metadata.get("tokenizer.chat_template") else "default"
 
     # -- tokenizer (llama-cpp-python's signatures; text may be str too)
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:

@@ -165,7 +165,8 @@ def test_server_answers_while_and_after_a_template_runs_away(hostile_gguf, monke
         r = chat_reply[0]
         assert r.status_code == 400, r.text
         msg = r.json()["error"]["message"]
-        assert msg == f"the chat template of {path.name} (tokenizer.chat_template) failed: it ran past 4 s and was stopped"
+        assert msg == (f"the chat template of {path.name} (tokenizer.chat_template) failed: it ran past 4 s and was "
+                       "stopped; use --chat-template-file/--chat-template to override")
         assert httpx.get(server.url + "/health", timeout=2).status_code == 200
         r = httpx.post(server.url + "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]},
                        timeout=20)

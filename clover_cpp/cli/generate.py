@@ -12,9 +12,9 @@ import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (chain_options, check_flags, constraint_kwargs, constraint_options, coreset_option, flag_errors,
-                      gen_kwargs, model_option, open_model, runtime_options, sampling_options, until_context_end,
-                      use_visual, visual_option)
+from .options import (chain_options, chat_template_options, check_flags, constraint_kwargs, constraint_options,
+                      coreset_option, flag_errors, gen_kwargs, model_option, open_model, runtime_options,
+                      sampling_options, until_context_end, use_visual, visual_option)
 
 CHAT_SEPARATOR = "----"
 
@@ -73,15 +73,18 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Statistics line on stderr.")
 @constraint_options
 @chain_options
+@chat_template_options
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str,
         ignore_eos: bool, reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int,
         n_gpu_layers: int, flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
         verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
         grammar: str | None = None, grammar_file: str | None = None, json_schema: str | None = None,
-        json_schema_file: str | None = None, json_object: bool = False, chain: dict | None = None) -> None:
+        json_schema_file: str | None = None, json_object: bool = False, chain: dict | None = None,
+        chat_template: str | None = None) -> None:
     """Generate text from a prompt with block-diffusion decoding (the prompt is echoed first,
-    as llama-cli does; --no-echo leaves it out)."""
+    as llama-cli does; --no-echo leaves it out). With --chat-template or --chat-template-file,
+    the prompt is one user message rendered with that template (llama-cli's single turn)."""
     text = _read_prompt(prompt, file)
     kw = gen_kwargs(n_predict, block_size, threshold, max_steps, temperature, top_k, top_p, seed, ignore_eos,
                     reverse_prompt, draft_self, coreset)
@@ -89,12 +92,14 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
     kw.update(chain)
     check_flags(kw)
     visual = use_visual(visual)
+    turn = [{"role": "user", "content": text}] if chat_template is not None else None
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                                   tensor_split, override_tensor) as m:
+                                   tensor_split, override_tensor, chat_template) as m:
         if n_predict == -1:
-            n_prompt = len(m.tokenize(text, add_bos=True, special=True))
+            n_prompt = len(m.tokenize(m.format_chat(turn) if turn else text, add_bos=True, special=True))
             kw["max_tokens"] = until_context_end(m, n_prompt, block_size, draft_self)
-        r = generate_to_terminal(m, text, visual, prefix=text if echo and not no_display_prompt else "", **kw)
+        r = generate_to_terminal(m, None if turn else text, visual, chat_messages=turn,
+                                 prefix=text if echo and not no_display_prompt else "", **kw)
         sys.stdout.write("\n")
         sys.stdout.flush()
         if stats:
@@ -142,6 +147,7 @@ def perplexity(model: str, file: str | None, file_opt: str | None, chunk: int, n
               help="Line written between replies when stdout is not a terminal ('' = none).")
 @constraint_options
 @chain_options
+@chat_template_options
 def chat(model: str, system: str | None, n_predict: int, block_size: Any, threshold: float,
          max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str, ignore_eos: bool,
          reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int, n_gpu_layers: int,
@@ -149,7 +155,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
          verbose: bool, visual: bool | None, stats: bool, separator: str, grammar: str | None = None,
          grammar_file: str | None = None, json_schema: str | None = None, json_schema_file: str | None = None,
-         json_object: bool = False, chain: dict | None = None) -> None:
+         json_object: bool = False, chain: dict | None = None, chat_template: str | None = None) -> None:
     """Interactive chat: one user message per line; /exit, /quit or end of input to leave,
     /reset to forget the conversation. Earlier turns stay in the context's memory and are
     not read again (prefix reuse). When stdout is not a terminal, a separator line is written
@@ -165,7 +171,7 @@ def chat(model: str, system: str | None, n_predict: int, block_size: Any, thresh
     n_replies = 0
     base: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                                   tensor_split, override_tensor) as m:
+                                   tensor_split, override_tensor, chat_template) as m:
         m.format_chat([{"role": "user", "content": "x"}])  # template problems show up now, not later
         history: list[dict[str, str]] = []
         if interactive:

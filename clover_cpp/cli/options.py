@@ -120,6 +120,37 @@ def constraint_options(f: Any) -> Any:
     return f
 
 
+def chat_template_options(f: Any) -> Any:
+    """llama-server's chat-template flags, passed to the command as one ``chat_template``: the
+    template's text (a file read, a name looked up) or None (the model's own)."""
+    from ..chat import BUILTIN_TEMPLATES
+
+    @functools.wraps(f)
+    def command(*args: Any, **kw: Any) -> Any:
+        text, path = kw.pop("chat_template"), kw.pop("chat_template_file")
+        kw.pop("jinja")
+        if text is not None and path is not None:
+            raise UserError("give --chat-template or --chat-template-file, not both")
+        if path is not None:
+            text = _read_flag_file("--chat-template-file", path)
+        if text is not None and not text.strip():
+            raise UserError(f"{'--chat-template' if path is None else f'--chat-template-file {path}'}: "
+                            "the template is empty")
+        return f(*args, chat_template=None if text is None else BUILTIN_TEMPLATES.get(text, text), **kw)
+
+    for option in reversed([
+        click.option("--chat-template", "chat_template", default=None, metavar="NAME|JINJA",
+                     help=f"Render chats with this template instead of the model's: a name "
+                          f"({', '.join(BUILTIN_TEMPLATES)}) or Jinja text (as llama-server's)."),
+        click.option("--chat-template-file", "chat_template_file", default=None, metavar="FILE",
+                     help="Render chats with the Jinja template in FILE instead of the model's."),
+        click.option("--jinja", "jinja", is_flag=True,
+                     help="Accepted for llama-server's command lines; no effect: chat templates are always Jinja."),
+    ]):
+        command = option(command)
+    return command
+
+
 def _read_flag_file(flag: str, path: str) -> str:
     if not Path(path).is_file():  # (a FIFO would block the read)
         raise UserError(f"{flag} {path}: not a readable file")
@@ -220,6 +251,7 @@ FLAGS = {"max_tokens": "--n-predict", "block_size": "--block-size", "threshold":
          "draft_self": "--draft-self", "stop": "--reverse-prompt", "n_ctx": "--ctx-size", "n_threads": "--threads",
          "n_gpu_layers": "--n-gpu-layers", "flash_attn": "--flash-attn", "rpc_servers": "--rpc",
          "tensor_split": "--tensor-split", "override_tensor": "--override-tensor", "coreset": "--coreset",
+         "chat_template": "--chat-template",
          "dry_sequence_breakers": "--dry-sequence-breaker", "logit_bias": "--logit-bias",
          **{name: flag for name, flag, *_ in CHAIN_FLAGS if flag != "--sampling-seq"}}
 
@@ -328,7 +360,8 @@ def set_verbose() -> None:
 
 def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
                verbose: bool, flash_attn: str = "auto", rpc: str | None = None,
-               tensor_split: list[float] | None = None, override_tensor: str | None = None) -> Any:
+               tensor_split: list[float] | None = None, override_tensor: str | None = None,
+               chat_template: str | None = None) -> Any:
     from .. import Clover, CloverError
 
     # libclover checks the file (missing, not a GGUF, wrong architecture, bad metadata) with
@@ -340,7 +373,7 @@ def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int,
     try:
         return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers, block_size=block_size,
                       flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
-                      override_tensor=override_tensor)
+                      override_tensor=override_tensor, chat_template=chat_template)
     except CloverError as e:
         raise refused(e) from None
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from .group import CONTEXT_SETTINGS, UserError, cli
-from .options import model_option, runtime_options, set_verbose
+from .options import chat_template_options, model_option, runtime_options, set_verbose
 
 
 @cli.command(context_settings=CONTEXT_SETTINGS)
@@ -109,10 +109,12 @@ def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
                    "[default: the file's general.name, else its file name].")
 @click.option("--access-log", is_flag=True, help="A line per request on stdout (uvicorn's access log; also with --verbose).")
 @runtime_options
+@chat_template_options
 def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None, max_body: int,
           max_messages: int, body_timeout: float, max_block_size: int, stuck_timeout: float, alias: str | None,
           access_log: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
-          tensor_split: list[float] | None, override_tensor: str | None, verbose: bool) -> None:
+          tensor_split: list[float] | None, override_tensor: str | None, verbose: bool,
+          chat_template: str | None = None) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics, /props, /tokenize, /detokenize; llama-server's /completion and /slots
     too. Clover's knobs are extra request fields (block_size, threshold); endpoints, fields
@@ -136,5 +138,6 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
                n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
                flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
                override_tensor=override_tensor, model_name=alias, access_log=access_log, on_ready=banner,
+               chat_template=chat_template,
                limits=Limits(max_body_bytes=max_body, max_messages=max_messages, body_timeout=body_timeout,
                              max_block_size=max_block_size, stuck_after=stuck_timeout))

@@ -24,6 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import Clover, CloverError, GenerationResult
+from ..chat import CHATML_TEMPLATE
 from . import format as fmt
 from . import llama_dialect as llama
 from .asgi import Guard
@@ -168,7 +169,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                           "draft-self": "draft_self: true (the output of block_size 1, verified)",
                           "auto": "draft_self: 'auto' with block_size 'auto': B = 1, block diffusion or draft-self "
                                   "per block (the reply's clover.mode)"},
-                "parallel": parallel, "queue_size": max_queue, "chat_template": template,
+                "parallel": parallel, "queue_size": max_queue, "chat_template": template or CHATML_TEMPLATE,
+                "chat_template_source": model.chat_template_source,
                 "total_slots": parallel, "default_generation_settings": {"n_ctx": model.n_ctx()},  # (llama-server's)
                 "limits": {"max_body_bytes": limits.max_body_bytes, "max_messages": limits.max_messages,
                            "body_timeout_s": limits.body_timeout, "max_block_size": limits.max_block_size,

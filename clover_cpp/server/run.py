@@ -151,11 +151,14 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
           max_queue: int = 64, log_level: str = "warning", flash_attn: bool | None = None,
           rpc_servers: str | None = None, tensor_split: list[float] | None = None,
           override_tensor: str | None = None, limits: Limits | None = None, model_name: str | None = None,
-          access_log: bool = False, on_ready: Callable[[str], None] | None = None) -> None:
+          access_log: bool = False, on_ready: Callable[[str], None] | None = None,
+          chat_template: str | None = None) -> None:
     """Bind the port, load the model and serve it until interrupted. ``model_name``: the model's
     id in the API (llama-server's --alias; default: the file's general.name, else its stem);
     ``access_log``: uvicorn's line per request (on stdout); ``on_ready(url)`` runs once the port
-    is bound and the model loaded, just before the first request is served."""
+    is bound and the model loaded, just before the first request is served; ``chat_template``:
+    the template chats render instead of the GGUF's (Clover's), rendered once before serving so
+    that one that fails stops the start with its error."""
     check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
     with listen(host, port) as sock:
         if n_threads is None:
@@ -165,8 +168,11 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
             n_threads = max(1, ((os.cpu_count() or 1) - 1) // parallel)
         show_notices()  # the first request of block size auto measures the cost curve: the log says so
         model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
-                       rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor)
+                       rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor,
+                       chat_template=chat_template)
         try:
+            if chat_template is not None:
+                model.format_chat([{"role": "user", "content": "hi"}])
             _run(sock, model, parallel, api_key, max_queue, log_level, limits, model_name, access_log, on_ready)
         finally:
             model.close()
