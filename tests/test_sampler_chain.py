@@ -143,3 +143,15 @@ def test_windows_past_the_context_are_the_context(model):
     """repeat_last_n / dry_penalty_last_n past n_ctx are n_ctx (llama.cpp would allocate the window)."""
     big = dict(repeat_penalty=1.5, dry_multiplier=1.0, repeat_last_n=2**31 - 1, dry_penalty_last_n=2**31 - 1)
     assert greedy(model, **big) == greedy(model, **dict(big, repeat_last_n=-1, dry_penalty_last_n=-1))
+
+
+def test_grammar_then_the_chain_and_draft_self_stays_b1(model):
+    """The grammar applies first, then the chain; draft-self's verification of a constrained call stays
+    the constrained B = 1 output under the chain."""
+    g = 'root ::= [a-z ]+'
+    kw = dict(grammar=g, repeat_penalty=1.5, presence_penalty=0.5)
+    b1 = model.generate(PROMPT, max_tokens=N, block_size=1, temperature=0, **kw)
+    assert b1.text.strip() and set(b1.text) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert b1.tokens != model.generate(PROMPT, max_tokens=N, block_size=1, temperature=0, grammar=g).tokens
+    ds = model.generate(PROMPT, max_tokens=N, block_size=8, temperature=0, draft_self=True, **kw)
+    assert ds.stats.grammar_mode == "draft-self" and ds.tokens == b1.tokens
