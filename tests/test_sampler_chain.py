@@ -155,3 +155,14 @@ def test_grammar_then_the_chain_and_draft_self_stays_b1(model):
     assert b1.tokens != model.generate(PROMPT, max_tokens=N, block_size=1, temperature=0, grammar=g).tokens
     ds = model.generate(PROMPT, max_tokens=N, block_size=8, temperature=0, draft_self=True, **kw)
     assert ds.stats.grammar_mode == "draft-self" and ds.tokens == b1.tokens
+
+
+def test_draft_self_acceptance_reads_the_post_chain_distribution(model):
+    """At temperature > 0 draft-self accepts against the distributions after the chain: with top_k 1 in
+    the chain they are one-hot, so every mode gives greedy B = 1's text under the same penalties."""
+    want = greedy(model, repeat_penalty=1.5)
+    kw = dict(max_tokens=N, temperature=1.0, stop_at_eos=False, samplers="penalties;top_k;temperature", top_k=1,
+              repeat_penalty=1.5)
+    for seed in (1, 2):
+        assert model.generate(PROMPT, block_size=1, seed=seed, **kw).tokens == want
+        assert model.generate(PROMPT, block_size=8, draft_self=True, seed=seed, **kw).tokens == want
