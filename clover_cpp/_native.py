@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 5
+CLOVER_API_VERSION = 6
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -402,6 +402,18 @@ def clover_n_committed(ctx: int | None, /) -> int: ...
 
 @_c("clover_committed_tokens", [clover_context_p, c_int32_p, c_int32], c_int32)
 def clover_committed_tokens(ctx: int | None, out: Any, n_max: int, /) -> int: ...
+
+
+@_c("clover_state_size", [clover_context_p], c_size_t)
+def clover_state_size(ctx: int | None, /) -> int: ...
+
+
+@_c("clover_state_save", [clover_context_p, c_char_buf, c_size_t, POINTER(c_size_t), c_char_buf, c_size_t], c_int)
+def clover_state_save(ctx: int | None, dst: Any, size: int, n_written: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_state_load", [clover_context_p, c_char_p, c_size_t, c_char_buf, c_size_t], c_int)
+def clover_state_load(ctx: int | None, src: Any, size: int, err: Any, err_len: int, /) -> int: ...
 
 
 @_c("clover_calibrate", [clover_context_p, c_int32_p, c_double_p, c_double_p, c_int32, c_int32_p, c_char_buf,

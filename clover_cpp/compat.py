@@ -4,6 +4,7 @@ or refused: a knob Clover's sampler does not have is accepted only at its neutra
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import time
@@ -16,7 +17,7 @@ import numpy as np
 
 from . import _native as N
 from ._args import INT32_MAX, bool_arg, int_arg, strings_arg
-from .errors import CloverError, CloverTypeError, CloverValueError
+from .errors import CloverError, CloverTypeError, CloverValueError, check
 
 if TYPE_CHECKING:
     from .decoding import GenerationResult, StreamPiece
@@ -158,15 +159,11 @@ class LlamaSettings:
                    bool_arg("embedding", embedding), pooling, chat_format)
 
 
-#: the ``llama_state`` of a :class:`LlamaState` Clover saved: the memory is rebuilt from the
-#: tokens on load (libclover has no call for llama.cpp's state bytes of its context yet)
-RECOMMIT_STATE = b"clover-state: recommit v1"
-
-
 class LlamaState:
     """llama-cpp-python's ``LlamaState`` (the same fields): the committed tokens
     (``input_ids[:n_tokens]``), the logits of the last one (``scores``, [1, n_vocab]; [0, n_vocab]
-    when nothing is committed), ``llama_state`` and the default seed."""
+    when nothing is committed), ``llama_state`` (libclover's state bytes: clover_state_save) and
+    the default seed."""
 
     def __init__(self, input_ids: np.ndarray, scores: np.ndarray, n_tokens: int, llama_state: bytes,
                  llama_state_size: int, seed: int) -> None:
@@ -204,6 +201,7 @@ class LlamaCompat:
     _load_args: Any
     committed_tokens: Any
     last_logits: Any
+    _decoder: Any
 
     def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> PromptLogprobs:
         """The log-probability of each token of ``prompt`` (text: tokenized as generate() does)
@@ -230,31 +228,41 @@ class LlamaCompat:
 
     # -- llama-cpp-python's state and embedding calls
     def save_state(self) -> LlamaState:
-        """The context's memory as a :class:`LlamaState` (llama-cpp-python's fields):
-        :meth:`load_state` puts it back, and a generation then continues exactly as it would
-        have without the calls in between (greedy: the same tokens; the prompt's reused part
-        is not read again)."""
-        with self._op():
+        """The context's memory as a :class:`LlamaState` (llama-cpp-python's fields; its
+        ``llama_state`` holds libclover's state bytes: llama.cpp's state of the memory with the
+        committed tokens and the last logits): :meth:`load_state` puts it back, and a generation
+        then continues exactly as it would have without the calls in between (greedy: the same
+        tokens; none of the saved tokens is read again)."""
+        with self._op() as c:
+            L, (err, n) = N.lib(), N.err_buffer()
+            size = int(L.clover_state_size(c))
+            buf, written = ctypes.create_string_buffer(size), ctypes.c_size_t(0)
+            check(self._decoder.call(lambda: L.clover_state_save(c, buf, size, ctypes.byref(written), err, n)), err,
+                  "save_state")
+            data = buf.raw[:written.value]
             toks = self.committed_tokens
             scores = self.last_logits()[None, :] if toks else np.empty((0, self.n_vocab()), np.float32)
         seed = self._llama.seed
-        return LlamaState(np.asarray(toks, dtype=np.intc), scores, len(toks), RECOMMIT_STATE, len(RECOMMIT_STATE),
+        return LlamaState(np.asarray(toks, dtype=np.intc), scores, len(toks), data, len(data),
                           LLAMA_DEFAULT_SEED if seed is None else seed)
 
     def load_state(self, state: LlamaState) -> None:
-        """Restore a :meth:`save_state` of this model: the memory is rebuilt by committing its
-        tokens again (the memory of the committed text, whatever decoding made it), and the
-        default seed is the state's. A state of llama-cpp-python's own ``Llama`` is refused (its
-        bytes are another context's)."""
-        if getattr(state, "llama_state", None) != RECOMMIT_STATE:
-            raise CloverValueError("load_state: not a state saved by Clover.save_state", param="state")
-        n = int_arg("n_tokens", state.n_tokens, 0, INT32_MAX)
-        toks = self._tokens(np.asarray(state.input_ids)[:n])
+        """Restore a :meth:`save_state` of this model (into this or another context of it, any
+        block size): the memory, its tokens and last logits come from ``llama_state`` without a
+        forward pass, and the default seed is the state's. Bytes of another model or KV type, of
+        llama-cpp-python's own ``Llama``, truncated or damaged: one CloverValueError, the memory
+        unchanged."""
+        data = getattr(state, "llama_state", None)
+        if not isinstance(data, (bytes, bytearray)):
+            raise CloverValueError("load_state: state.llama_state is not the bytes of Clover.save_state",
+                                   param="state")
         seed = int_arg("seed", state.seed, -1, LLAMA_DEFAULT_SEED)
-        with self._op():
-            self.reset()
-            if toks:
-                self.commit(toks)
+        data = bytes(data)
+        with self._op() as c:
+            L, (err, n) = N.lib(), N.err_buffer()
+            rc = self._decoder.call(lambda: L.clover_state_load(c, data, len(data), err, n))
+            if rc != N.CLOVER_OK:
+                raise CloverValueError(f"load_state: {err.value.decode('utf-8', 'replace')}"[:400], param="state")
             self._last = None  # (a chat's next turn re-reads its prompt's tokens: they are in the memory)
         self._llama = replace(self._llama, seed=None if seed in (-1, LLAMA_DEFAULT_SEED) else seed)
 

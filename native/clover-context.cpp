@@ -553,3 +553,219 @@ int clover_last_logits(const clover_context * ctx, float * logits_out) {
 }
 
 } // extern "C"
+
+// ---------------------------------------------------------------- state (clover_state_*)
+// The bytes: a header (what must match for the memory to mean the same on load), the committed
+// tokens, L_last, then llama.cpp's state of the memory sequence (llama_state_seq_get_data), with
+// an FNV-1a checksum over all of it after the magic so that damaged bytes are refused before
+// llama.cpp reads them.
+
+namespace clover_impl {
+namespace {
+
+constexpr char     k_state_magic[8]   = { 'C', 'L', 'O', 'V', 'S', 'T', 'A', 'T' };
+constexpr uint32_t k_state_version    = 1;
+
+struct state_header {
+    char     magic[8];
+    uint32_t version;
+    int32_t  n_vocab, n_embd, n_layer, kv_f32;
+    uint64_t n_params, model_size; // (two files of one architecture and shape differ in these)
+    int32_t  n_committed, has_logits;
+    uint64_t seq_size;   // llama.cpp's bytes of the memory sequence
+    uint64_t checksum;   // FNV-1a 64 of everything after this header
+};
+
+uint64_t fnv1a(const uint8_t * p, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; ++i) {
+        h = (h ^ p[i]) * 1099511628211ull;
+    }
+    return h;
+}
+
+// the header of c's memory; seq: with the size of llama.cpp's bytes of it (a dry run of the write)
+state_header header_of(clover_context * c, bool seq) {
+    state_header h{};
+    memcpy(h.magic, k_state_magic, sizeof(h.magic));
+    h.version     = k_state_version;
+    h.n_vocab     = c->model->n_vocab;
+    h.n_embd      = llama_model_n_embd(c->model->lm);
+    h.n_layer     = llama_model_n_layer(c->model->lm);
+    h.kv_f32      = c->kv_f32;
+    h.n_params    = llama_model_n_params(c->model->lm);
+    h.model_size  = llama_model_size(c->model->lm);
+    h.n_committed = c->n_committed;
+    h.has_logits  = c->last_logits.empty() ? 0 : 1;
+    h.seq_size    = seq && c->n_committed > 0 ? llama_state_seq_get_size(c->lctx, c->mem_seq) : 0;
+    return h;
+}
+
+size_t body_size(const state_header & h) {
+    return (size_t) h.n_committed * sizeof(int32_t) + (h.has_logits ? (size_t) h.n_vocab * sizeof(float) : 0) +
+           h.seq_size;
+}
+
+// why a state of header h cannot be this context's ("" = it can)
+std::string state_mismatch(clover_context * c, const state_header & h, size_t size) {
+    const state_header mine = header_of(c, false);
+    if (h.version != k_state_version) {
+        return "state format version " + std::to_string(h.version) + ", this libclover reads version " +
+               std::to_string(k_state_version);
+    }
+    if (h.n_vocab != mine.n_vocab || h.n_embd != mine.n_embd || h.n_layer != mine.n_layer ||
+        h.n_params != mine.n_params || h.model_size != mine.model_size) {
+        return "the state is another model's (n_vocab " + std::to_string(h.n_vocab) + ", n_embd " +
+               std::to_string(h.n_embd) + ", n_layer " + std::to_string(h.n_layer) + ", " +
+               std::to_string(h.n_params) + " parameters; this model: " + std::to_string(mine.n_vocab) + ", " +
+               std::to_string(mine.n_embd) + ", " + std::to_string(mine.n_layer) + ", " +
+               std::to_string(mine.n_params) + ")";
+    }
+    if (h.kv_f32 != mine.kv_f32) {
+        return std::string("the state's KV cache is ") + (h.kv_f32 ? "f32" : "f16") + ", this context's " +
+               (mine.kv_f32 ? "f32" : "f16");
+    }
+    if (h.n_committed < 0 || h.n_committed > c->n_ctx) {
+        return "the state holds " + std::to_string(h.n_committed) + " tokens, this context takes 0.." +
+               std::to_string(c->n_ctx);
+    }
+    if (h.has_logits != (h.n_committed > 0 ? 1 : 0) || (h.n_committed > 0) != (h.seq_size > 0)) {
+        return "the state's header is damaged";
+    }
+    if (h.seq_size > size || size - sizeof(state_header) != body_size(h)) {
+        return "the state is " + std::to_string(size) + " bytes, its header says " +
+               std::to_string(sizeof(state_header) + body_size(h)) + " (truncated or damaged)";
+    }
+    return "";
+}
+
+} // namespace
+
+size_t state_size(clover_context * c) {
+    return sizeof(state_header) + body_size(header_of(c, true));
+}
+
+int state_save(clover_context * c, uint8_t * dst, size_t size, size_t & n_written, std::string & msg) {
+    state_header h    = header_of(c, true);
+    const size_t need = sizeof(state_header) + body_size(h);
+    if (size < need) {
+        msg = "state buffer of " + std::to_string(size) + " bytes, the state takes " + std::to_string(need);
+        return CLOVER_ERR_BUFFER_TOO_SMALL;
+    }
+    uint8_t * p = dst + sizeof(state_header);
+    memcpy(p, c->mem_tokens.data(), (size_t) h.n_committed * sizeof(int32_t));
+    p += (size_t) h.n_committed * sizeof(int32_t);
+    if (h.has_logits) {
+        memcpy(p, c->last_logits.data(), (size_t) h.n_vocab * sizeof(float));
+        p += (size_t) h.n_vocab * sizeof(float);
+    }
+    if (h.seq_size > 0 && llama_state_seq_get_data(c->lctx, p, h.seq_size, c->mem_seq) != h.seq_size) {
+        msg = "state: llama.cpp could not write the memory";
+        return CLOVER_ERR_INTERNAL;
+    }
+    h.checksum = fnv1a(dst + sizeof(state_header), need - sizeof(state_header));
+    memcpy(dst, &h, sizeof(h));
+    n_written = need;
+    return CLOVER_OK;
+}
+
+// Checks every part before the memory changes: a refused state leaves it as it was; one that
+// llama.cpp refuses after that leaves it empty.
+int state_load(clover_context * c, const uint8_t * src, size_t size, std::string & msg) {
+    state_header h{};
+    if (size < sizeof(h) || memcmp(src, k_state_magic, sizeof(k_state_magic)) != 0) {
+        msg = "state: not a libclover state (" + std::to_string(size) + " bytes without libclover's header)";
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    memcpy(&h, src, sizeof(h));
+    msg = state_mismatch(c, h, size);
+    if (msg.empty() && fnv1a(src + sizeof(h), size - sizeof(h)) != h.checksum) {
+        msg = "the state's bytes are damaged (checksum mismatch)";
+    }
+    const uint8_t * p    = src + sizeof(h);
+    const int32_t * toks = nullptr;
+    std::vector<int32_t> tokens;
+    if (msg.empty()) {
+        tokens.resize(h.n_committed);
+        memcpy(tokens.data(), p, tokens.size() * sizeof(int32_t));
+        p += tokens.size() * sizeof(int32_t);
+        toks = tokens.data();
+        if (check_tokens(c, toks, h.n_committed, msg) != CLOVER_OK) {
+            msg = "the state's " + msg;
+        }
+    }
+    if (!msg.empty()) {
+        msg = "state: " + msg;
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    std::vector<float> last;
+    if (h.has_logits) {
+        last.resize(h.n_vocab);
+        memcpy(last.data(), p, last.size() * sizeof(float));
+        p += last.size() * sizeof(float);
+    }
+    clear_memory(c);
+    if (h.seq_size == 0) {
+        return CLOVER_OK;
+    }
+    g_last_log_error.clear();
+    llama_memory_t mem = llama_get_memory(c->lctx);
+    if (llama_state_seq_set_data(c->lctx, p, h.seq_size, 0) != h.seq_size ||
+        llama_memory_seq_pos_max(mem, 0) != h.n_committed - 1) {
+        clear_memory(c);
+        const std::string le = last_log_error();
+        msg = "state: llama.cpp refused the memory" + (le.empty() ? std::string() : ": " + le);
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    c->n_committed = h.n_committed;
+    c->mem_tokens  = std::move(tokens);
+    c->last_logits = std::move(last);
+    return rpc_lost(c, "state", msg);
+}
+
+} // namespace clover_impl
+
+extern "C" {
+
+size_t clover_state_size(clover_context * ctx) {
+    size_t n = 0;
+    guarded(nullptr, 0, [&]() -> int {
+        n = ctx && ctx->lctx ? state_size(ctx) : 0;
+        return CLOVER_OK;
+    });
+    return n;
+}
+
+int clover_state_save(clover_context * ctx, uint8_t * dst, size_t size, size_t * n_written, char * err,
+                      size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (n_written) {
+            *n_written = 0;
+        }
+        if (!ctx || !ctx->lctx || !dst) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context or dst is NULL");
+        }
+        std::string msg;
+        size_t      n  = 0;
+        const int   rc = state_save(ctx, dst, size, n, msg);
+        if (n_written) {
+            *n_written = n;
+        }
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+int clover_state_load(clover_context * ctx, const uint8_t * src, size_t size, char * err, size_t err_len) {
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        if (!ctx || !ctx->lctx || !src) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "context or src is NULL");
+        }
+        std::string msg;
+        const int   rc = state_load(ctx, src, size, msg);
+        return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
+    });
+}
+
+} // extern "C"

@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 5
+#define CLOVER_API_VERSION 6
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -244,6 +244,21 @@ CLOVER_API int32_t clover_n_committed(const clover_context * ctx);
  * finished decode block but the last): copies min(n_committed, n_max) of them, from the first,
  * into out (may be NULL when n_max <= 0) and returns n_committed (0 for a NULL context). */
 CLOVER_API int32_t clover_committed_tokens(const clover_context * ctx, int32_t * out, int32_t n_max);
+
+/* The memory as bytes (llama.cpp's llama_state_seq_* of the committed sequence, with the committed
+ * tokens and the last logits, behind a versioned header naming the model and the KV type):
+ * clover_state_load into a context of the same model (any block size) continues a generation
+ * exactly as without the calls in between, and reads none of the tokens again.
+ * clover_state_size: the bytes clover_state_save writes now (0 for a NULL context).
+ * clover_state_save: CLOVER_ERR_BUFFER_TOO_SMALL when size is less; *n_written (may be NULL) = the
+ * bytes written. clover_state_load: CLOVER_ERR_INVALID_ARG and one line for bytes of another
+ * model, KV type, format version or size, damaged (checksum) or truncated; the memory is then
+ * unchanged (cleared if llama.cpp itself refuses the sequence's bytes). */
+CLOVER_API size_t clover_state_size(clover_context * ctx);
+CLOVER_API int    clover_state_save(clover_context * ctx, uint8_t * dst, size_t size, size_t * n_written, char * err,
+                                    size_t err_len);
+CLOVER_API int    clover_state_load(clover_context * ctx, const uint8_t * src, size_t size, char * err,
+                                    size_t err_len);
 
 /* ---------------------------------------------------------------- block size auto */
 

@@ -121,14 +121,51 @@ def test_load_state_continues_exactly(llm):
     first = llm.generate(prompt, max_tokens=12, block_size=1, stop_at_eos=False)
     state = llm.save_state()
     assert state.n_tokens == len(state.input_ids) > len(prompt) and state.scores.shape == (1, llm.n_vocab())
+    assert isinstance(state.llama_state, bytes) and state.llama_state_size == len(state.llama_state)
     go_on = prompt + list(first.tokens)
     want = llm.generate(go_on, max_tokens=12, block_size=1, stop_at_eos=False)
     llm.generate("something else entirely", max_tokens=8, block_size=4)  # (the memory is another text's now)
     llm.load_state(state)
     assert llm.committed_tokens == list(state.input_ids) and llm.n_tokens == state.n_tokens
-    assert abs(llm.last_logits() - state.scores[0]).max() < 1e-3
+    assert abs(llm.last_logits() - state.scores[0]).max() == 0
     got = llm.generate(go_on, max_tokens=12, block_size=1, stop_at_eos=False)
     assert got.tokens == want.tokens and got.stats.n_reused == want.stats.n_reused == state.n_tokens
+
+
+class _NoDecode:
+    """libclover with its decoding calls refused: a load that ran a forward pass would raise."""
+
+    def __init__(self, L):
+        self._L = L
+
+    def __getattr__(self, name):
+        if name in ("clover_commit", "clover_commit_logits", "clover_generate", "clover_block_pass"):
+            raise AssertionError(f"load_state called {name}")
+        return getattr(self._L, name)
+
+
+def test_load_state_reads_no_token_into_another_context(llm, gguf, monkeypatch):
+    """The state's bytes alone make the memory: a new context (another block size) loads it without a
+    forward pass, with input_ids blanked, and its next generation equals the first context's; the
+    prompt is all reused (no prefill forward)."""
+    from clover_cpp import Clover
+    from clover_cpp import _native as N
+
+    prompt = llm.tokenize(b"The quick brown fox", add_bos=True, special=True)
+    llm.reset()
+    llm.commit(prompt)
+    state = llm.save_state()
+    want = llm.generate(prompt, max_tokens=10, block_size=1, stop_at_eos=False)
+    assert want.stats.n_reused == len(prompt)
+    state.input_ids[:] = 0
+    with Clover(gguf, n_ctx=512, n_threads=1, block_size=2) as other:
+        real = N.lib()
+        monkeypatch.setattr(N, "lib", lambda: _NoDecode(real))
+        other.load_state(state)
+        monkeypatch.setattr(N, "lib", lambda: real)
+        assert other.committed_tokens == prompt
+        got = other.generate(prompt, max_tokens=10, block_size=1, stop_at_eos=False)
+    assert got.tokens == want.tokens and got.stats.n_reused == len(prompt) and got.stats.n_prompt == len(prompt)
 
 
 def test_load_state_refuses_foreign_states(llm):
@@ -137,6 +174,57 @@ def test_load_state_refuses_foreign_states(llm):
     foreign = LlamaState(llm.save_state().input_ids, llm.save_state().scores, 0, b"\x01\x02", 2, 0)
     with pytest.raises(CloverValueError, match="load_state"):
         llm.load_state(foreign)
+
+
+def _with_bytes(state, data: bytes):
+    from clover_cpp.compat import LlamaState
+
+    return LlamaState(state.input_ids, state.scores, state.n_tokens, data, len(data), state.seed)
+
+
+def test_load_state_refuses_damaged_bytes_with_one_line(llm):
+    """Truncated, extended, bit-flipped (header, tokens, llama.cpp's bytes) or empty: one CloverValueError
+    line, and the memory as it was."""
+    prompt = llm.tokenize(b"hello world", add_bos=True, special=True)
+    llm.reset()
+    llm.commit(prompt)
+    state = llm.save_state()
+    data = state.llama_state
+    flipped = []
+    for at in (9, 40, 90, len(data) // 2, len(data) - 1):  # version, header fields, tokens, body, last byte
+        b = bytearray(data)
+        b[at] ^= 0x5A
+        flipped.append(bytes(b))
+    for bad in [b"", data[:10], data[:100], data[:-1], data + b"\0", *flipped]:
+        with pytest.raises(CloverValueError, match=r"^load_state: state: ") as e:
+            llm.load_state(_with_bytes(state, bad))
+        assert "\n" not in str(e.value)
+        assert llm.committed_tokens == prompt
+    llm.load_state(state)  # (the good bytes still load)
+    assert llm.committed_tokens == prompt
+
+
+def test_load_state_refuses_another_models_or_kv_types_state(llm, tiny_artifacts):
+    from clover_cpp import Clover
+
+    llm.reset()
+    llm.commit(llm.tokenize(b"hi", add_bos=True, special=True))
+    state = llm.save_state()
+    with Clover(tiny_artifacts["q8_0"], n_ctx=512, n_threads=1, block_size=4) as q8:
+        with pytest.raises(CloverValueError, match="another model's"):
+            q8.load_state(state)
+    with Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1, block_size=4, kv_f32=True, flash_attn=False) as f32:
+        with pytest.raises(CloverValueError, match="KV cache is f16, this context's f32"):
+            f32.load_state(state)
+
+
+def test_empty_state_round_trip(llm):
+    llm.reset()
+    state = llm.save_state()
+    assert state.n_tokens == 0 and state.scores.shape == (0, llm.n_vocab())
+    llm.commit(llm.tokenize(b"x", add_bos=True, special=True))
+    llm.load_state(state)
+    assert llm.committed_tokens == []
 
 
 def test_embeddings(gguf):

@@ -871,6 +871,47 @@ def test_committed_tokens(model, vocab_hi):
     assert L.clover_committed_tokens(None, None, 0) == 0
 
 
+def _state(ctx) -> bytes:
+    size = L.clover_state_size(ctx.p)
+    buf, written, eb = ctypes.create_string_buffer(size), ctypes.c_size_t(0), N.err_buffer()
+    assert L.clover_state_save(ctx.p, buf, size, ctypes.byref(written), *eb) == N.CLOVER_OK, eb[0].value
+    assert written.value == size
+    return buf.raw
+
+
+def test_state_save_load_continues_block_diffusion(model, vocab_hi):
+    """clover_state_save after a block-diffusion generation (fused commits), clover_state_load into
+    another context of another block size: the next generation equals the uninterrupted one, the
+    memory's tokens and L_last are the saved ones, none of them read again (n_reused)."""
+    prompt = _prompt(44, 9, vocab_hi)
+    with Ctx(model, 4) as ctx, Ctx(model, 8) as other:
+        rc, toks, _, msg = ctx.generate(prompt, max_tokens=12, block_size=4, stop_at_eos=False)
+        assert rc == N.CLOVER_OK, msg
+        saved, mem, last = _state(ctx), ctx.committed_tokens(), ctx.last_logits()
+        go_on = prompt + toks
+        rc, want, st_want, msg = ctx.generate(go_on, max_tokens=12, block_size=4, stop_at_eos=False)
+        eb = N.err_buffer()
+        assert L.clover_state_load(other.p, saved, len(saved), *eb) == N.CLOVER_OK, eb[0].value
+        assert other.committed_tokens() == mem and np.array_equal(other.last_logits(), last)
+        rc, got, st, msg = other.generate(go_on, max_tokens=12, block_size=4, stop_at_eos=False)
+        assert rc == N.CLOVER_OK and got == want and st.n_reused == st_want.n_reused == len(mem)
+
+
+def test_state_refusals(model, vocab_hi):
+    """A buffer too small, NULLs, a NULL context's size: status codes with one line, nothing written."""
+    with Ctx(model, 4) as ctx:
+        ctx.commit(_prompt(45, 5, vocab_hi))
+        size = L.clover_state_size(ctx.p)
+        buf, written, eb = ctypes.create_string_buffer(size), ctypes.c_size_t(7), N.err_buffer()
+        assert L.clover_state_save(ctx.p, buf, size - 1, ctypes.byref(written), *eb) == N.CLOVER_ERR_BUFFER_TOO_SMALL
+        assert written.value == 0 and str(size) in eb[0].value.decode()
+        assert L.clover_state_save(None, buf, size, None, *eb) == N.CLOVER_ERR_INVALID_ARG
+        assert L.clover_state_load(ctx.p, None, 0, *eb) == N.CLOVER_ERR_INVALID_ARG
+        assert L.clover_state_load(ctx.p, b"CLOVSTAT", 8, *eb) == N.CLOVER_ERR_INVALID_ARG
+        assert ctx.n_committed == 5
+    assert L.clover_state_size(None) == 0
+
+
 # ----------------------------------------------------------------------------- sampling
 def test_seeded_sampling_reproducible(model, vocab_hi):
     prompt = _prompt(51, 6, vocab_hi)
