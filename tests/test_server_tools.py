@@ -192,6 +192,8 @@ def test_a_forced_call_of_the_real_model_follows_the_tools_schema(real) -> None:
         r = c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice="required", max_tokens=200,
                                       temperature=0)
         assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        r = c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice, max_tokens=200,
+                                      temperature=0)
         chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice,
                                                 max_tokens=200, temperature=0, stream=True))
         (d,) = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
@@ -199,5 +201,55 @@ def test_a_forced_call_of_the_real_model_follows_the_tools_schema(real) -> None:
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice, max_tokens=20,
                                       response_format={"type": "json_object"})
+    finally:
+        s.stop()
+
+
+PLACE = {"type": "object", "additionalProperties": False, "required": ["place"],
+         "properties": {"place": {"$ref": "#/$defs/place"}}, "$defs": {"place": {
+             "type": "object", "additionalProperties": False, "required": ["lat", "lon"],
+             "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                            "lon": {"type": "integer", "minimum": -180, "maximum": 180}}}}}
+LOCATE = {"type": "function", "function": {"name": "locate", "parameters": PLACE}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, TIME, LOCATE)}
+
+
+def _valid_calls(r) -> list:
+    """The reply's calls, each naming an offered tool with arguments its schema accepts."""
+    jsonschema = pytest.importorskip("jsonschema")
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    calls = r.choices[0].message.tool_calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+@pytest.mark.parametrize("tools", [[CITY, TIME], [CITY, TIME, LOCATE]], ids=["2 tools", "3 tools"])
+def test_required_with_several_tools_is_a_call_of_one_of_them(real, tools) -> None:
+    """tool_choice "required" with several tools: a grammar (an alternation of each tool's call,
+    llama.cpp's converter on each schema, $defs kept per tool) makes the tiny model, which never
+    learnt tools, reply with a valid call of one of them - sampled at several seeds, streamed too;
+    parallel_tool_calls false: exactly one call, true: one or more."""
+    s = InProcessServer(real.new_context())
+    try:
+        c = s.client()
+        for seed in range(6):
+            r = c.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                          max_tokens=160, temperature=1.0, seed=seed, parallel_tool_calls=False)
+            assert len(_valid_calls(r)) == 1
+            assert r.model_extra["clover"]["grammar_mode"] == "ar"
+            r = c.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                          max_tokens=160, temperature=1.0, seed=seed)
+            assert len(_valid_calls(r)) >= 1
+        chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                                max_tokens=160, temperature=1.0, seed=1, parallel_tool_calls=False,
+                                                stream=True))
+        (d,) = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        whole = c.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
+                                          max_tokens=160, temperature=1.0, seed=1, parallel_tool_calls=False)
+        (call,) = _valid_calls(whole)
+        assert (d.function.name, json.loads(d.function.arguments)) == \
+            (call.function.name, json.loads(call.function.arguments))
     finally:
         s.stop()

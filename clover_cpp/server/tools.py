@@ -11,9 +11,10 @@ checkpoints' template uses::
 
 (and Qwen3.5's XML form, ``<tool_call><function=NAME><parameter=P>value</parameter>
 </function></tool_call>``, is read too). ``tool_choice``: ``"none"`` renders no tools;
-``"auto"`` lets the model choose; ``"required"`` starts the reply with ``<tool_call>``; a
-named function starts it with that function's call up to its arguments. Text outside the
-markup is the message's content.
+``"auto"`` lets the model choose; ``"required"`` starts the reply with ``<tool_call>`` and a
+grammar makes the rest a call of one of the tools (one or more with ``parallel_tool_calls``);
+a named function starts it with that function's call up to its arguments, which its schema
+constrains. Text outside the markup is the message's content.
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def plan(tools: list[Tool] | None, choice: str | NamedChoice | None, parallel: b
         if choice.function.name not in names:
             raise APIError(400, f"tool_choice: no tool named '{choice.function.name}'", param="tool_choice")
         forced = next(t for t in tools if t.function.name == choice.function.name)
-    elif choice == "required" and len(tools) == 1:
-        forced = tools[0]
     if forced is not None:  # the call up to its arguments, which then follow the tool's schema
         prefill = f'{OPEN}\n{{"name": {json.dumps(forced.function.name)}, "arguments": '
         return ToolPlan(rendered, names, prefill, parallel, _arguments_grammar(forced.function.parameters))
-    return ToolPlan(rendered, names, f"{OPEN}\n" if choice == "required" else "", parallel)
+    if choice == "required":  # a call of any of the tools (one or more when parallel)
+        return ToolPlan(rendered, names, f"{OPEN}\n", parallel, _calls_grammar(tools, parallel))
+    return ToolPlan(rendered, names, "", parallel)
 
 
 _ROOT = re.compile(r"(?<![^\s(|])root(?=[\s)?*+]|$)", re.M)  # the rule name root, not inside a literal
@@ -79,19 +80,71 @@ _ROOT = re.compile(r"(?<![^\s(|])root(?=[\s)?*+]|$)", re.M)  # the rule name roo
 def _arguments_grammar(schema: dict[str, Any] | None) -> str | None:
     """GBNF for a forced call's rest: the arguments as the tool's JSON schema says, then the
     call's end. None (the prefill alone) when the runtime has no grammar converter."""
+    args = _converted(schema or {"type": "object"}, "tool-call-args")
+    return None if args is None else args + f'\nroot ::= tool-call-args "}}" "\\n{CLOSE}"\n'
+
+
+def _converted(schema: dict[str, Any], rule: str) -> str | None:
+    """The schema's GBNF by llama.cpp's converter, its root renamed ``rule``. None (the prefill
+    alone) when the runtime has no converter."""
     try:
         from ..grammar import GrammarError, json_schema_grammar  # noqa: PLC0415
     except ImportError:
         return None
     try:
-        g = json_schema_grammar(schema or {"type": "object"})
+        g = json_schema_grammar(schema)
     except GrammarError as e:
         if "install" in str(e):  # no converter here: the prefill alone
             return None
         raise APIError(400, f"tools: {e}", param="tools") from None
-    if "tool-call-args" in g:
+    if re.search(rf"^{rule} ::=", g, re.M):  # the name is taken (a schema's $defs): no room for ours
         return None
-    return _ROOT.sub("tool-call-args", g) + f'\nroot ::= tool-call-args "}}" "\\n{CLOSE}"\n'
+    return _ROOT.sub(rule, g)
+
+
+def _calls_grammar(tools: list[Tool], parallel: bool) -> str | None:
+    """GBNF for a required call's rest (after ``<tool_call>\\n``): an object naming one of the
+    tools with arguments as its schema says, then the call's end; when parallel, more calls may
+    follow. As llama.cpp's common/chat.cpp builds it for this markup (Hermes 2 Pro / Qwen): one
+    schema per tool, ``{"name": {"const": N}, "arguments": parameters}``, in an alternation."""
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t.function.name},
+                             "arguments": _hoist_defs(t.function.parameters or {"type": "object"}, f"tool{i}-", defs)}}
+             for i, t in enumerate(tools)]
+    schema: dict[str, Any] = {"anyOf": calls, **({"$defs": defs} if defs else {})}
+    call = _converted(schema, "tool-call")
+    if call is None:
+        return None
+    one = f'tool-call "\\n{CLOSE}"'
+    more = f' ("\\n{OPEN}\\n" {one})*' if parallel else ""
+    return call + f"\nroot ::= {one}{more}\n"
+
+
+def _hoist_defs(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters with its ``$defs`` (or ``definitions``) moved into ``defs`` under
+    prefixed names and its ``$ref``s pointed there: the tools' schemas share one document."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = dict(schema)
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.pop(key, None) or {}).items():
+            defs[prefix + name] = _refs_to(sub, prefix)
+    return _refs_to(schema, prefix)
+
+
+def _refs_to(node: Any, prefix: str) -> Any:
+    if isinstance(node, list):
+        return [_refs_to(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _refs_to(v, prefix) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        for local in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(local):
+                out["$ref"] = "#/$defs/" + prefix + ref[len(local):]
+    return out
 
 
 def _call(body: str, names: set[str]) -> dict[str, Any] | None:
