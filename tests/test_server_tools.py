@@ -253,3 +253,20 @@ def test_required_with_several_tools_is_a_call_of_one_of_them(real, tools) -> No
             (call.function.name, json.loads(call.function.arguments))
     finally:
         s.stop()
+
+
+def test_a_given_chat_template_renders_tools(tiny_artifacts) -> None:
+    """A model whose own template renders no tools, given one that does (Clover(chat_template=...),
+    the server's --chat-template): tools are rendered and "required" yields a valid call."""
+    from clover_testkit.chat_templates import QWEN_TOOLS_TEMPLATE
+
+    from clover_cpp import Clover
+
+    with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1, chat_template=QWEN_TOOLS_TEMPLATE) as m:
+        s = InProcessServer(m)
+        try:
+            r = s.client().chat.completions.create(model="x", messages=ASK, tools=[CITY, TIME], tool_choice="required",
+                                                   max_tokens=160, temperature=1.0, seed=3)
+            assert len(_valid_calls(r)) >= 1
+        finally:
+            s.stop()
