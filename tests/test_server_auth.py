@@ -28,6 +28,7 @@ ENDPOINTS = [
     ("POST", "/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}),
     ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
     ("POST", "/completions", {"prompt": "a", "max_tokens": 1}),
+    ("POST", "/v1/embeddings", {"input": "a"}), ("POST", "/embeddings", {"input": "a"}),
     ("GET", "/no/such/route", None),  # 401 before 404: the routes are not probed without the key
 ]
 
@@ -93,7 +94,7 @@ def test_check_api_key_compares_in_constant_time(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def keyed(tiny_artifacts):
-    s = Server(tiny_artifacts["f32"], "--api-key", KEY, "--parallel", "1", "-t", "1")
+    s = Server(tiny_artifacts["f32"], "--api-key", KEY, "--parallel", "1", "-t", "1", "--embeddings")
     yield s
     s.stop()
 

@@ -107,18 +107,23 @@ def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
 @click.option("-a", "--alias", default=None, metavar="NAME",
               help="The model's name in the API (/v1/models, replies' \"model\"), as llama-server's --alias "
                    "[default: the file's general.name, else its file name].")
+@click.option("--embeddings", is_flag=True, help="Serve /v1/embeddings (llama-server's --embeddings; llama.cpp's "
+              "pooling over the causal pass, on an embedding context of its own).")
+@click.option("--ssl-key-file", default=None, metavar="FILE", help="PEM private key: serve HTTPS (with --ssl-cert-file).")
+@click.option("--ssl-cert-file", default=None, metavar="FILE", help="PEM certificate: serve HTTPS (with --ssl-key-file).")
 @click.option("--access-log", is_flag=True, help="A line per request on stdout (uvicorn's access log; also with --verbose).")
 @runtime_options
 @chat_template_options
 def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None, max_body: int,
           max_messages: int, body_timeout: float, max_block_size: int, stuck_timeout: float, alias: str | None,
-          access_log: bool, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
+          embeddings: bool, ssl_key_file: str | None, ssl_cert_file: str | None, access_log: bool,
+          threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
           tensor_split: list[float] | None, override_tensor: str | None, verbose: bool,
           chat_template: str | None = None) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics, /props, /tokenize, /detokenize; llama-server's /completion and /slots
-    too. Clover's knobs are extra request fields (block_size, threshold); endpoints, fields
-    and limits: docs/server.md."""
+    /v1/embeddings (with --embeddings), /health, /metrics, /props, /tokenize, /detokenize;
+    llama-server's /completion and /slots too. Clover's knobs are extra request fields
+    (block_size, threshold); endpoints, fields and limits: docs/server.md."""
     try:
         from ..server import Limits
         from ..server import serve as run_server
@@ -138,6 +143,7 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
                n_gpu_layers=n_gpu_layers, max_queue=queue_size, log_level="info" if verbose else "warning",
                flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
                override_tensor=override_tensor, model_name=alias, access_log=access_log, on_ready=banner,
-               chat_template=chat_template,
+               chat_template=chat_template, embeddings=embeddings, ssl_key_file=ssl_key_file,
+               ssl_cert_file=ssl_cert_file,
                limits=Limits(max_body_bytes=max_body, max_messages=max_messages, body_timeout=body_timeout,
                              max_block_size=max_block_size, stuck_after=stuck_timeout))

@@ -28,6 +28,7 @@ from ..chat import CHATML_TEMPLATE
 from . import format as fmt
 from . import llama_dialect as llama
 from .asgi import Guard
+from .embeddings import Embedder, EmbeddingRequest, not_enabled
 from .generation import Choice, Generator, Job, Prompt, api_error, message_of
 from .pool import Pool, ServerState, watchdog
 from .tools import ToolPlan, plan
@@ -57,8 +58,9 @@ class PublicPage:
 
 
 def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max_queue: int = 64,
-               model_name: str | None = None, limits: Limits | None = None) -> Any:
-    """The ASGI app serving ``model`` (which the app then owns) with ``parallel`` contexts."""
+               model_name: str | None = None, limits: Limits | None = None, embeddings: bool = False) -> Any:
+    """The ASGI app serving ``model`` (which the app then owns) with ``parallel`` contexts;
+    ``embeddings``: /v1/embeddings too (``model`` made with embedding=True)."""
     limits = limits or Limits()
     name = model_name or model.metadata.get("general.name") or model.model_path.stem
     created = int(time.time())
@@ -366,6 +368,15 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         job = Job(req, prompts, chunk, final, best_of=best_of,
                   score_prompts=req.echo and req.logprobs is not None)
         return await gen.run(request, job, "prompt")
+
+    embedder = Embedder(model, name) if embeddings else None
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def create_embeddings(request: Request) -> dict[str, Any]:
+        if embedder is None:
+            raise not_enabled()
+        return await embedder.reply(await body_of(request, EmbeddingRequest))
 
     # ------------------------------------------------------------------ llama-server's dialect (llama_dialect.py)
 

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -146,20 +147,47 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_tls(key_file: str | None, cert_file: str | None) -> None:
+    """Both files or neither, and a pair that loads (ValueError, one line): checked before the
+    model loads, as uvicorn would only load them once the model is up."""
+    if (key_file is None) != (cert_file is None):
+        given, missing = ("--ssl-key-file", "--ssl-cert-file") if cert_file is None else ("--ssl-cert-file",
+                                                                                           "--ssl-key-file")
+        raise ValueError(f"{given} needs {missing} too (TLS takes both, or neither for plain HTTP)")
+    if key_file is None or cert_file is None:
+        return
+    for flag, path in (("--ssl-cert-file", cert_file), ("--ssl-key-file", key_file)):
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    try:  # an empty password: an encrypted key fails here rather than prompting on the terminal
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file, password="")
+    except ssl.SSLError as e:
+        reason = ("the key does not match the certificate" if e.reason == "KEY_VALUES_MISMATCH"
+                  else "not a PEM certificate and its unencrypted private key")
+        raise ValueError(f"--ssl-cert-file {cert_file} / --ssl-key-file {key_file}: {reason}") from None
+
+
 def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
           api_key: str | None = None, n_ctx: int = 4096, n_threads: int | None = None, n_gpu_layers: int = 0,
           max_queue: int = 64, log_level: str = "warning", flash_attn: bool | None = None,
           rpc_servers: str | None = None, tensor_split: list[float] | None = None,
           override_tensor: str | None = None, limits: Limits | None = None, model_name: str | None = None,
           access_log: bool = False, on_ready: Callable[[str], None] | None = None,
-          chat_template: str | None = None) -> None:
+          chat_template: str | None = None, ssl_key_file: str | None = None,
+          ssl_cert_file: str | None = None, embeddings: bool = False) -> None:
     """Bind the port, load the model and serve it until interrupted. ``model_name``: the model's
     id in the API (llama-server's --alias; default: the file's general.name, else its stem);
     ``access_log``: uvicorn's line per request (on stdout); ``on_ready(url)`` runs once the port
     is bound and the model loaded, just before the first request is served; ``chat_template``:
     the template chats render instead of the GGUF's (Clover's), rendered once before serving so
-    that one that fails stops the start with its error."""
+    that one that fails stops the start with its error; ``ssl_key_file`` and ``ssl_cert_file``:
+    serve HTTPS (llama-server's --ssl-key-file / --ssl-cert-file); ``embeddings``: serve
+    /v1/embeddings (llama-server's --embeddings; a second, embedding context of the model)."""
     check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
+    check_tls(ssl_key_file, ssl_cert_file)
     with listen(host, port) as sock:
         if n_threads is None:
             # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
@@ -169,22 +197,24 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
         show_notices()  # the first request of block size auto measures the cost curve: the log says so
         model = Clover(model_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn,
                        rpc_servers=rpc_servers, tensor_split=tensor_split, override_tensor=override_tensor,
-                       chat_template=chat_template)
+                       chat_template=chat_template, embedding=embeddings)
         try:
             if chat_template is not None:
                 model.format_chat([{"role": "user", "content": "hi"}])
-            _run(sock, model, parallel, api_key, max_queue, log_level, limits, model_name, access_log, on_ready)
+            _run(sock, model, parallel, api_key, max_queue, log_level, limits, model_name, access_log, on_ready,
+                 ssl_key_file, ssl_cert_file, embeddings)
         finally:
             model.close()
 
 
 def _run(sock: socket.socket, model: Clover, parallel: int, api_key: str | None, max_queue: int, log_level: str,
          limits: Limits | None, model_name: str | None, access_log: bool,
-         on_ready: Callable[[str], None] | None) -> None:
+         on_ready: Callable[[str], None] | None, ssl_key_file: str | None = None,
+         ssl_cert_file: str | None = None, embeddings: bool = False) -> None:
     limits = limits or Limits()  # a prompt of token ids may be as long as the context (and the body counts 2 per id)
     limits = replace(limits, max_json_values=max(limits.max_json_values, 2 * model.n_ctx() + 4096))
     app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue, model_name=model_name,
-                     limits=limits)
+                     limits=limits, embeddings=embeddings)
     fastapi_app = app.app
 
     def on_exit() -> None:  # cancel every generation at its next step: shutdown need not wait for them
@@ -193,12 +223,14 @@ def _run(sock: socket.socket, model: Clover, parallel: int, api_key: str | None,
         if st.pool is not None:
             st.pool.cancel_all()
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, http=protocol_for(limits))
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, http=protocol_for(limits),
+                            ssl_keyfile=ssl_key_file, ssl_certfile=ssl_cert_file)
     if access_log:  # its lines are INFO: the access logger's level only, uvicorn's own stays at log_level
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     if on_ready is not None:
         host, port = sock.getsockname()[:2]
-        on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}/v1")
+        scheme = "https" if ssl_cert_file else "http"
+        on_ready(f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}/v1")
     # uvicorn.Server, not uvicorn.run (which swallows it): after the graceful shutdown, the
     # Ctrl-C comes back as KeyboardInterrupt and the command exits 130 as the others do
     _Server(config, on_exit).run(sockets=[sock])
