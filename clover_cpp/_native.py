@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 6
+CLOVER_API_VERSION = 7
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -141,6 +141,9 @@ class clover_generate_params(Structure):
         ("logit_bias", POINTER(c_float)),
         ("n_logit_bias", c_int32),
         ("samplers", c_char_p),
+        ("dynatemp_range", c_double),
+        ("dynatemp_exponent", c_double),
+        ("min_keep", c_int32),
     ]
 
 

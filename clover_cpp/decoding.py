@@ -214,6 +214,8 @@ _PARAM_FIELDS = {"block_size": ("block_size",), "threshold": ("threshold",), "ma
                  "dry_allowed_length": ("dry_allowed_length",), "dry_penalty_last_n": ("dry_penalty_last_n",),
                  "dry_sequence_breakers": ("n_dry_sequence_breakers", "dry_sequence_breakers"),
                  "mirostat_mode": ("mirostat",), "mirostat_tau": ("mirostat_tau",), "mirostat_eta": ("mirostat_eta",),
+                 "dynatemp_range": ("dynatemp_range",), "dynatemp_exponent": ("dynatemp_exponent",),
+                 "min_keep": ("min_keep",),
                  "logit_bias": ("n_logit_bias", "logit_bias_tokens", "logit_bias"), "samplers": ("samplers",)}
 
 
@@ -240,12 +242,16 @@ class ChainParams:
     mirostat_mode: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    min_keep: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     samplers: str | None = None  # llama-server's names (";"-separated or a list) or llama-cli's letters
 
     FLOATS = ("min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "repeat_penalty",
-              "frequency_penalty", "presence_penalty", "dry_multiplier", "dry_base", "mirostat_tau", "mirostat_eta")
-    INTS = ("repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode")
+              "frequency_penalty", "presence_penalty", "dry_multiplier", "dry_base", "mirostat_tau", "mirostat_eta",
+              "dynatemp_range", "dynatemp_exponent")
+    INTS = ("repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat_mode", "min_keep")
 
     @classmethod
     def of(cls, a: Mapping[str, Any]) -> "ChainParams":

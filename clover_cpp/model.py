@@ -541,7 +541,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  mirostat_eta: float = 0.1, top_n_sigma: float = -1.0, xtc_probability: float = 0.0,
                  xtc_threshold: float = 0.1, dry_multiplier: float = 0.0, dry_base: float = 1.75,
                  dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
-                 dry_sequence_breakers: Sequence[str] | None = None, samplers: str | Sequence[str] | None = None) -> Any:
+                 dry_sequence_breakers: Sequence[str] | None = None, samplers: str | Sequence[str] | None = None,
+                 dynatemp_range: float = 0.0, dynatemp_exponent: float = 1.0, min_keep: int = 0) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -593,7 +594,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         min_p, typical_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
         logit_bias ({token id: bias}, -inf bans), mirostat_mode / _tau / _eta, top_n_sigma,
         xtc_probability / _threshold, dry_multiplier / _base / _allowed_length / _penalty_last_n /
-        _sequence_breakers, samplers (the order: llama-server's names or llama-cli's letters):
+        _sequence_breakers, samplers (the order: llama-server's names or llama-cli's letters),
+        dynatemp_range / _exponent (dynamic temperature), min_keep:
         llama.cpp's sampler chain, llama-cpp-python's and llama-server's names; every one off by
         default (clover.h, spec/decoding.md "Sampler chain": what each means under block diffusion
         and draft-self). The penalties count the prompt too, as llama.cpp does.

@@ -85,6 +85,9 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_FIELD(clover_generate_params, logit_bias),
     CLOVER_ABI_FIELD(clover_generate_params, n_logit_bias),
     CLOVER_ABI_FIELD(clover_generate_params, samplers),
+    CLOVER_ABI_FIELD(clover_generate_params, dynatemp_range),
+    CLOVER_ABI_FIELD(clover_generate_params, dynatemp_exponent),
+    CLOVER_ABI_FIELD(clover_generate_params, min_keep),
 
     CLOVER_ABI_STRUCT(clover_stats),
     CLOVER_ABI_FIELD(clover_stats, n_prompt),

@@ -82,7 +82,7 @@ void usage(const char * argv0) {
             "  --dry-multiplier X  --dry-base X  --dry-allowed-length N  --dry-penalty-last-n N\n"
             "  --dry-sequence-breaker S (repeatable)  --mirostat N  --mirostat-lr X  --mirostat-ent X\n"
             "  -l, --logit-bias TOKEN(+|-)BIAS (repeatable)  --samplers NAMES (';'-separated)\n"
-            "  --sampling-seq LETTERS (e d s k y p m x t)\n"
+            "  --sampling-seq LETTERS (e d s k y p m x t)  --dynatemp-range X  --dynatemp-exp X  --min-keep N\n"
             "  --ignore-eos           keep generating after EOS (alias --no-stop-at-eos)\n"
             "  -r, --reverse-prompt T stop before the text T (repeatable; matched across blocks)\n"
             "  -fa, --flash-attn X    flash attention: on, off or auto (default auto)\n"
@@ -310,10 +310,12 @@ int main(int argc, char ** argv) {
         { "--presence-penalty", &gp.presence_penalty }, { "--frequency-penalty", &gp.frequency_penalty },
         { "--dry-multiplier", &gp.dry_multiplier }, { "--dry-base", &gp.dry_base },
         { "--mirostat-lr", &gp.mirostat_eta }, { "--mirostat-ent", &gp.mirostat_tau },
+        { "--dynatemp-range", &gp.dynatemp_range }, { "--dynatemp-exp", &gp.dynatemp_exponent },
     };
     const std::pair<const char *, int32_t *> chain_ints[] = {
         { "--repeat-last-n", &gp.repeat_last_n }, { "--dry-allowed-length", &gp.dry_allowed_length },
         { "--dry-penalty-last-n", &gp.dry_penalty_last_n }, { "--mirostat", &gp.mirostat },
+        { "--min-keep", &gp.min_keep },
     };
     auto chain_double = [&](const std::string & a) -> double * {
         for (const auto & f : chain_doubles) {

@@ -152,6 +152,15 @@ int check_chain_params(const clover_generate_params & gp, std::string & msg) {
                        "and the bias a number or -inf, got " + num(b));
         }
     }
+    if (!(gp.dynatemp_range >= 0.0) || !std::isfinite(gp.dynatemp_range)) {
+        return bad("dynatemp_range must be finite and >= 0 (0 = off), got " + num(gp.dynatemp_range));
+    }
+    if (!(gp.dynatemp_exponent >= 0.0) || !std::isfinite(gp.dynatemp_exponent)) {
+        return bad("dynatemp_exponent must be finite and >= 0, got " + num(gp.dynatemp_exponent));
+    }
+    if (gp.min_keep < 0) {
+        return bad("min_keep must be >= 0, got " + std::to_string(gp.min_keep));
+    }
     std::vector<clover_detail::chain_sampler> order;
     return clover_detail::parse_samplers(gp.samplers, order, msg) ? CLOVER_OK : CLOVER_ERR_INVALID_ARG;
 }
@@ -342,6 +351,9 @@ clover_generate_params clover_generate_default_params(void) {
     p.logit_bias              = nullptr;
     p.n_logit_bias            = 0;
     p.samplers                = nullptr;
+    p.dynatemp_range          = 0.0;
+    p.dynatemp_exponent       = 1.0;
+    p.min_keep                = 0;
     return p;
 }
 

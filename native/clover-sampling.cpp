@@ -352,7 +352,7 @@ bool sampler_chain::active(const clover_generate_params & gp) {
         return modifies || gp.typical_p < 1.0 || xtc_on(gp);
     }
     return modifies || gp.min_p > 0.0 || gp.typical_p < 1.0 || gp.top_n_sigma > 0.0 || xtc_on(gp) ||
-           gp.mirostat != 0 || (gp.samplers && gp.samplers[0]);
+           gp.dynatemp_range > 0.0 || gp.min_keep > 0 || gp.mirostat != 0 || (gp.samplers && gp.samplers[0]);
 }
 
 bool sampler_chain::forces_ar(const clover_generate_params & gp) {
@@ -403,6 +403,7 @@ int sampler_chain::init(const clover_model * m, const clover_generate_params & g
     auto window = [n_ctx](int32_t last_n) { return last_n == -1 ? n_ctx : std::min(last_n, n_ctx); };
     const float    T      = (float) gp.temperature;
     const bool     greedy = gp.temperature == 0.0;
+    const size_t   keep   = (size_t) gp.min_keep;
     for (chain_sampler s : order) {
         if (s == chain_sampler::penalties && penalties_on(gp)) {
             add(modifiers, llama_sampler_init_penalties(m->n_vocab, window(gp.repeat_last_n),
@@ -442,28 +443,29 @@ int sampler_chain::init(const clover_model * m, const clover_generate_params & g
                 break;
             case chain_sampler::typ_p:
                 if (gp.typical_p < 1.0) {
-                    add(filters, llama_sampler_init_typical((float) gp.typical_p, 0));
+                    add(filters, llama_sampler_init_typical((float) gp.typical_p, keep));
                 }
                 break;
             case chain_sampler::top_p:
                 if (!greedy && gp.top_p < 1.0) {
-                    add(filters, llama_sampler_init_top_p((float) gp.top_p, 0));
+                    add(filters, llama_sampler_init_top_p((float) gp.top_p, keep));
                 }
                 break;
             case chain_sampler::min_p:
                 if (!greedy && gp.min_p > 0.0) {
-                    add(filters, llama_sampler_init_min_p((float) gp.min_p, 0));
+                    add(filters, llama_sampler_init_min_p((float) gp.min_p, keep));
                 }
                 break;
             case chain_sampler::xtc:
                 if (xtc_on(gp)) {
-                    add(filters, llama_sampler_init_xtc((float) gp.xtc_probability, (float) gp.xtc_threshold, 0,
+                    add(filters, llama_sampler_init_xtc((float) gp.xtc_probability, (float) gp.xtc_threshold, keep,
                                                         seed));
                 }
                 break;
             case chain_sampler::temperature:
-                if (!greedy) {
-                    add(filters, llama_sampler_init_temp(T));
+                if (!greedy) { // (common/sampling.cpp's: dynamic when dynatemp_range > 0)
+                    add(filters, llama_sampler_init_temp_ext(T, (float) gp.dynatemp_range,
+                                                             (float) gp.dynatemp_exponent));
                 }
                 break;
             case chain_sampler::penalties:

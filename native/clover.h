@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 6
+#define CLOVER_API_VERSION 7
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -413,6 +413,13 @@ typedef struct clover_generate_params {
      * llama-cli's letters ("kmt": e penalties, d dry, s top_n_sigma, k top_k, y typ_p, p top_p,
      * m min_p, x xtc, t temperature); NULL or "" = the default order */
     const char * samplers;
+    /* dynamic temperature (llama.cpp's llama_sampler_init_temp_ext, llama-server's dynatemp_range and
+     * dynatemp_exponent): the chain's temperature becomes T - range .. T + range (at least 0) by the
+     * candidates' normalized entropy to the power exponent; range >= 0, 0 = off; exponent >= 0, default 1 */
+    double  dynatemp_range;
+    double  dynatemp_exponent;
+    int32_t min_keep;           /* top_p, min_p, typical_p and xtc keep at least this many candidates (> 0 runs
+                                   the chain); >= 0, default 0 */
 } clover_generate_params;
 
 #define CLOVER_MAX_TOP_LOGPROBS 20

@@ -78,7 +78,8 @@ def test_penalties_change_block_diffusion(model):
 @pytest.mark.parametrize("kw", [{"min_p": 0.3}, {"typical_p": 0.3}, {"top_n_sigma": 0.5},
                                 {"xtc_probability": 1.0, "xtc_threshold": 0.05},
                                 {"mirostat_mode": 1}, {"mirostat_mode": 2, "mirostat_tau": 2.0},
-                                {"samplers": "top_k;temperature", "top_k": 1}])
+                                {"samplers": "top_k;temperature", "top_k": 1},
+                                {"dynatemp_range": 0.9}, {"dynatemp_range": 0.9, "dynatemp_exponent": 3.0}])
 @pytest.mark.parametrize("block_size", [1, 8])
 def test_each_sampler_changes_the_seeded_sample(model, kw, block_size):
     def sample(**k):
@@ -88,6 +89,15 @@ def test_each_sampler_changes_the_seeded_sample(model, kw, block_size):
     out = sample(**kw)
     assert out != base
     assert sample(**kw) == out, "seeded: the same output again"
+
+
+@pytest.mark.parametrize("kw", [{"min_p": 0.9}, {"top_p": 0.05}])
+def test_min_keep_keeps_candidates_the_filter_drops(model, kw):
+    def sample(**k):
+        return model.generate(PROMPT, max_tokens=N, block_size=1, temperature=1.0, seed=7, stop_at_eos=False,
+                              **kw, **k).tokens
+    assert sample(min_keep=0) == sample(min_keep=1), "min_keep 1: the filter keeps one anyway"
+    assert sample(min_keep=50) != sample(min_keep=0)
 
 
 def test_top_k_1_through_the_chain_is_greedy_b1(model):
@@ -102,7 +112,10 @@ def test_top_k_1_through_the_chain_is_greedy_b1(model):
                                       ({"samplers": "top_k;bogus"}, "samplers: unknown sampler 'bogus'"),
                                       ({"samplers": "kq"}, "samplers: unknown sampler letter 'q'"),
                                       ({"logit_bias": {10 ** 7: 1.0}}, "logit_bias: token 10000000 is past"),
-                                      ({"dry_base": 0.5}, "dry_base must be finite and >= 1")])
+                                      ({"dry_base": 0.5}, "dry_base must be finite and >= 1"),
+                                      ({"dynatemp_range": -0.5}, "dynatemp_range must be finite and >= 0"),
+                                      ({"dynatemp_exponent": math.inf}, "dynatemp_exponent must be finite and >= 0"),
+                                      ({"min_keep": -1}, "min_keep must be >= 0, got -1")])
 def test_bad_values_are_one_line_errors(model, kw, words):
     with pytest.raises(CloverError) as e:
         greedy(model, **kw)
@@ -116,7 +129,8 @@ def test_bad_values_are_refused_before_loading():
 
 
 CLI_FLAGS = ["--repeat-penalty", "1.5", "--presence-penalty", "0.5", "--samplers", "penalties;top_k;temperature",
-             "-l", "5-inf", "--dry-multiplier", "2", "--dry-sequence-breaker", "\n"]
+             "-l", "5-inf", "--dry-multiplier", "2", "--dry-sequence-breaker", "\n", "--dynatemp-range", "0.5",
+             "--dynatemp-exp", "2", "--min-keep", "3"]
 
 
 def cli_text(args: list) -> str:
@@ -129,7 +143,8 @@ def cli_text(args: list) -> str:
 def test_the_command_lines_take_llama_clis_sampler_flags(model, default_gguf, exe):  # noqa: F811
     want = model.detokenize(greedy(model, repeat_penalty=1.5, presence_penalty=0.5, logit_bias={5: -math.inf},
                                    samplers="penalties;top_k;temperature", dry_multiplier=2.0,
-                                   dry_sequence_breakers=["\n"])).decode()
+                                   dry_sequence_breakers=["\n"], dynatemp_range=0.5, dynatemp_exponent=2.0,
+                                   min_keep=3)).decode()
     cmd = [REPO / "build" / "bin" / "clover-cli"] if exe == "clover-cli" else [sys.executable, "-m", "clover_cpp.cli", "run"]
     common = ["-m", default_gguf, "-p", PROMPT, "-n", N, "--block-size", 1, "--ignore-eos", "--no-echo", "-c", N_CTX]
     assert cli_text(cmd + common + CLI_FLAGS).rstrip("\n") == want.rstrip("\n")

@@ -103,7 +103,8 @@ def test_streaming_shape(server) -> None:
     ({"repeat_penalty": 0.0}, "repeat_penalty"),
     ({"mirostat": 3}, "mirostat"),
     ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
-    ({"dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"dynatemp_range": -0.5}, "dynatemp_range"),
+    ({"min_keep": -1}, "min_keep"),
     ({"n_probs": 3}, "n_probs"),
     ({"id_slot": 1}, "id_slot"),
     ({"samplers": ["top_k", "bogus"]}, "samplers"),
@@ -123,7 +124,7 @@ def test_sampler_chain_fields_are_honoured(server, tiny_artifacts) -> None:
     from clover_cpp import Clover
 
     chain = {"repeat_penalty": 1.5, "presence_penalty": 0.5, "repeat_last_n": 32, "logit_bias": [[5, False]],
-             "samplers": ["penalties", "top_k", "temperature"]}
+             "samplers": ["penalties", "top_k", "temperature"], "dynatemp_range": 0.5, "min_keep": 2}
     r = post(server, "/completion", {"prompt": PROMPT, "n_predict": 16, "return_tokens": True, **GREEDY, **chain})
     assert r.status_code == 200, r.text
     plain = post(server, "/completion", {"prompt": PROMPT, "n_predict": 16, "return_tokens": True, **GREEDY}).json()
@@ -131,7 +132,7 @@ def test_sampler_chain_fields_are_honoured(server, tiny_artifacts) -> None:
     with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
         want = m.generate(PROMPT, max_tokens=16, temperature=0, block_size=4, stop_at_eos=False, repeat_penalty=1.5,
                           presence_penalty=0.5, repeat_last_n=32, logit_bias={5: float("-inf")},
-                          samplers="penalties;top_k;temperature")
+                          samplers="penalties;top_k;temperature", dynatemp_range=0.5, min_keep=2)
     assert r.json()["tokens"] == want.tokens
 
 
@@ -139,7 +140,8 @@ def test_neutral_values_are_accepted(server) -> None:
     body = {"prompt": PROMPT, "n_predict": 8, **GREEDY}
     plain = post(server, "/completion", body).json()["content"]
     neutral = {"min_p": 0.0, "repeat_penalty": 1.0, "repeat_last_n": 64, "typical_p": 1.0, "n_probs": 0,
-               "mirostat": 0, "id_slot": -1, "logit_bias": [], "n_keep": 0}
+               "mirostat": 0, "id_slot": -1, "logit_bias": [], "n_keep": 0,
+               "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "min_keep": 0}
     r = post(server, "/completion", {**body, **neutral})
     assert r.status_code == 200 and r.json()["content"] == plain
 

@@ -205,6 +205,9 @@ CHAIN_FLAGS = [("min_p", "--min-p", float, "Min-p (0 = off)."), ("typical_p", "-
                ("mirostat_mode", "--mirostat", int, "Mirostat 1 or 2 (0 = off; decodes at block size 1)."),
                ("mirostat_eta", "--mirostat-lr", float, "Mirostat learning rate (eta)."),
                ("mirostat_tau", "--mirostat-ent", float, "Mirostat target entropy (tau)."),
+               ("dynatemp_range", "--dynatemp-range", float, "Dynamic temperature range (0 = off)."),
+               ("dynatemp_exponent", "--dynatemp-exp", float, "Dynamic temperature exponent."),
+               ("min_keep", "--min-keep", int, "Candidates top-p, min-p, typical and XTC keep at least (0 = off)."),
                ("samplers", "--samplers", str, "The chain's order: llama-server's names, ';'-separated."),
                ("samplers", "--sampling-seq", str, "The chain's order as llama-cli's letters (edskypmxt).")]
 

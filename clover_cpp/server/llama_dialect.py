@@ -27,7 +27,7 @@ __all__ = ["LlamaCompletion", "LlamaReply", "slots", "uncached", "without_done"]
 #: llama-server's fields with no sampler (or feature) behind them here: accepted only at these
 #: values, which change nothing (the samplers' "disabled", the features' "off")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "dynatemp_range": (0.0,), "min_keep": (0,), "n_probs": (0,), "post_sampling_probs": (False,), "n_indent": (0,), "n_keep": (0,),
+    "n_probs": (0,), "post_sampling_probs": (False,), "n_indent": (0,), "n_keep": (0,),
     "t_max_predict_ms": (0,), "id_slot": (-1,), "n_cmpl": (1,), "timings_per_token": (False,),
     "return_progress": (False,), "lora": ([],),
 }
@@ -79,6 +79,9 @@ class LlamaCompletion(BaseModel):
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    min_keep: int | None = None
     samplers: Union[list[str], str, None] = None
 
     @field_validator("prompt", mode="before")

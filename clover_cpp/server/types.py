@@ -233,6 +233,9 @@ class Knobs(BaseModel):
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    min_keep: int | None = None
     samplers: Union[list[str], str, None] = None  # the chain's order: llama-server's names or letters
     # structured output: a JSON object / schema (OpenAI's) or a GBNF grammar (llama-server's)
     response_format: ResponseFormat | None = None
@@ -267,7 +270,7 @@ class Knobs(BaseModel):
     CHAIN_FIELDS: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "min_p", "typical_p", "top_n_sigma", "repeat_penalty",
                     "repeat_last_n", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
                     "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
-                    "mirostat_eta", "samplers")
+                    "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "min_keep", "samplers")
 
     def chain(self) -> dict[str, Any]:
         """The sampler chain's fields given, as Clover.generate's keywords."""
