@@ -270,3 +270,18 @@ def test_a_given_chat_template_renders_tools(tiny_artifacts) -> None:
             assert len(_valid_calls(r)) >= 1
         finally:
             s.stop()
+
+
+def test_a_tools_grammar_renames_the_rule_root_never_a_literal() -> None:
+    """The converter's root becomes our call's rule; a value spelling root (an enum's " root ")
+    stays as the schema says, forced by name or required."""
+    from clover_cpp.server.tools import plan
+    from clover_cpp.server.types import NamedChoice, Tool
+
+    mode = Tool.model_validate({"type": "function", "function": {"name": "mode", "parameters": {
+        "type": "object", "properties": {"m": {"enum": ["a root b", "[root]"]}}}}})
+    named = NamedChoice.model_validate({"type": "function", "function": {"name": "mode"}})
+    for choice in (named, "required"):
+        g = plan([mode], choice, True, "{{ tools }}").grammar
+        assert g is not None and '"\\"a root b\\""' in g and '"\\"[root]\\""' in g
+        assert [line.split(" ::=")[0] for line in g.splitlines() if line.startswith("root ")] == ["root"]

@@ -74,7 +74,8 @@ def plan(tools: list[Tool] | None, choice: str | NamedChoice | None, parallel: b
     return ToolPlan(rendered, names, "", parallel)
 
 
-_ROOT = re.compile(r"(?<![^\s(|])root(?=[\s)?*+]|$)", re.M)  # the rule name root, not inside a literal
+# GBNF's tokens: a string literal, a character class, a comment, a name, anything else
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|[A-Za-z0-9_-]+|.', re.S)
 
 
 def _arguments_grammar(schema: dict[str, Any] | None) -> str | None:
@@ -99,7 +100,7 @@ def _converted(schema: dict[str, Any], rule: str) -> str | None:
         raise APIError(400, f"tools: {e}", param="tools") from None
     if re.search(rf"^{rule} ::=", g, re.M):  # the name is taken (a schema's $defs): no room for ours
         return None
-    return _ROOT.sub(rule, g)
+    return _GBNF_TOKEN.sub(lambda m: rule if m.group() == "root" else m.group(), g)  # the name, never a literal
 
 
 def _calls_grammar(tools: list[Tool], parallel: bool) -> str | None:
