@@ -188,6 +188,13 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
     /v1/embeddings (llama-server's --embeddings; a second, embedding context of the model)."""
     check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
     check_tls(ssl_key_file, ssl_cert_file)
+    if embeddings:  # the embedding context is llama-cpp-python's: missing, say so now, not at the first request
+        from .._lib import import_llama_cpp  # noqa: PLC0415
+
+        try:
+            import_llama_cpp()
+        except ImportError as e:
+            raise ValueError(f"--embeddings: {e}") from None
     with listen(host, port) as sock:
         if n_threads is None:
             # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
