@@ -112,11 +112,17 @@ def test_embeddings_equal_create_embedding(embedding_server: Server, gguf: Path)
     assert one.data[0].embedding == pytest.approx(want["data"][0]["embedding"], rel=1e-6, abs=1e-7)  # (float32)
     assert many.usage.prompt_tokens == want["usage"]["prompt_tokens"] > 0
     assert len(many.data[0].embedding) == n_embd
+    # token ids: embedded as the text they spell (they are its tokens, BOS as the model adds it)
+    ids = httpx.post(embedding_server.url + "/tokenize", json={"content": texts[1]}, timeout=30).json()["tokens"]
+    by_ids = client.embeddings.create(model="x", input=[ids, ids], encoding_format="float")
+    assert [d.embedding for d in by_ids.data] == [want["data"][1]["embedding"]] * 2
+    one_list = client.embeddings.create(model="x", input=ids, encoding_format="float")
+    assert one_list.data[0].embedding == want["data"][1]["embedding"]
 
 
 def test_embeddings_refusals(embedding_server: Server) -> None:
     url = embedding_server.url + "/v1/embeddings"
-    for body, param in (({"input": [1, 2, 3]}, "input"), ({"input": []}, "input"), ({"input": "a", "dimensions": 3},
+    for body, param in (({"input": [[1, 2, 3], [10**9]]}, "input"), ({"input": []}, "input"), ({"input": "a", "dimensions": 3},
                         "dimensions"), ({"input": "a", "bogus": 1}, "bogus")):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -2,7 +2,9 @@
 llama-server serves it; without the flag, llama-server's 501.
 
 The vectors are :meth:`Clover.create_embedding`'s (llama.cpp's pooling over the causal pass, on
-an embedding context of its own): one request at a time on it, on a worker thread.
+an embedding context of its own): one request at a time on it, on a worker thread. That
+context reads texts: token-id inputs are embedded as the text they spell when it tokenizes
+back to the same ids, else refused.
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
 
-    def texts(self) -> list[str]:
-        """The inputs as texts; token ids are refused (the embedding context tokenizes text)."""
-        items = [self.input] if isinstance(self.input, str) else self.input
-        if any(not isinstance(x, str) for x in items):
-            raise unsupported("input", "token-id inputs are not served; send the texts")
+    def inputs(self) -> list[Union[str, list[int]]]:
+        items = [self.input] if isinstance(self.input, str) or (
+            self.input and isinstance(self.input[0], int)) else self.input
         if not items:
             raise APIError(400, "input: at least one text", param="input")
         if len(items) > MAX_INPUTS:
-            raise APIError(400, f"input: at most {MAX_INPUTS} texts per request, got {len(items)}", param="input")
+            raise APIError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(items)}", param="input")
         return items  # type: ignore[return-value]
 
 
@@ -59,8 +59,25 @@ class Embedder:
         with self.lock:
             return self.model.create_embedding(texts, model=self.name)
 
+    def text_of(self, ids: list[int]) -> str:
+        """The text token ids spell, where it tokenizes back to them as the embedding context
+        tokenizes a text (BOS as the model adds it, special-token text not parsed): that
+        context reads texts, so other ids are refused rather than embedded as something else."""
+        n = self.model.n_vocab()
+        bad = next((t for t in ids if not 0 <= t < n), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {n})", param="input")
+        text = self.model.detokenize_text(ids)
+        if self.model.tokenize(text, True, False) != ids:
+            raise APIError(400, "input: these token ids are not the tokens of their text as the model tokenizes it "
+                                "(BOS included where the model adds one); send the text", param="input")
+        return text
+
+    def _texts(self, req: EmbeddingRequest) -> list[str]:
+        return [x if isinstance(x, str) else self.text_of(x) for x in req.inputs()]
+
     async def reply(self, req: EmbeddingRequest) -> dict[str, Any]:
-        texts = req.texts()
+        texts = await asyncio.to_thread(self._texts, req)
         n_embd = self.model.n_embd()
         if req.dimensions is not None and req.dimensions != n_embd:
             raise unsupported("dimensions", f"the model's embeddings have {n_embd} dimensions (send that or leave "
