@@ -242,6 +242,9 @@ def test_the_page_in_chromium(default_gguf, tmp_path) -> None:
                 page = ctx.new_page()
                 errors: list[str] = []
                 page.on("pageerror", lambda e: errors.append(str(e)))
+                sent: list[dict] = []  # the chat requests' bodies, as the page sent them
+                page.on("request", lambda r: sent.append(r.post_data_json)
+                        if r.url.endswith("/v1/chat/completions") else None)
                 page.goto(server.url + "/")
                 # the server has a key: the page says so, then works once it is typed in
                 sync_api.expect(page.locator("#status")).to_have_text("API key needed", timeout=20_000)
@@ -252,6 +255,7 @@ def test_the_page_in_chromium(default_gguf, tmp_path) -> None:
                 page.fill("#block-size", "8")
                 page.fill("#temperature", "0")
                 page.fill("#max-tokens", "96")
+                page.fill("#coreset", "4")  # the default model is a MoE of 8 experts
                 page.evaluate(PAUSE_JS)
                 page.evaluate("window.__pauseAt = 12")
                 page.fill("#input", "def fibonacci(n):")
@@ -270,6 +274,8 @@ def test_the_page_in_chromium(default_gguf, tmp_path) -> None:
                 assert not page.locator(".msg.assistant.error").count(), stats
                 assert reply.strip() and reply != "(no text)", reply
                 assert "tok/forward" in stats and "tok/s" in stats and "B 8" in stats, stats
+                assert sent[0]["coreset"] == 4 and sent[0]["block_size"] == 8, sent[0]
+                assert "coreset 4" in stats, stats
                 cells = page.locator(".msg.assistant .blocks .tok[data-step]")
                 assert cells.count() >= 8
                 assert "step" in (cells.first.get_attribute("title") or "")
@@ -285,6 +291,28 @@ def test_the_page_in_chromium(default_gguf, tmp_path) -> None:
                 page.wait_for_selector(".msg.assistant.done >> nth=1", timeout=30_000)
                 assert "stopped" in page.locator(".msg.assistant .stats").nth(1).inner_text()
                 assert page.locator("#send").is_enabled()
+                # draft-self: the totals in the statistics, each verification's kept / drafted
+                # positions on its block and in the canvas's head; no coreset field when empty
+                page.evaluate("window.__pauseAt = 0")  # (never held again)
+                page.fill("#coreset", "")
+                page.select_option("#draft-self", "true")
+                page.fill("#input", "def is_prime(n):")
+                page.press("#input", "Enter")
+                page.wait_for_selector(".msg.assistant.done >> nth=2", timeout=120_000)
+                reply = page.locator(".msg.assistant").nth(2)
+                stats = reply.locator(".stats").inner_text()
+                assert sent[-1]["draft_self"] is True and "coreset" not in sent[-1], sent[-1]
+                assert "drafted tokens accepted" in stats and "verifications" in stats, stats
+                assert "coreset" not in stats, stats
+                assert "kept per verification: " in reply.locator(".canvas-head").inner_text()
+                assert "drafted positions kept" in (reply.locator(".block").first.get_attribute("title") or "")
+                # a coreset the server refuses: its 400, naming the field, on the page
+                page.fill("#coreset", "many")
+                page.fill("#input", "x")
+                page.press("#input", "Enter")
+                page.wait_for_selector(".msg.assistant.error", timeout=30_000)
+                assert sent[-1]["coreset"] == "many"
+                assert "coreset" in page.locator(".msg.assistant.error .stats").inner_text()
                 assert not errors, errors
             finally:
                 ctx.close()

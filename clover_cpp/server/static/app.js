@@ -75,6 +75,9 @@ function requestBody() {
   put("max_steps", num("#max-steps", true));
   const ds = $("#draft-self").value;
   body.draft_self = ds === "auto" ? "auto" : ds === "true";
+  // the coreset: an integer, "model" or (anything else) as typed, for the server to accept or refuse
+  const cs = $("#coreset").value.trim();
+  if (cs !== "") body.coreset = /^\d+$/.test(cs) ? parseInt(cs, 10) : cs;
   if ($("#show-canvas").checked) body.stream_options.include_canvas = true;
   const system = $("#system").value.trim();
   body.messages = (system ? [{ role: "system", content: system }] : []).concat(state.messages);
@@ -141,6 +144,7 @@ class ReplyView {
     this.cur = null;          // the block being drawn: {start, offset, el, cells}
     this.nSteps = 0;
     this.nBlocks = 0;
+    this.kept = [];           // draft-self: per verification, [tokens kept, positions drafted]
     this.content = "";
   }
 
@@ -195,9 +199,17 @@ class ReplyView {
         c.after(cell.br);
       }
     });
-    const verb = ev.verified ? "verification" : "step";
+    let what = `step ${ev.step} · ${ev.n_masked} masked`;
+    if (ev.verified) {
+      // one event per verification: the kept tokens (the accepted draft prefix, plus the
+      // model's own token after a rejection), the rest of the draft masked
+      const kept = ev.tokens.filter((t) => t !== null).length, drafted = kept + ev.n_masked;
+      this.kept[this.nBlocks - 1] = [kept, drafted];
+      cur.el.title = `verification ${this.nBlocks}: ${kept} of ${drafted} drafted positions kept`;
+      what = `verification · ${kept} of ${drafted} kept`;
+    }
     this.canvasHead.textContent = `canvas · block ${this.nBlocks} (tokens ${ev.offset}..${ev.offset + ev.tokens.length - 1})` +
-      ` · ${verb} ${ev.step} · ${ev.n_masked} masked`;
+      ` · ${what}`;
     scrollDown();
   }
 
@@ -213,7 +225,7 @@ class ReplyView {
     this.cur = null;
   }
 
-  finish(stats, usage, how) {
+  finish(stats, usage, how, sent) {
     this.endBlock();
     this.text.classList.remove("streaming");
     this.root.classList.add("done");
@@ -235,6 +247,7 @@ class ReplyView {
       parts.push(`B ${stats.block_size}`);
       if (stats.mode) parts.push(stats.mode);
       parts.push(`${stats.decode_passes} passes`);
+      if (sent && sent.coreset !== undefined) parts.push(`coreset ${sent.coreset}`);
       if (stats.draft_self) {
         const d = stats.draft_self;
         parts.push(`draft-self: ${d.accepted} of ${d.drafted} drafted tokens accepted, ${d.verifications} verifications`);
@@ -245,6 +258,10 @@ class ReplyView {
     if (this.nSteps) {
       this.canvasHead.textContent = `canvas · ${this.nBlocks} block${this.nBlocks === 1 ? "" : "s"}, ` +
         `${this.nSteps} step${this.nSteps === 1 ? "" : "s"} (hover a token for its step)`;
+      if (this.kept.length) {
+        const per = this.kept.filter(Boolean).map(([k, d]) => `${k}/${d}`);
+        this.canvasHead.textContent += ` · kept per verification: ${per.join(" ")}`;
+      }
     }
     this.stats.textContent = parts.join(" · ");
     if (!this.content) this.text.textContent = how === "stopped" ? "(stopped)" : "(no text)";
@@ -293,9 +310,10 @@ async function send() {
   state.controller = controller;
   setBusy(true);
   let stats = null, usage = null, finish = null;
+  const body = requestBody();
   try {
     const r = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), body: JSON.stringify(requestBody()), signal: controller.signal,
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
     });
     if (!r.ok) {
       let msg = `${r.status} ${r.statusText}`;
@@ -318,7 +336,7 @@ async function send() {
         if (c.finish_reason) finish = c.finish_reason;
       }
     }
-    view.finish(stats, usage, finish === "length" ? "max tokens reached" : finish ? "" : "ended");
+    view.finish(stats, usage, finish === "length" ? "max tokens reached" : finish ? "" : "ended", body);
   } catch (e) {
     if (e.name === "AbortError") {
       view.finish(null, null, "stopped");
