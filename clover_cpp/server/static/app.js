@@ -144,7 +144,7 @@ class ReplyView {
     this.cur = null;          // the block being drawn: {start, offset, el, cells}
     this.nSteps = 0;
     this.nBlocks = 0;
-    this.kept = [];           // draft-self: per verification, [tokens kept, positions drafted]
+    this.kept = [];           // draft-self: per verification, [tokens kept, the block's positions]
     this.content = "";
   }
 
@@ -202,11 +202,13 @@ class ReplyView {
     let what = `step ${ev.step} · ${ev.n_masked} masked`;
     if (ev.verified) {
       // one event per verification: the kept tokens (the accepted draft prefix, plus the
-      // model's own token after a rejection), the rest of the draft masked
-      const kept = ev.tokens.filter((t) => t !== null).length, drafted = kept + ev.n_masked;
-      this.kept[this.nBlocks - 1] = [kept, drafted];
-      cur.el.title = `verification ${this.nBlocks}: ${kept} of ${drafted} drafted positions kept`;
-      what = `verification · ${kept} of ${drafted} kept`;
+      // model's own token after a rejection), the rest masked. The event says neither how many
+      // were drafted (fewer than the block at the budget's end) nor which kept token is the
+      // model's own: the exact counts are the reply's totals (clover.draft_self)
+      const kept = ev.tokens.filter((t) => t !== null).length, n = ev.tokens.length;
+      this.kept[this.nBlocks - 1] = [kept, n];
+      cur.el.title = `verification ${this.nBlocks}: ${kept} of the block's ${n} positions kept`;
+      what = `verification · ${kept} of ${n} kept`;
     }
     this.canvasHead.textContent = `canvas · block ${this.nBlocks} (tokens ${ev.offset}..${ev.offset + ev.tokens.length - 1})` +
       ` · ${what}`;
@@ -259,7 +261,7 @@ class ReplyView {
       this.canvasHead.textContent = `canvas · ${this.nBlocks} block${this.nBlocks === 1 ? "" : "s"}, ` +
         `${this.nSteps} step${this.nSteps === 1 ? "" : "s"} (hover a token for its step)`;
       if (this.kept.length) {
-        const per = this.kept.filter(Boolean).map(([k, d]) => `${k}/${d}`);
+        const per = this.kept.filter(Boolean).map(([k, n]) => `${k}/${n}`);
         this.canvasHead.textContent += ` · kept per verification: ${per.join(" ")}`;
       }
     }
