@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .. import Clover, GenerationResult
 from . import format as fmt
 from .generation import Choice, Job, Prompt
 from .pool import Pool, Slot
-from .types import APIError, CompletionRequest, unsupported
+from .types import APIError, CompletionRequest, SamplerChainFields, unsupported
 
 __all__ = ["LlamaCompletion", "LlamaReply", "slots", "uncached", "without_done"]
 
@@ -37,7 +37,7 @@ def _same(v: Any, neutral: Any) -> bool:
     return v == neutral and isinstance(v, bool) == isinstance(neutral, bool)
 
 
-class LlamaCompletion(BaseModel):
+class LlamaCompletion(SamplerChainFields):
     """``POST /completion``'s body: llama-server's fields this server honours, and Clover's knobs."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -60,29 +60,6 @@ class LlamaCompletion(BaseModel):
     threshold: float | None = None
     max_steps: int | None = None
     draft_self: Union[bool, Literal["auto"]] = False
-    # llama.cpp's sampler chain (None: off), as Knobs
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    top_n_sigma: float | None = None
-    repeat_penalty: float | None = None
-    repeat_last_n: int | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = Field(default=None, max_length=64)
-    mirostat: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-    dynatemp_range: float | None = None
-    dynatemp_exponent: float | None = None
-    min_keep: int | None = None
-    samplers: Union[list[str], str, None] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -113,7 +90,7 @@ class LlamaCompletion(BaseModel):
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=self.stop,
             grammar=self.grammar, json_schema=self.json_schema, stream=self.stream, ignore_eos=self.ignore_eos,
             block_size=self.block_size, threshold=self.threshold, max_steps=self.max_steps, draft_self=self.draft_self,
-            **{f: getattr(self, f) for f in CompletionRequest.CHAIN_FIELDS + ("mirostat", "logit_bias")})
+            **{f: getattr(self, f) for f in self.CHAIN_FIELDS + ("mirostat", "logit_bias")})
 
     def settings(self, n_ctx: int, model: str) -> dict[str, Any]:
         """The reply's ``generation_settings``: the fields as given, with n_ctx and the model."""

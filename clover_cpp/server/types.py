@@ -194,26 +194,13 @@ class ResponseFormat(BaseModel):
         return {"type": "json_object"}
 
 
-class Knobs(BaseModel):
-    """Fields both endpoints share: OpenAI's names, then Clover's own knobs."""
+class SamplerChainFields(BaseModel):
+    """OpenAI's penalties and biases and llama-server's samplers: llama.cpp's sampler chain
+    (spec/decoding.md, "Sampler chain"; None: Clover.generate's default, off; the ranges are
+    libclover's). Shared by /v1/completions, /v1/chat/completions and /completion."""
 
     model_config = _STRICT
 
-    model: str | None = None  # any name is accepted: one model is served
-    # (None: Clover.generate's default, libclover's; the ranges are libclover's too)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name
-    temperature: float = 0.8  # OpenAI's default (Clover.generate's is greedy)
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None  # None or -1: a fresh random seed
-    stop: Union[str, list[str], None] = None
-    n: int = Field(default=1, ge=1)  # choices per prompt, each its own seed (seed + i when given)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)  # an end-user id (OpenAI's): not used for output
-    # OpenAI's penalties and biases and llama-server's samplers: llama.cpp's sampler chain
-    # (spec/decoding.md, "Sampler chain"; None: Clover.generate's default, off; the ranges are libclover's)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # {token id: bias} (OpenAI's), or llama-server's [[token id, bias], ...]; a bias of false bans the token
@@ -237,6 +224,52 @@ class Knobs(BaseModel):
     dynatemp_exponent: float | None = None
     min_keep: int | None = None
     samplers: Union[list[str], str, None] = None  # the chain's order: llama-server's names or letters
+
+    CHAIN_FIELDS: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "min_p", "typical_p", "top_n_sigma", "repeat_penalty",
+                    "repeat_last_n", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+                    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
+                    "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "min_keep", "samplers")
+
+    def chain(self) -> dict[str, Any]:
+        """The sampler chain's fields given, as Clover.generate's keywords."""
+        kw = {f: v for f in self.CHAIN_FIELDS if (v := getattr(self, f)) is not None}
+        if self.mirostat is not None:
+            kw["mirostat_mode"] = self.mirostat
+        if self.logit_bias:
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            bias: dict[int, float] = {}
+            for pair in pairs:
+                if not isinstance(self.logit_bias, dict) and (len(pair) != 2 or type(pair[0]) is not int):
+                    raise APIError(400, f"logit_bias: {json.dumps(pair)[:40]} is not [token id, bias]",
+                                   param="logit_bias")
+                tok, b = pair
+                if isinstance(tok, str) and not tok.strip().isdigit():
+                    raise APIError(400, f"logit_bias: {tok!r} is not a token id", param="logit_bias")
+                if b is True:
+                    raise APIError(400, "logit_bias: a bias is a number, or false to ban the token", param="logit_bias")
+                bias[int(tok)] = float("-inf") if b is False else float(b)
+            kw["logit_bias"] = bias
+        return kw
+
+
+class Knobs(SamplerChainFields):
+    """Fields both endpoints share: OpenAI's names, then Clover's own knobs."""
+
+    model_config = _STRICT
+
+    model: str | None = None  # any name is accepted: one model is served
+    # (None: Clover.generate's default, libclover's; the ranges are libclover's too)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name
+    temperature: float = 0.8  # OpenAI's default (Clover.generate's is greedy)
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None  # None or -1: a fresh random seed
+    stop: Union[str, list[str], None] = None
+    n: int = Field(default=1, ge=1)  # choices per prompt, each its own seed (seed + i when given)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)  # an end-user id (OpenAI's): not used for output
     # structured output: a JSON object / schema (OpenAI's) or a GBNF grammar (llama-server's)
     response_format: ResponseFormat | None = None
     grammar: str | None = Field(default=None, max_length=1 << 20)
@@ -266,32 +299,6 @@ class Knobs(BaseModel):
         if any(not x for x in s):
             raise APIError(400, "stop: an empty string never matches", param="stop")
         return s
-
-    CHAIN_FIELDS: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "min_p", "typical_p", "top_n_sigma", "repeat_penalty",
-                    "repeat_last_n", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
-                    "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
-                    "mirostat_eta", "dynatemp_range", "dynatemp_exponent", "min_keep", "samplers")
-
-    def chain(self) -> dict[str, Any]:
-        """The sampler chain's fields given, as Clover.generate's keywords."""
-        kw = {f: v for f in self.CHAIN_FIELDS if (v := getattr(self, f)) is not None}
-        if self.mirostat is not None:
-            kw["mirostat_mode"] = self.mirostat
-        if self.logit_bias:
-            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-            bias: dict[int, float] = {}
-            for pair in pairs:
-                if not isinstance(self.logit_bias, dict) and (len(pair) != 2 or type(pair[0]) is not int):
-                    raise APIError(400, f"logit_bias: {json.dumps(pair)[:40]} is not [token id, bias]",
-                                   param="logit_bias")
-                tok, b = pair
-                if isinstance(tok, str) and not tok.strip().isdigit():
-                    raise APIError(400, f"logit_bias: {tok!r} is not a token id", param="logit_bias")
-                if b is True:
-                    raise APIError(400, "logit_bias: a bias is a number, or false to ban the token", param="logit_bias")
-                bias[int(tok)] = float("-inf") if b is False else float(b)
-            kw["logit_bias"] = bias
-        return kw
 
     def n_logprobs(self) -> int | None:
         """generate()'s logprobs: None = off, N = each token's and the N most probable."""
