@@ -64,6 +64,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tiny_artifacts):
+    """The tiny f32 model served in process (clover_testkit.server_harness.InProcessServer), and a
+    context of the same model to compare its replies with: (server, context)."""
+    from clover_cpp import Clover
+    from clover_testkit.server_harness import InProcessServer
+
+    with Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1) as m:
+        local = m.new_context()
+        s = InProcessServer(m)
+        yield s, local
+        s.stop()
+        local.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny preset (f32 checkpoint) converted once to f32, f16 and q8_0 GGUFs."""

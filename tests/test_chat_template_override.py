@@ -162,7 +162,7 @@ def test_an_unreadable_template_file_is_one_line(broken_model, tmp_path) -> None
 def test_server_renders_the_given_template_and_shows_it_in_props(broken_model) -> None:
     httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
     from clover_cpp import Clover
-    from test_server_harness import InProcessServer
+    from clover_testkit.server_harness import InProcessServer
 
     server = InProcessServer(Clover(broken_model, n_ctx=256, n_threads=1))
     try:

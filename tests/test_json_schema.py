@@ -253,7 +253,7 @@ def test_python_refuses_before_generating(tiny) -> None:
 
 def test_server_json_schema_and_response_format(tiny) -> None:
     openai = pytest.importorskip("openai", reason="the test extra installs openai")
-    from test_server_harness import InProcessServer
+    from clover_testkit.server_harness import InProcessServer
 
     s = InProcessServer(tiny)
     try:

@@ -16,55 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from clover_testkit.server_harness import Server
+from clover_testkit.server_harness import post as _post
+
 pytestmark = pytest.mark.needs_libclover
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
 
 GREEDY = {"temperature": 0, "extra_body": {"block_size": 4}}
-
-
-class Server:
-    def __init__(self, gguf: Path, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from clover_cpp.cli import main; main()", "serve", "-m", str(gguf),
-             "--port", str(self.port), "-c", "1024", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"clover serve exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("clover serve did not come up")
-
-    def rss_kb(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise RuntimeError("no VmRSS")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
-
-    def client(self, **kw):
-        kw.setdefault("timeout", 60)
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -148,12 +108,6 @@ def test_stop_strings_and_seeds(server, local) -> None:
                                     extra_body={"block_size": 4, "ignore_eos": True}).choices[0].text
     assert sample(7) == sample(7)
     assert len({sample(7), sample(8), sample(9)}) > 1
-
-
-def _post(server, path: str, body, headers=None) -> httpx.Response:
-    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(server.url + path, content=content, timeout=30,
-                      headers={"content-type": "application/json", **(headers or {})})
 
 
 @pytest.mark.parametrize("body,param", [

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from test_server import Server
+from clover_testkit.server_harness import Server
 
 pytestmark = pytest.mark.needs_libclover
 

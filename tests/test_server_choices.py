@@ -11,8 +11,6 @@ import sys
 import numpy as np
 import pytest
 
-from test_server_harness import InProcessServer
-
 pytestmark = pytest.mark.needs_libclover
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
@@ -21,18 +19,6 @@ httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
 PROMPT = "class A:\n    def f(self):"
 KNOBS = {"block_size": 4, "ignore_eos": True}
 SEED = 7
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_artifacts):
-    from clover_cpp import Clover
-
-    with Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1) as m:
-        local = m.new_context()
-        s = InProcessServer(m)
-        yield s, local
-        s.stop()
-        local.close()
 
 
 def causal_logprobs(model, toks: list[int]) -> np.ndarray:
@@ -48,8 +34,8 @@ def piece(model, t: int) -> str:
     return model.token_to_piece(t).decode("utf-8", "replace")
 
 
-def test_echo_logprobs_score_the_prompt(tiny) -> None:
-    s, local = tiny
+def test_echo_logprobs_score_the_prompt(tiny_server) -> None:
+    s, local = tiny_server
     toks = local.tokenize(PROMPT, add_bos=True, special=True)
     want = causal_logprobs(local, toks)
     r = s.client().completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
@@ -73,9 +59,9 @@ def test_echo_logprobs_score_the_prompt(tiny) -> None:
     assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
 
 
-def test_max_tokens_0_scores_a_prompt(tiny) -> None:
+def test_max_tokens_0_scores_a_prompt(tiny_server) -> None:
     """lm-eval's loglikelihood: the prompt's log-probabilities, nothing generated."""
-    s, local = tiny
+    s, local = tiny_server
     toks = local.tokenize(PROMPT, add_bos=True, special=True)
     want = causal_logprobs(local, toks)
     r = s.client().completions.create(model="x", prompt=toks, max_tokens=0, echo=True, logprobs=0)
@@ -85,8 +71,8 @@ def test_max_tokens_0_scores_a_prompt(tiny) -> None:
     assert sum(c.logprobs.token_logprobs[1:]) == pytest.approx(sum(want[i - 1, t] for i, t in enumerate(toks) if i))
 
 
-def test_streamed_echo_carries_the_prompts_logprobs(tiny) -> None:
-    s, local = tiny
+def test_streamed_echo_carries_the_prompts_logprobs(tiny_server) -> None:
+    s, local = tiny_server
     toks = local.tokenize(PROMPT, add_bos=True, special=True)
     chunks = [ch for ch in s.client().completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0,
                                                           echo=True, logprobs=1, stream=True, extra_body=KNOBS)]
@@ -96,8 +82,8 @@ def test_streamed_echo_carries_the_prompts_logprobs(tiny) -> None:
     assert "".join(reply) == "".join(ch.choices[0].text for ch in chunks[1:] if ch.choices)
 
 
-def test_n_choices_each_with_its_own_seed(tiny) -> None:
-    s, local = tiny
+def test_n_choices_each_with_its_own_seed(tiny_server) -> None:
+    s, local = tiny_server
     r = s.client().completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=SEED, n=3,
                                       extra_body=KNOBS)
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -110,9 +96,9 @@ def test_n_choices_each_with_its_own_seed(tiny) -> None:
     assert r.usage.prompt_tokens == len(local.tokenize(PROMPT, add_bos=True, special=True))  # the prompt once
 
 
-def test_a_list_of_prompts_in_openais_order(tiny) -> None:
+def test_a_list_of_prompts_in_openais_order(tiny_server) -> None:
     """Prompt i's n choices are indices i*n .. i*n + n - 1; seeds run over all of them."""
-    s, local = tiny
+    s, local = tiny_server
     prompts = [PROMPT, "import os\n", "x = 1"]
     r = s.client().completions.create(model="x", prompt=prompts, max_tokens=4, temperature=1.0, seed=SEED, n=2,
                                       echo=True, extra_body=KNOBS)
@@ -127,8 +113,8 @@ def test_a_list_of_prompts_in_openais_order(tiny) -> None:
                                             for t in ids]
 
 
-def test_best_of_keeps_the_most_probable_per_token(tiny) -> None:
-    s, local = tiny
+def test_best_of_keeps_the_most_probable_per_token(tiny_server) -> None:
+    s, local = tiny_server
     r = s.client().completions.create(model="x", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=SEED, n=2,
                                       best_of=4, extra_body=KNOBS)
     cands = [local.generate(PROMPT, max_tokens=6, temperature=1.0, seed=SEED + i, logprobs=0, block_size=4,
@@ -147,14 +133,14 @@ def test_best_of_keeps_the_most_probable_per_token(tiny) -> None:
     ({"n": 129}, "n"),
     ({"prompt": ["a", [1, 2]]}, "prompt"),
 ])
-def test_refused_choices(tiny, body, param) -> None:
-    s, _ = tiny
+def test_refused_choices(tiny_server, body, param) -> None:
+    s, _ = tiny_server
     r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_streamed_choices_and_chat_n(tiny) -> None:
-    s, local = tiny
+def test_streamed_choices_and_chat_n(tiny_server) -> None:
+    s, local = tiny_server
     c = s.client()
     chunks = list(c.completions.create(model="x", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=SEED, n=2,
                                        stream=True, stream_options={"include_usage": True}, extra_body=KNOBS))
@@ -231,10 +217,10 @@ def own_logprobs(chunks, index: int) -> list:
     return [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].index == index]
 
 
-def test_streamed_completion_chunks_carry_their_own_logprobs(tiny) -> None:
+def test_streamed_completion_chunks_carry_their_own_logprobs(tiny_server) -> None:
     """Each streamed chunk carries its own tokens' logprobs; joined, they are the unstreamed
     reply's (same seed), and the last chunk carries none."""
-    s, _ = tiny
+    s, _ = tiny_server
     kw = dict(model="x", prompt=PROMPT, max_tokens=12, temperature=0.8, seed=SEED, n=2, logprobs=2, extra_body=KNOBS)
     want = s.client().completions.create(**kw)
     chunks = list(s.client().completions.create(stream=True, **kw))
@@ -247,8 +233,8 @@ def test_streamed_completion_chunks_carry_their_own_logprobs(tiny) -> None:
         assert all(lp.tokens for lp in lps[1:-1]) and "".join(texts) == c.text
 
 
-def test_streamed_chat_chunks_carry_their_own_logprobs(tiny) -> None:
-    s, _ = tiny
+def test_streamed_chat_chunks_carry_their_own_logprobs(tiny_server) -> None:
+    s, _ = tiny_server
     msgs = [{"role": "user", "content": "hi"}]
     kw = dict(model="x", messages=msgs, max_tokens=12, temperature=0.8, seed=SEED, n=2, logprobs=True,
               top_logprobs=2, extra_body=KNOBS)

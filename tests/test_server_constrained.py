@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server_harness import InProcessServer
+from clover_testkit.server_harness import InProcessServer
 
 pytestmark = pytest.mark.needs_libclover
 
@@ -21,20 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 MSGS = [{"role": "user", "content": "def add(a, b):"}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_artifacts):
-    from clover_cpp import Clover
-
-    with Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1) as m:
-        local = m.new_context()
-        s = InProcessServer(m)
-        yield s, local
-        s.stop()
-        local.close()
-
-
-def test_chat_logprobs_are_the_librarys(tiny) -> None:
-    s, local = tiny
+def test_chat_logprobs_are_the_librarys(tiny_server) -> None:
+    s, local = tiny_server
     c = s.client()
     r = c.chat.completions.create(model="x", messages=MSGS, max_tokens=12, temperature=0.7, seed=5, logprobs=True,
                                   top_logprobs=3, extra_body={"block_size": 4, "ignore_eos": True})
@@ -63,8 +51,8 @@ def test_chat_logprobs_are_the_librarys(tiny) -> None:
         c.chat.completions.create(model="x", messages=MSGS, max_tokens=2, top_logprobs=2)
 
 
-def test_completion_logprobs(tiny) -> None:
-    s, local = tiny
+def test_completion_logprobs(tiny_server) -> None:
+    s, local = tiny_server
     r = s.client().completions.create(model="x", prompt="class A:", max_tokens=8, temperature=0, logprobs=2,
                                       extra_body={"block_size": 4, "ignore_eos": True})
     want = local.generate("class A:", max_tokens=8, logprobs=2, block_size=4, stop_at_eos=False, reuse_prefix=False)
@@ -77,8 +65,8 @@ def test_completion_logprobs(tiny) -> None:
     # (echo + logprobs: the prompt's tokens first, tests/test_server_choices.py)
 
 
-def test_grammar_and_refusals(tiny) -> None:
-    s, _ = tiny
+def test_grammar_and_refusals(tiny_server) -> None:
+    s, _ = tiny_server
     c = s.client()
     for seed in range(5):
         r = c.completions.create(model="x", prompt="answer:", max_tokens=8, temperature=1.0, seed=seed,

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from test_server import Server, _post
-from test_server_harness import InProcessServer, ScriptedClover
+from clover_testkit.server_harness import InProcessServer, ScriptedClover, Server
+from clover_testkit.server_harness import post as _post
 
 pytestmark = pytest.mark.needs_libclover
 

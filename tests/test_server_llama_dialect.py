@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_server import Server
+from clover_testkit.server_harness import Server
 
 pytestmark = pytest.mark.needs_libclover
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.needs_libclover
 httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 
-from test_server import Server  # noqa: E402
+from clover_testkit.server_harness import Server  # noqa: E402
 
 
 def _cli(*args: str) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server_harness import InProcessServer, ScriptedClover, tool_gguf
+from clover_testkit.server_harness import InProcessServer, ScriptedClover
 
 pytestmark = pytest.mark.needs_libclover
 
@@ -22,6 +22,18 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tool_gguf(tiny_gguf: Path, dst: Path) -> Path:
+    """The tiny GGUF with the Qwen tool-calling chat template (clover_testkit.chat_templates)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import fuzz  # noqa: PLC0415 - tests/fuzz.py: the one GGUF rewriter
+
+    from clover_testkit.chat_templates import QWEN_TOOLS_TEMPLATE
+
+    return fuzz.rewrite_gguf(tiny_gguf, dst, kv={"tokenizer.chat_template": QWEN_TOOLS_TEMPLATE})
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ def test_server_answers_while_and_after_a_template_runs_away(hostile_gguf, monke
     httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
     import clover_cpp.chat as chat
     from clover_cpp import Clover
-    from test_server_harness import InProcessServer
+    from clover_testkit.server_harness import InProcessServer
 
     monkeypatch.setattr(chat, "TEMPLATE_LIMITS", chat.TemplateLimits(seconds=4))
     path = hostile_gguf("server_loop", RUNAWAY_LOOP)

@@ -21,8 +21,7 @@ pytestmark = pytest.mark.needs_libclover
 
 httpx = pytest.importorskip("httpx", reason="the test extra installs httpx")
 
-from test_server import Server  # noqa: E402 - a `clover serve` subprocess on a free port
-from test_server_harness import InProcessServer  # noqa: E402
+from clover_testkit.server_harness import InProcessServer, Server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "page-test-key"

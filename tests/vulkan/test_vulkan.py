@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -239,8 +238,7 @@ def test_serve_prefix_reuse_with_offload(gguf, tiny_artifacts) -> None:
     prefix (cached_tokens = the local run's stats.n_reused) and answers what the local
     offloaded model answers."""
     pytest.importorskip("openai", reason="the test extra installs openai")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from test_server import Server
+    from clover_testkit.server_harness import Server
 
     kw = dict(max_tokens=8, temperature=0)
     s = Server(gguf, "-ngl", "-1", "-t", "2")

@@ -1,10 +1,13 @@
-"""An in-process `clover serve` app on a loopback port, over the tiny model, with a scripted
-generate() where a test needs output the tiny model would never write (tool-call markup) or a
-generation that will not stop (the watchdog). Used by test_server_tools.py and
-test_server_hostile.py; holds no tests itself."""
+"""The servers the tests talk to: `clover serve` as a subprocess (Server) and create_app in
+process under uvicorn (InProcessServer), with a scripted generate() (ScriptedClover) where a test
+needs output the tiny model would never write (tool-call markup) or a generation that will not
+stop (the watchdog). httpx and openai (the test extra) are imported where used."""
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +15,66 @@ from pathlib import Path
 from typing import Any
 
 from clover_cpp import Clover, GenerationResult, GenerationStats
+
+
+class Server:
+    """`clover serve -m GGUF ARGS...` in a subprocess on a free loopback port, up once /health answers."""
+
+    def __init__(self, gguf: Path, *args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from clover_cpp.cli import main; main()", "serve", "-m", str(gguf),
+             "--port", str(self.port), "-c", "1024", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        import httpx
+
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"clover serve exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("clover serve did not come up")
+
+    def rss_kb(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+
+    def client(self, **kw):
+        import openai
+
+        kw.setdefault("timeout", 60)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def post(server, path: str, body, headers=None) -> Any:
+    """POST body (JSON, or bytes / text sent as they are) to server.url + path: the httpx.Response."""
+    import httpx
+
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, timeout=30,
+                      headers={"content-type": "application/json", **(headers or {})})
 
 
 class ScriptedStream:
@@ -98,15 +161,3 @@ class InProcessServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
-
-
-def tool_gguf(tiny_gguf: Path, dst: Path) -> Path:
-    """The tiny GGUF with the Qwen tool-calling chat template (clover_testkit.chat_templates)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import fuzz  # noqa: PLC0415 - tests/fuzz.py: the one GGUF rewriter
-
-    from clover_testkit.chat_templates import QWEN_TOOLS_TEMPLATE
-
-    return fuzz.rewrite_gguf(tiny_gguf, dst, kv={"tokenizer.chat_template": QWEN_TOOLS_TEMPLATE})
