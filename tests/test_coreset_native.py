@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from clover_cpp import _native as N
-from tests.test_native_api import F32_TOL, L, Ctx, _prompt, _rel, artifacts, model, ref, vocab_hi  # noqa: F401
+
+try:
+    N.find_library()
+except N.CloverLibraryNotFound as e:  # pragma: no cover - CI always builds it
+    pytest.skip(f"libclover is not built ({e})", allow_module_level=True)
+
+from clover_testkit.native_handles import (CLI, F32_TOL, REPO, Ctx, L, Model, artifacts, model,  # noqa: E402, F401
+                                           random_prompt, ref, relative_diff, vocab_hi)
 
 pytestmark = pytest.mark.needs_libclover
 
@@ -35,13 +42,13 @@ def test_block_pass_parity_with_coreset(model, ref, vocab_hi, B, C):
             ctx.reset()
             mem = ref.new_memory()
             if n_prompt:
-                prompt = _prompt(7 * n_prompt + C, n_prompt, vocab_hi)
+                prompt = random_prompt(7 * n_prompt + C, n_prompt, vocab_hi)
                 ctx.commit(prompt)
                 ref.commit(mem, prompt)
             rng = np.random.default_rng(B * 100 + C + n_prompt)
             for n in sorted({1, 2, B}):
                 canvas = [mask if rng.random() < 0.5 else int(rng.integers(0, vocab_hi)) for _ in range(n)]
-                d = _rel(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B, coreset=C))
+                d = relative_diff(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B, coreset=C))
                 worst = max(worst, d)
                 assert d <= F32_TOL, (n_prompt, n, d)
         # the coreset changes canvases (C < E, n >= 2), and off again gives full routing
@@ -50,14 +57,14 @@ def test_block_pass_parity_with_coreset(model, ref, vocab_hi, B, C):
             full = ref.block_pass(mem, canvas, B)
             assert not np.allclose(ref.block_pass(mem, canvas, B, coreset=C), full, atol=1e-3)
             set_coreset(ctx, 0)
-            assert _rel(ctx.block_pass(canvas), full) <= F32_TOL
+            assert relative_diff(ctx.block_pass(canvas), full) <= F32_TOL
     print(f"coreset C={C} B={B}: worst relative block-pass difference {worst:.2e}")
 
 
 @pytest.mark.parametrize("C", [1, 2, 4])
 def test_greedy_block_diffusion_with_coreset_matches_reference(model, ref, vocab_hi, C):
     from clover_testkit.reference import generate
-    prompt = _prompt(500 + C, 6, vocab_hi)
+    prompt = random_prompt(500 + C, 6, vocab_hi)
     with Ctx(model, 4, n_ctx=256) as ctx:
         set_coreset(ctx, C)
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=16, threshold=0.5, stop_at_eos=False)
@@ -69,7 +76,7 @@ def test_greedy_block_diffusion_with_coreset_matches_reference(model, ref, vocab
 
 @pytest.mark.parametrize("C", [1, 2])
 def test_draft_self_with_coreset_is_block_size_1(model, vocab_hi, C):
-    prompt = _prompt(900 + C, 5, vocab_hi)
+    prompt = random_prompt(900 + C, 5, vocab_hi)
     with Ctx(model, 1, n_ctx=256) as ar:
         rc, want, _, msg = ar.generate(prompt, max_tokens=24, stop_at_eos=False)
         assert rc == N.CLOVER_OK, msg
@@ -103,7 +110,6 @@ def test_gguf_default_coreset(tmp_path):
     """config.json's expert_coreset -> the GGUF's clover.expert_coreset -> a context's default."""
     from clover_convert import convert
     from clover_testkit.checkpoints import write_checkpoint
-    from tests.test_native_api import Model
 
     write_checkpoint(tmp_path / "ck", preset="tiny", dtype="f32", config_overrides={"expert_coreset": 3})
     convert(tmp_path / "ck", tmp_path / "m.gguf", outtype="f32", progress=False)
@@ -126,7 +132,7 @@ def test_python_knobs(artifacts, vocab_hi):
     the call), the refusals (libclover's message, param "coreset")."""
     from clover_cpp import Clover, CloverValueError
 
-    prompt = _prompt(77, 6, vocab_hi)
+    prompt = random_prompt(77, 6, vocab_hi)
     with Clover(artifacts["f32"], n_ctx=128, n_threads=2, block_size=4, kv_f32=True, flash_attn=False) as m:
         assert m.coreset == 0
         full = m.generate(prompt, max_tokens=12, block_size=4, threshold=0.0, stop_at_eos=False, seed=0)
@@ -155,10 +161,6 @@ def test_python_knobs(artifacts, vocab_hi):
 def test_cli_flag(artifacts):
     """--coreset on clover run (a refused value: one line naming the flag) and clover-cli."""
     import subprocess
-
-    from tests.test_native_api import CLI
-
-    from tests.test_native_api import REPO
 
     base = [str(REPO / ".venv" / "bin" / "clover"), "run", "-m", str(artifacts["f32"]), "-p", "hello", "-n", "4",
             "--no-visual", "--block-size", "4"]

@@ -35,27 +35,23 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
-import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from clover_cpp import _native as N
 
-REPO = Path(__file__).resolve().parents[1]
-CLI = REPO / "build" / "bin" / "clover-cli"
-
 try:
     _LIB_PATH = N.find_library()
 except N.CloverLibraryNotFound as e:  # pragma: no cover - CI always builds it
     pytest.skip(f"libclover is not built ({e})", allow_module_level=True)
 
-L = N.load_library()
+from clover_testkit.native_handles import (CLI, F32_TOL, Ctx, L, Model, NativeError,  # noqa: E402, F401
+                                           artifacts, float_ptr, model, random_prompt, ref, relative_diff,
+                                           vocab_hi)
 
-F32_TOL = 1e-3
 # f16: every row; q8_0: the median row (a q8_0 router input can flip an expert choice for a
 # token, which moves that row a lot: such rows are bounded only by the sanity limit)
 QUANT_TOL = {"f16": 1e-2, "q8_0": 1e-1}
@@ -85,163 +81,6 @@ def _report():
         print("quantized rows past the tolerance, explained by a router near-tie:")
         for t in ROUTING_FLIPS:
             print("  " + t)
-
-
-# ----------------------------------------------------------------------------- thin wrappers
-class NativeError(RuntimeError):
-    def __init__(self, code: int, msg: str):
-        super().__init__(f"{N.lib().clover_status_str(code).decode()} ({code}): {msg}")
-        self.code, self.msg = code, msg
-
-
-def _fptr(a: np.ndarray):
-    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-
-
-class Model:
-    def __init__(self, path: Path | str):
-        eb, el = N.err_buffer()
-        mp = L.clover_model_default_params()
-        mp.n_gpu_layers = int(os.environ.get("CLOVER_TEST_NGL", "0"))  # benchmarks/gpu.sh: -1 = all on the GPU
-        self.p = L.clover_model_load(str(path).encode(), ctypes.byref(mp), eb, el)
-        if not self.p:
-            raise NativeError(N.CLOVER_ERR_LOAD, eb.value.decode())
-        self.n_vocab = L.clover_n_vocab(self.p)
-        self.mask = L.clover_mask_token(self.p)
-        self.eos = L.clover_eos_token(self.p)
-
-    def close(self):
-        if self.p:
-            L.clover_model_free(self.p)
-            self.p = None
-
-
-class Ctx:
-    def __init__(self, model: Model, block_size: int, n_ctx: int = 512, n_threads: int = 2, kv_f32: bool = True,
-                 flash_attn: int = 0):
-        """kv_f32 / flash_attn: exact-parity settings by default (f32 KV cache, no flash
-        attention, whose CPU kernel rounds Q to f16)."""
-        self.model = model
-        cp = L.clover_context_default_params()
-        cp.n_ctx, cp.block_size, cp.n_threads = n_ctx, block_size, n_threads
-        cp.kv_f32, cp.flash_attn = int(kv_f32), flash_attn
-        eb, el = N.err_buffer()
-        self.p = L.clover_context_new(model.p, ctypes.byref(cp), eb, el)
-        if not self.p:
-            raise NativeError(N.CLOVER_ERR_INVALID_ARG, eb.value.decode())
-
-    def close(self):
-        if self.p:
-            L.clover_context_free(self.p)
-            self.p = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        self.close()
-
-    @property
-    def n_committed(self) -> int:
-        return L.clover_n_committed(self.p)
-
-    def committed_tokens(self) -> list[int]:
-        n = L.clover_committed_tokens(self.p, None, 0)
-        out = (ctypes.c_int32 * max(n, 1))()
-        assert L.clover_committed_tokens(self.p, out, n) == n
-        return list(out[:n])
-
-    def _check(self, rc, eb):
-        if rc != N.CLOVER_OK:
-            raise NativeError(rc, eb.value.decode())
-
-    def block_pass(self, tokens) -> np.ndarray:
-        out = np.zeros((len(tokens), self.model.n_vocab), np.float32)
-        eb, el = N.err_buffer()
-        self._check(L.clover_block_pass(self.p, N.as_int32_array(tokens), len(tokens), _fptr(out), eb, el), eb)
-        return out
-
-    def commit(self, tokens) -> None:
-        eb, el = N.err_buffer()
-        self._check(L.clover_commit(self.p, N.as_int32_array(tokens), len(tokens), eb, el), eb)
-
-    def commit_logits(self, tokens) -> np.ndarray:
-        """Commit, returning the [n, V] logits of the committed positions."""
-        out = np.zeros((len(tokens), self.model.n_vocab), np.float32)
-        eb, el = N.err_buffer()
-        self._check(L.clover_commit_logits(self.p, N.as_int32_array(tokens), len(tokens), _fptr(out), eb, el), eb)
-        return out
-
-    def last_logits(self) -> np.ndarray:
-        out = np.zeros(self.model.n_vocab, np.float32)
-        rc = L.clover_last_logits(self.p, _fptr(out))
-        if rc != N.CLOVER_OK:
-            raise NativeError(rc, "clover_last_logits")
-        return out
-
-    def reset(self):
-        assert L.clover_reset(self.p) == N.CLOVER_OK
-
-    def generate(self, prompt, *, max_tokens=24, block_size=N.CLOVER_BLOCK_SIZE_CONTEXT, threshold=0.9, max_steps=0, temperature=0.0,
-                 top_k=0, top_p=1.0, seed=0, stop_at_eos=True, step_cb=None, block_cb=None, reuse_prefix=None,
-                 stop_tokens=(), draft_self=0):
-        gp = L.clover_generate_default_params()
-        gp.draft_self = draft_self
-        stops = N.as_int32_array(stop_tokens)
-        gp.stop_tokens, gp.n_stop_tokens = stops, len(stop_tokens)
-        if reuse_prefix is not None:
-            gp.reuse_prefix = int(reuse_prefix)
-        gp.block_size, gp.threshold, gp.max_steps = block_size, threshold, max_steps
-        gp.temperature, gp.top_k, gp.top_p, gp.seed = temperature, top_k, top_p, seed
-        gp.max_tokens, gp.stop_at_eos = max_tokens, int(stop_at_eos)
-        keep = []
-        if step_cb is not None:
-            f = N.clover_step_callback(lambda s, c, b, nm, u: int(bool(step_cb(s, list(c[:b]), nm))))
-            gp.step_callback = f
-            keep.append(f)
-        if block_cb is not None:
-            g = N.clover_block_callback(lambda s, t, n, u: int(bool(block_cb(s, list(t[:n])))))
-            gp.block_callback = g
-            keep.append(g)
-        cap = max(max_tokens, 1)
-        out = (ctypes.c_int32 * cap)()
-        n = ctypes.c_int32()
-        st = N.clover_stats()
-        eb, el = N.err_buffer()
-        rc = L.clover_generate(self.p, N.as_int32_array(prompt), len(prompt), ctypes.byref(gp), out, cap,
-                               ctypes.byref(n), ctypes.byref(st), eb, el)
-        return rc, list(out[:n.value]), st, eb.value.decode()
-
-
-# ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def artifacts(tiny_artifacts):
-    return tiny_artifacts
-
-
-@pytest.fixture(scope="module")
-def ref(artifacts):
-    from clover_testkit.reference import CloverReference
-
-    return CloverReference.from_pretrained(artifacts["ckpt"])
-
-
-@pytest.fixture(scope="module")
-def model(artifacts):
-    m = Model(artifacts["f32"])
-    yield m
-    m.close()
-
-
-def _prompt(seed: int, n: int, vocab_hi: int) -> list[int]:
-    # ordinary tokens only (no mask / EOS / other specials, which sit at the top of the vocab)
-    return np.random.default_rng(seed).integers(0, vocab_hi, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def vocab_hi(artifacts):
-    cfg = artifacts["cfg"]
-    return min(cfg["eos_token_id"], cfg["mask_token_id"])
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -309,14 +148,10 @@ def _piece(model, t: int) -> bytes:
 
 
 # ----------------------------------------------------------------------------- block passes
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
-
-
 def _check_commit(ctx, mem, ref, toks, key: str, tol: float = F32_TOL) -> None:
     """Commit toks on both sides: the committed-position logits agree, L_last is their last row."""
     got, want = ctx.commit_logits(toks), ref.commit(mem, toks)
-    d = _rel(got, want)
+    d = relative_diff(got, want)
     _record(key, d)
     assert d <= tol, (key, d)
     assert ctx.n_committed == mem.n_committed
@@ -331,13 +166,13 @@ def test_block_pass_parity_f32(model, ref, vocab_hi, B):
     mask = model.mask
     with Ctx(model, B, n_ctx=512) as ctx:
         # empty memory: a block pass at position 0
-        toks = _prompt(100 + B, B, vocab_hi)
-        d = _rel(ctx.block_pass(toks), ref.block_pass(ref.new_memory(), toks, B))
+        toks = random_prompt(100 + B, B, vocab_hi)
+        d = relative_diff(ctx.block_pass(toks), ref.block_pass(ref.new_memory(), toks, B))
         _record(f"f32 B={B} pass, empty memory", d)
         assert d <= F32_TOL, d
         for n in lengths:
             ctx.reset()
-            prompt = _prompt(1000 * B + n, n, vocab_hi)
+            prompt = random_prompt(1000 * B + n, n, vocab_hi)
             mem = ref.new_memory()
             _check_commit(ctx, mem, ref, prompt, f"f32 B={B} commit logits")
             assert ctx.n_committed == n
@@ -345,11 +180,11 @@ def test_block_pass_parity_f32(model, ref, vocab_hi, B):
             # positions unmasked, and a partial canvas (n < B)
             canvases = [[mask] * B]
             if B > 1:
-                half = _prompt(3 * n + B, B, vocab_hi)
+                half = random_prompt(3 * n + B, B, vocab_hi)
                 half[1::2] = [mask] * len(half[1::2])
-                canvases += [half, _prompt(5 * n + B, B // 2, vocab_hi)]
+                canvases += [half, random_prompt(5 * n + B, B // 2, vocab_hi)]
             for canvas in canvases:
-                d = _rel(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B))
+                d = relative_diff(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B))
                 _record(f"f32 B={B} pass", d)
                 assert d <= F32_TOL, (n, len(canvas), d)
             # the pass left the memory unchanged: repeat it bit for bit
@@ -357,10 +192,10 @@ def test_block_pass_parity_f32(model, ref, vocab_hi, B):
             assert ctx.n_committed == n
             # after further commits: a decoded block, then an odd number of tokens
             for k, m in enumerate((B, B // 2 + 1)):
-                _check_commit(ctx, mem, ref, _prompt(7 * n + k, m, vocab_hi), f"f32 B={B} commit logits")
-                nxt = _prompt(9 * n + k, B, vocab_hi)
+                _check_commit(ctx, mem, ref, random_prompt(7 * n + k, m, vocab_hi), f"f32 B={B} commit logits")
+                nxt = random_prompt(9 * n + k, B, vocab_hi)
                 nxt[B // 2:] = [mask] * (B - B // 2)
-                d = _rel(ctx.block_pass(nxt), ref.block_pass(mem, nxt, B))
+                d = relative_diff(ctx.block_pass(nxt), ref.block_pass(mem, nxt, B))
                 _record(f"f32 B={B} pass after commits", d)
                 assert d <= F32_TOL, (n, k, d)
 
@@ -374,14 +209,14 @@ def test_parity_default_kv_cache(model, ref, vocab_hi, B):
         for n in (5, 303):
             ctx.reset()
             mem = ref.new_memory()
-            _check_commit(ctx, mem, ref, _prompt(2000 * B + n, n, vocab_hi), f"f32 default KV B={B} commit logits")
+            _check_commit(ctx, mem, ref, random_prompt(2000 * B + n, n, vocab_hi), f"f32 default KV B={B} commit logits")
             for k in range(2):
-                canvas = _prompt(11 * n + k, B, vocab_hi)
+                canvas = random_prompt(11 * n + k, B, vocab_hi)
                 canvas[k:] = [mask] * (B - k)
-                d = _rel(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B))
+                d = relative_diff(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B))
                 _record(f"f32 default KV B={B} pass", d)
                 assert d <= F32_TOL, (n, k, d)
-                _check_commit(ctx, mem, ref, _prompt(13 * n + k, B + 1, vocab_hi),
+                _check_commit(ctx, mem, ref, random_prompt(13 * n + k, B + 1, vocab_hi),
                               f"f32 default KV B={B} commit logits")
 
 
@@ -400,8 +235,8 @@ def test_commit_in_one_call_equals_chunks_and_token_by_token(model, vocab_hi, B,
     """A commit is causal: one call (one ubatch or several), uneven chunks and one token at a
     time give the same committed-position logits, the same L_last and the same memory (the
     next block pass)."""
-    prompt = _prompt(5, n, vocab_hi)
-    probe = _prompt(6, B, vocab_hi)
+    prompt = random_prompt(5, n, vocab_hi)
+    probe = random_prompt(6, B, vocab_hi)
     probe[1::2] = [model.mask] * len(probe[1::2])
     splits = {"one call": [prompt], "uneven chunks": _chunks(prompt, [3, 1, B + 1, 7, 2 * B - 1]),
               "token by token": [[t] for t in prompt]}
@@ -415,7 +250,7 @@ def test_commit_in_one_call_equals_chunks_and_token_by_token(model, vocab_hi, B,
     assert np.array_equal(base[1], base[0][-1])
     for name in ("uneven chunks", "token by token"):
         for what, a, b in zip(("commit logits", "L_last", "block pass"), got[name], base):
-            d = _rel(a, b)
+            d = relative_diff(a, b)
             _record(f"{name} vs one call, {what}", d)
             assert d <= 1e-5, (name, what, d)
 
@@ -469,7 +304,7 @@ def test_parity_quantized(artifacts, ref, vocab_hi, outtype):
                 for n in (5, 40, 77):
                     ctx.reset()
                     mem = ref.new_memory()
-                    for k, toks in enumerate((_prompt(n + B, n, vocab_hi), _prompt(2 * n + B, B, vocab_hi))):
+                    for k, toks in enumerate((random_prompt(n + B, n, vocab_hi), random_prompt(2 * n + B, B, vocab_hi))):
                         mem0 = mem.copy()
                         check(ctx.commit_logits(toks), ref.commit(mem, toks),
                               lambda j: _commit_row_gap(ref, mem0, toks, j), f"B={B} n={n} commit {k}")
@@ -595,7 +430,7 @@ def test_greedy_generate_matches_reference(model, ref, vocab_hi, n_threads, B, t
     """Fused decoding (each block's commit rides on the next block's first pass, the prompt
     committed in ubatches) gives the reference's tokens, steps, forwards and commits."""
     lengths = sorted({1, max(B - 1, 1), B, 2 * B + 3, 300})
-    prompts = [_prompt(11 + n, n, vocab_hi) for n in lengths]
+    prompts = [random_prompt(11 + n, n, vocab_hi) for n in lengths]
     max_tokens = 20
     with Ctx(model, B, n_ctx=512, n_threads=n_threads) as ctx:
         for prompt in prompts:
@@ -629,7 +464,7 @@ def test_block_size_1_is_autoregressive(model, ref, vocab_hi, n_prompt):
     argmax of the causal logits of the text before it, whatever the threshold or step cap."""
     from clover_testkit.reference import causal_logits
 
-    prompt = _prompt(80 + n_prompt, n_prompt, vocab_hi)
+    prompt = random_prompt(80 + n_prompt, n_prompt, vocab_hi)
     max_tokens = 17
     steps: list = []
     with Ctx(model, 1, n_ctx=1024) as ctx:
@@ -653,14 +488,14 @@ def test_block_size_1_is_autoregressive(model, ref, vocab_hi, n_prompt):
             assert toks2 == toks and st2.n_forward == st.n_forward and st2.n_decode_passes == 0
     with Ctx(model, 1, n_ctx=1024) as fresh:
         causal = fresh.commit_logits(prompt + toks[:-1])
-    d = _rel(l_last, causal[-1])
+    d = relative_diff(l_last, causal[-1])
     _record("B=1 generate L_last vs one commit", d)
     assert d <= 1e-5, d
     rows = causal[n_prompt - 1:].astype(np.float64)
     rows[:, model.mask] = -np.inf
     assert rows.argmax(axis=1).tolist() == toks
     want = causal_logits(ref, prompt + toks[:-1])
-    d = _rel(causal, want)
+    d = relative_diff(causal, want)
     _record("B=1 causal logits vs reference", d)
     assert d <= F32_TOL, d
 
@@ -674,10 +509,10 @@ def test_block_decode_memory_equals_causal_commit(model, ref, vocab_hi):
     from clover_testkit.reference import causal_logits
 
     B, n_prompt, max_tokens = 32, 13, 80
-    prompt = _prompt(91, n_prompt, vocab_hi)
-    more = _prompt(92, 5, vocab_hi)          # committed afterwards on every side
+    prompt = random_prompt(91, n_prompt, vocab_hi)
+    more = random_prompt(92, 5, vocab_hi)          # committed afterwards on every side
     canvas = [model.mask] * B
-    canvas[2::3] = _prompt(93, len(canvas[2::3]), vocab_hi)
+    canvas[2::3] = random_prompt(93, len(canvas[2::3]), vocab_hi)
     runs = {}
     with Ctx(model, B, n_ctx=512) as dec:
         # B + 1 and 2B + 1 tokens: the last block has one candidate (no pass), so the commit
@@ -713,20 +548,20 @@ def test_block_decode_memory_equals_causal_commit(model, ref, vocab_hi):
         last_row = one_logits[n_prompt + n_commits * B - 1]
         checks.append((f"L_last after a decode of {mt} vs one commit", l_last, last_row))
     for what, a, b in checks:
-        d = _rel(a, b)
+        d = relative_diff(a, b)
         _record(f"fidelity: {what}", d)
         assert d <= 1e-5, (what, d)
     want = causal_logits(ref, text)
-    d = _rel(one_logits, want)
+    d = relative_diff(one_logits, want)
     _record("fidelity: committed logits vs reference", d)
     assert d <= F32_TOL, d
-    d = _rel(runs[max_tokens][1], want[-1])
+    d = relative_diff(runs[max_tokens][1], want[-1])
     _record("fidelity: L_last after the decode vs reference", d)
     assert d <= F32_TOL, d
 
 
 def test_greedy_same_output_for_1_and_2_threads(model, vocab_hi):
-    prompt = _prompt(21, 13, vocab_hi)
+    prompt = random_prompt(21, 13, vocab_hi)
     outs = []
     for t in (1, 2):
         with Ctx(model, 8, n_threads=t) as ctx:
@@ -737,7 +572,7 @@ def test_greedy_same_output_for_1_and_2_threads(model, vocab_hi):
 
 
 def test_block_size_change_recreates_context(model, ref, vocab_hi):
-    prompt = _prompt(31, 9, vocab_hi)
+    prompt = random_prompt(31, 9, vocab_hi)
     with Ctx(model, 8) as ctx:
         for B in (4, 16, 8):
             rc, toks, st, msg = ctx.generate(prompt, max_tokens=12, block_size=B, threshold=0.9)
@@ -752,7 +587,7 @@ def test_block_size_change_recreates_context(model, ref, vocab_hi):
 def test_max_tokens_zero_and_empty_prompt(model, ref, vocab_hi):
     from clover_testkit.reference import generate
 
-    prompt = _prompt(32, 3, vocab_hi)
+    prompt = random_prompt(32, 3, vocab_hi)
     with Ctx(model, 4) as ctx:
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=0, block_size=4)
         assert rc == N.CLOVER_OK and toks == [] and st.n_forward == 0
@@ -775,7 +610,7 @@ def eos_variant(artifacts, model, ref, vocab_hi):
     """A copy of the f32 GGUF whose EOS is a token the model emits early, and a matching reference."""
     import gguf
 
-    prompt = _prompt(41, 5, vocab_hi)
+    prompt = random_prompt(41, 5, vocab_hi)
     with Ctx(model, 4) as ctx:
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9, stop_at_eos=False)
     assert rc == N.CLOVER_OK, msg
@@ -816,7 +651,7 @@ def test_stop_tokens_end_the_output_in_c(model, vocab_hi):
     """clover_generate_params.stop_tokens: the output ends before the first stop token (whatever
     stop_at_eos says), finish_reason = CLOVER_FINISH_STOP_TOKEN, the stats count the cut output,
     and the block that held it is not committed."""
-    prompt = _prompt(42, 5, vocab_hi)
+    prompt = random_prompt(42, 5, vocab_hi)
     with Ctx(model, 4) as ctx:
         rc, full, st, msg = ctx.generate(prompt, max_tokens=40, block_size=4, threshold=0.9, stop_at_eos=False)
         assert rc == N.CLOVER_OK, msg
@@ -855,7 +690,7 @@ def test_stop_tokens_end_the_output_in_c(model, vocab_hi):
 
 def test_committed_tokens(model, vocab_hi):
     """clover_committed_tokens: the text the memory holds, min(n, n_max) of it copied."""
-    prompt = _prompt(43, 7, vocab_hi)
+    prompt = random_prompt(43, 7, vocab_hi)
     with Ctx(model, 4) as ctx:
         assert L.clover_committed_tokens(ctx.p, None, 0) == 0 and ctx.committed_tokens() == []
         ctx.commit(prompt[:3])
@@ -883,7 +718,7 @@ def test_state_save_load_continues_block_diffusion(model, vocab_hi):
     """clover_state_save after a block-diffusion generation (fused commits), clover_state_load into
     another context of another block size: the next generation equals the uninterrupted one, the
     memory's tokens and L_last are the saved ones, none of them read again (n_reused)."""
-    prompt = _prompt(44, 9, vocab_hi)
+    prompt = random_prompt(44, 9, vocab_hi)
     with Ctx(model, 4) as ctx, Ctx(model, 8) as other:
         rc, toks, _, msg = ctx.generate(prompt, max_tokens=12, block_size=4, stop_at_eos=False)
         assert rc == N.CLOVER_OK, msg
@@ -900,7 +735,7 @@ def test_state_save_load_continues_block_diffusion(model, vocab_hi):
 def test_state_refusals(model, vocab_hi):
     """A buffer too small, NULLs, a NULL context's size: status codes with one line, nothing written."""
     with Ctx(model, 4) as ctx:
-        ctx.commit(_prompt(45, 5, vocab_hi))
+        ctx.commit(random_prompt(45, 5, vocab_hi))
         size = L.clover_state_size(ctx.p)
         buf, written, eb = ctypes.create_string_buffer(size), ctypes.c_size_t(7), N.err_buffer()
         assert L.clover_state_save(ctx.p, buf, size - 1, ctypes.byref(written), *eb) == N.CLOVER_ERR_BUFFER_TOO_SMALL
@@ -914,7 +749,7 @@ def test_state_refusals(model, vocab_hi):
 
 # ----------------------------------------------------------------------------- sampling
 def test_seeded_sampling_reproducible(model, vocab_hi):
-    prompt = _prompt(51, 6, vocab_hi)
+    prompt = random_prompt(51, 6, vocab_hi)
     kw = dict(max_tokens=24, block_size=8, threshold=0.5, temperature=0.8, top_k=40, top_p=0.9)
     with Ctx(model, 8) as ctx:
         a = ctx.generate(prompt, seed=123, **kw)
@@ -942,7 +777,7 @@ def test_pick_candidate_greedy_matches_reference(ref):
     for i in range(len(logits)):
         tok, conf = ctypes.c_int32(), ctypes.c_double()
         row = np.ascontiguousarray(logits[i])
-        assert L.clover_pick_candidate(_fptr(row), V, mask, 0.0, 0, 1.0, 0, ctypes.byref(tok), ctypes.byref(conf)) == 0
+        assert L.clover_pick_candidate(float_ptr(row), V, mask, 0.0, 0, 1.0, 0, ctypes.byref(tok), ctypes.byref(conf)) == 0
         assert tok.value == want_tok[i]
         assert conf.value == pytest.approx(want_conf[i], rel=1e-12)
     assert want_tok[6] == 3
@@ -955,7 +790,7 @@ def test_pick_candidate_sampling():
 
     def pick(T, k, p, seed):
         tok, conf = ctypes.c_int32(), ctypes.c_double()
-        assert L.clover_pick_candidate(_fptr(logits), V, mask, T, k, p, seed, ctypes.byref(tok), ctypes.byref(conf)) == 0
+        assert L.clover_pick_candidate(float_ptr(logits), V, mask, T, k, p, seed, ctypes.byref(tok), ctypes.byref(conf)) == 0
         return tok.value, conf.value
 
     # top-k 1 and a tiny top-p are greedy with confidence 1
@@ -975,7 +810,7 @@ def test_pick_candidate_sampling():
     for T in (0.0, 1.0):
         seen = set()
         for s in range(40):
-            assert L.clover_pick_candidate(_fptr(inf), V, mask, T, 0, 1.0, s, ctypes.byref(tok), ctypes.byref(conf)) == 0
+            assert L.clover_pick_candidate(float_ptr(inf), V, mask, T, 0, 1.0, s, ctypes.byref(tok), ctypes.byref(conf)) == 0
             seen.add(tok.value)
             assert conf.value == pytest.approx(0.5)
         assert seen == ({2} if T == 0.0 else {2, 4}), (T, seen)
@@ -992,11 +827,11 @@ def test_pick_candidate_sampling():
     assert pick(0.7, 3, 0.95, 99) == pick(0.7, 3, 0.95, 99)
     # invalid
     tok, conf = ctypes.c_int32(), ctypes.c_double()
-    assert L.clover_pick_candidate(_fptr(logits), V, mask, -1.0, 0, 1.0, 0, ctypes.byref(tok), ctypes.byref(conf)) \
+    assert L.clover_pick_candidate(float_ptr(logits), V, mask, -1.0, 0, 1.0, 0, ctypes.byref(tok), ctypes.byref(conf)) \
         == N.CLOVER_ERR_INVALID_ARG
-    assert L.clover_pick_candidate(_fptr(logits), V, mask, 1.0, 0, -0.1, 0, ctypes.byref(tok), ctypes.byref(conf)) \
+    assert L.clover_pick_candidate(float_ptr(logits), V, mask, 1.0, 0, -0.1, 0, ctypes.byref(tok), ctypes.byref(conf)) \
         == N.CLOVER_ERR_INVALID_ARG
-    assert L.clover_pick_candidate(_fptr(logits), V, mask, float("inf"), 0, 1.0, 0, ctypes.byref(tok),
+    assert L.clover_pick_candidate(float_ptr(logits), V, mask, float("inf"), 0, 1.0, 0, ctypes.byref(tok),
                                    ctypes.byref(conf)) == N.CLOVER_ERR_INVALID_ARG
 
 
@@ -1025,7 +860,7 @@ def test_select_unmask_schedule():
 # ----------------------------------------------------------------------------- callbacks
 def test_block_callback_streams_the_output(model, vocab_hi):
     """Decode blocks start right after the prompt (no alignment to multiples of B)."""
-    prompt = _prompt(61, 3, vocab_hi)
+    prompt = random_prompt(61, 3, vocab_hi)
     chunks: list[tuple[int, list[int]]] = []
     with Ctx(model, 4) as ctx:
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=10, block_size=4,
@@ -1039,7 +874,7 @@ def test_block_callback_streams_the_output(model, vocab_hi):
 def test_block_callback_cut_at_max_tokens(model, vocab_hi):
     chunks = []
     with Ctx(model, 8) as ctx:
-        rc, toks, st, msg = ctx.generate(_prompt(62, 8, vocab_hi), max_tokens=5, block_size=8,
+        rc, toks, st, msg = ctx.generate(random_prompt(62, 8, vocab_hi), max_tokens=5, block_size=8,
                                          block_cb=lambda s, t: chunks.append(t))
     assert rc == N.CLOVER_OK and len(toks) == 5 and chunks == [toks]
     assert N.FINISH_REASONS[st.finish_reason] == "max_tokens"
@@ -1048,7 +883,7 @@ def test_block_callback_cut_at_max_tokens(model, vocab_hi):
 def test_step_callback_cancel(model, ref, vocab_hi):
     from clover_testkit.reference import generate
 
-    prompt = _prompt(63, 5, vocab_hi)
+    prompt = random_prompt(63, 5, vocab_hi)
     calls = []
 
     def cb(s, c, nm):
@@ -1078,7 +913,7 @@ def test_step_callback_cancel(model, ref, vocab_hi):
 def test_block_callback_cancel(model, vocab_hi):
     """The block callback runs before the block is committed: cancelling there commits nothing
     past the prompt."""
-    prompt = _prompt(64, 4, vocab_hi)
+    prompt = random_prompt(64, 4, vocab_hi)
     with Ctx(model, 4) as ctx:
         rc, toks, st, msg = ctx.generate(prompt, max_tokens=30, block_size=4, block_cb=lambda s, t: True)
         assert rc == N.CLOVER_ERR_CANCELLED and len(toks) == 4 and st.n_commits == 0 and st.n_blocks == 1
@@ -1087,7 +922,7 @@ def test_block_callback_cancel(model, vocab_hi):
 
 def test_stats_timing(model, vocab_hi):
     with Ctx(model, 8) as ctx:
-        rc, toks, st, msg = ctx.generate(_prompt(65, 20, vocab_hi), max_tokens=16, block_size=8, threshold=0.5)
+        rc, toks, st, msg = ctx.generate(random_prompt(65, 20, vocab_hi), max_tokens=16, block_size=8, threshold=0.5)
     assert rc == N.CLOVER_OK
     assert st.n_prompt == 20 and st.n_generated == 16
     assert st.t_decode_ms > 0 and st.tokens_per_second > 0 and st.t_prefill_ms >= 0
@@ -1103,7 +938,7 @@ def test_budget_costs_no_passes_past_it(model, ref, vocab_hi, B, max_tokens, n_p
     step) a generation of n tokens takes n steps whatever the block size, those positions stay
     masked, and a step runs a block pass only when a masked candidate q > 0 is left (position
     0 comes from L_last)."""
-    prompt = _prompt(66 + B, n_prompt, vocab_hi)
+    prompt = random_prompt(66 + B, n_prompt, vocab_hi)
     kw = dict(max_tokens=max_tokens, block_size=B, threshold=1.0, max_steps=0, stop_at_eos=False)
     nat_steps: list = []
     with Ctx(model, B) as ctx:
@@ -1133,7 +968,7 @@ def test_budget_costs_no_passes_past_it(model, ref, vocab_hi, B, max_tokens, n_p
 
 # ----------------------------------------------------------------------------- errors
 def test_errors_generate_arguments(model, vocab_hi):
-    prompt = _prompt(71, 5, vocab_hi)
+    prompt = random_prompt(71, 5, vocab_hi)
     with Ctx(model, 8, n_ctx=64) as ctx:
         for kw, code, word in [
             (dict(block_size=-3), N.CLOVER_ERR_INVALID_ARG, "block size"),
@@ -1154,10 +989,10 @@ def test_errors_generate_arguments(model, vocab_hi):
             assert word in msg, (kw, msg)
             assert toks == []
         # prompt too long for the context
-        rc, toks, st, msg = ctx.generate(_prompt(72, 70, vocab_hi), max_tokens=4)
+        rc, toks, st, msg = ctx.generate(random_prompt(72, 70, vocab_hi), max_tokens=4)
         assert rc == N.CLOVER_ERR_CONTEXT_FULL and "n_ctx" in msg
         # fits exactly: 56 + 8 = 64
-        rc, toks, st, msg = ctx.generate(_prompt(73, 56, vocab_hi), max_tokens=8, block_size=8)
+        rc, toks, st, msg = ctx.generate(random_prompt(73, 56, vocab_hi), max_tokens=8, block_size=8)
         assert rc == N.CLOVER_OK, msg
         # token ids outside the vocabulary
         rc, toks, st, msg = ctx.generate([1, 2, 10**6], max_tokens=4)
@@ -1190,7 +1025,7 @@ def test_generate_params_check_is_the_one_rule(model, vocab_hi):
              ("draft_self", 2, "draft_self must be 0, 1 or -1"), ("draft_steps", -1, "draft_steps must be >= 0"),
              ("n_top_logprobs", 21, "n_top_logprobs must be in [0, 20]"), ("n_top_logprobs", 2, "buffers"),
              ("n_stop_tokens", 1, "needs the stop_tokens array"), ("n_stop_tokens", -1, "n_stop_tokens must be >= 0")]
-    prompt = _prompt(74, 5, vocab_hi)
+    prompt = random_prompt(74, 5, vocab_hi)
     with Ctx(model, 4, n_ctx=64) as ctx:
         for field, value, words in cases:
             gp = L.clover_generate_default_params()
@@ -1212,7 +1047,7 @@ def test_generate_params_check_is_the_one_rule(model, vocab_hi):
 
 def test_block_size_values_mean_one_thing(model, vocab_hi):
     """CLOVER_BLOCK_SIZE_TRAIN (0) is the training B in both structs, _CONTEXT (-2) the context's B."""
-    prompt = _prompt(75, 5, vocab_hi)
+    prompt = random_prompt(75, 5, vocab_hi)
     seen = []
     with Ctx(model, N.CLOVER_BLOCK_SIZE_TRAIN, n_ctx=64) as ctx:
         assert L.clover_block_size(ctx.p) == 8  # the fixture's training B
@@ -1241,7 +1076,7 @@ def test_generate_room_is_the_fit_rule(model, vocab_hi):
             room = L.clover_generate_room(ctx.p, ctypes.byref(gp), n_prompt)
             assert room == want, (n_prompt, B, ds, room)
             if 0 < room and B != N.CLOVER_BLOCK_SIZE_AUTO:
-                prompt = _prompt(76, n_prompt, vocab_hi)
+                prompt = random_prompt(76, n_prompt, vocab_hi)
                 for m, ok in ((room, True), (room + 1, False)):
                     rc, toks, st, msg = ctx.generate(prompt, max_tokens=m, block_size=B, threshold=0.0, draft_self=ds)
                     assert (rc == N.CLOVER_OK) == ok and (ok or rc == N.CLOVER_ERR_CONTEXT_FULL), (B, ds, m, msg)
