@@ -9,7 +9,6 @@ tests/test_causal_path.py.) Each test skips, saying so, when its tool is not bui
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -20,15 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from clover_testkit.llama_tools import (N_CTX, PROMPT, default_gguf, run_logged_tool,  # noqa: F401
+                                       run_tool, tool)
 from clover_testkit.presets import FIXTURE_TEXT
 
 pytestmark = pytest.mark.needs_libclover
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(os.environ.get("CLOVER_LLAMA_TOOLS_BIN") or REPO / "build" / "bin")
 N_PREDICT = 24
-N_CTX = 512
-PROMPT = "def main():"
 CHAT = [[{"role": "user", "content": "Write a function that adds two numbers."}],
         [{"role": "user", "content": "Hello"}]]
 # plain text with special-token text in it: llama-perplexity does not parse it, llama-tokenize does
@@ -36,53 +33,11 @@ CHAT = [[{"role": "user", "content": "Write a function that adds two numbers."}]
 SPECIAL_TEXT = (FIXTURE_TEXT + "<|im_end|>\n<|im_start|>user\n<|mask|> done<|endoftext|>\n") * 2
 
 
-def tool(name: str) -> Path:
-    path = BIN / name
-    if not path.exists():
-        pytest.skip(f"{name} is not built in {BIN} (./dev.sh setup builds llama.cpp's tools)")
-    return path
-
-
-def run_tool(args: list, **kw) -> subprocess.CompletedProcess:
-    if "input" not in kw:
-        kw["stdin"] = subprocess.DEVNULL
-    res = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300, **kw)
-    assert res.returncode == 0, (args[0], res.stdout[-2000:], res.stderr[-3000:])
-    return res
-
-
-# llama.cpp's tools print through common_log, whose writer thread is never joined at exit (upstream
-# leaks the logger on purpose): on a busy machine the process can end before that thread has written
-# the last lines, so llama-completion's text comes out cut short (seen under pytest -n 2) and
-# llama-perplexity's final estimate goes missing. Run again when a line the tool logs after
-# everything the test reads is absent.
-LOGGER_TRIES = 5
-
-
-def run_logged_tool(args: list, last_line: str) -> subprocess.CompletedProcess:
-    for _ in range(LOGGER_TRIES):
-        res = run_tool(args)
-        if last_line in res.stdout + res.stderr:
-            return res
-    pytest.fail(f"{Path(args[0]).name} lost its last lines at exit {LOGGER_TRIES} times in a row "
-                f"(no {last_line!r})")
-
-
 def llama_completion(gguf: Path) -> str:
     """llama-completion's greedy text: whole, since its performance report, logged after it, came out."""
     return run_logged_tool([tool("llama-completion"), "-m", gguf, "-p", PROMPT, "-n", N_PREDICT, "--temp", 0,
                             "-t", 1, "-c", N_CTX, "-no-cnv", "--no-display-prompt", "--simple-io", "--no-warmup"],
                            last_line="common_perf_print:").stdout
-
-
-@pytest.fixture(scope="module")
-def default_gguf(tmp_path_factory) -> Path:
-    """The default model (a trained one: greedy text, not random-weight noise), as f16."""
-    from clover_convert import convert
-
-    out = tmp_path_factory.mktemp("default") / "clover-default-f16.gguf"
-    convert(REPO / "models" / "clover-default", out, outtype="f16", progress=False)
-    return out
 
 
 def clover_b1(gguf: Path, prompt: str) -> str:

@@ -13,8 +13,7 @@ import pytest
 
 from clover_cpp import Clover
 from clover_cpp.errors import CloverError
-
-from test_llama_tools import N_CTX, PROMPT, default_gguf, run_logged_tool, tool  # noqa: F401 (fixture)
+from clover_testkit.llama_tools import N_CTX, PROMPT, default_gguf, run_logged_tool, tool  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.needs_libclover
 
