@@ -12,26 +12,13 @@ import random
 import struct
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from clover_testkit.gguf_files import metadata_fields
+
 EXTREME_INTS = [0, 1, 2, 3, 7, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1]
 EXTREME_FLOATS = [float("nan"), float("inf"), -float("inf"), 0.0, -1.0, 1e-45, 1e30, 3.0]
-
-
-def _fields(reader: Any) -> list[tuple[str, Any, Any, Any]]:
-    """(key, value, type, array sub-type) of every metadata field but the GGUF.* ones."""
-    import gguf
-
-    out = []
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        out.append((key, f.contents(), vtype, sub))
-    return out
 
 
 def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, ...] = (),
@@ -43,7 +30,7 @@ def rewrite_gguf(src: Path, dst: Path, kv: dict | None = None, drop: tuple[str, 
 
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(dst), "clover")
-    for key, val, vt, sub in _fields(r):
+    for key, val, vt, sub in metadata_fields(r):
         if key == "general.architecture" or key in drop:
             continue
         w.add_key_value(key, (kv or {}).get(key, val), vt, sub_type=sub)
@@ -65,7 +52,7 @@ def write_gguf(src: Path, dst: Path, rng: random.Random) -> str:
     import gguf
 
     r = gguf.GGUFReader(str(src))
-    fields = _fields(r)
+    fields = metadata_fields(r)
     tensors = [(t.name, np.array(t.data), t.tensor_type, [int(x) for x in t.shape]) for t in r.tensors]
     kind = rng.choice(["int", "float", "type", "drop", "tensor_type", "tensor_shape", "drop_tensor", "array"])
     desc = kind

@@ -65,14 +65,14 @@ def _as_llama(src: Path, dst: Path) -> Path:
     src's tokenizer and width, random weights."""
     import gguf
 
-    from fuzz import _fields
+    from clover_testkit.gguf_files import metadata_fields
 
     r = gguf.GGUFReader(str(src))
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].contents())
     n_embd = int(r.fields["clover.embedding_length"].contents())
     n_ff, n_head = 2 * n_embd, 2
     w = gguf.GGUFWriter(str(dst), "llama")
-    for key, val, vt, sub in _fields(r):
+    for key, val, vt, sub in metadata_fields(r):
         if key.startswith("tokenizer."):
             w.add_key_value(key, val, vt, sub_type=sub)
     w.add_context_length(256)
@@ -130,9 +130,9 @@ def test_a_canvas_on_clover_changes_only_the_canvas_rows(release, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen35moe", "llama"])
 def test_a_canvas_is_refused_where_it_is_not_wired(release, tmp_path, arch):
     if arch == "qwen35moe":  # hybrid memory, but the graph would write the canvas into its recurrent state
-        from test_release_layout import _as_qwen35moe
+        from clover_testkit.gguf_files import as_qwen35moe
 
-        path = _as_qwen35moe(release["gguf"], tmp_path / "qwen35moe.gguf")
+        path = as_qwen35moe(release["gguf"], tmp_path / "qwen35moe.gguf")
     else:  # a plain KV cache: its mask input is not wired
         path = _as_llama(release["gguf"], tmp_path / "llama.gguf")
     got, log = _decode(path, _tokens(release["cfg"]), tmp_path)

@@ -27,6 +27,7 @@ import pytest
 from clover_convert import ConversionError, convert
 from clover_convert.mapping import perm_index, parse_config
 from clover_testkit import checkpoints
+from clover_testkit.gguf_files import as_qwen35moe
 from clover_testkit import reference as R
 
 REPO = Path(__file__).resolve().parents[1]
@@ -555,33 +556,6 @@ def test_a_commit_and_a_canvas_in_one_forward(ref, release, tmp_path):
     assert _rel(got[len(commit):], ref.block_pass(mem, canvas, B)) <= F32_TOL
 
 
-def _as_qwen35moe(src: Path, dst: Path) -> Path:
-    """The release GGUF as the release's own llama.cpp converter makes it: upstream's Qwen3.5-MoE
-    architecture (qwen35moe), the block-diffusion tensors (right conv, block softmax) dropped."""
-    import gguf
-
-    from fuzz import _fields
-
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "qwen35moe")
-    ours = {"clover.semantics", "clover.block_operator", "clover.ssm.conv_lookahead", "clover.diffusion.block_size"}
-    for key, val, vt, sub in _fields(r):
-        if key == "general.architecture" or key in ours:
-            continue
-        w.add_key_value(key.replace("clover.", "qwen35moe.", 1) if key.startswith("clover.") else key, val, vt,
-                        sub_type=sub)
-    rot = r.fields["clover.rope.dimension_count"].contents()
-    w.add_rope_dimension_sections([rot // 4, rot // 4, rot // 2 - 2 * (rot // 4), 0])  # text: one position
-    for t in r.tensors:
-        if ".ssm_bd_" not in t.name and "ssm_conv1d_look" not in t.name:
-            w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 @pytest.mark.needs_libclover
 def test_the_causal_path_is_upstream_qwen35moe(model, ref, release, tmp_path):
     """B = 1 on a release file is the trunk llama.cpp runs for the release: upstream's qwen35moe
@@ -589,7 +563,7 @@ def test_the_causal_path_is_upstream_qwen35moe(model, ref, release, tmp_path):
     libclover's commit and the reference."""
     import sys
 
-    qwen = _as_qwen35moe(release["gguf"], tmp_path / "qwen35moe.gguf")
+    qwen = as_qwen35moe(release["gguf"], tmp_path / "qwen35moe.gguf")
     toks = _prompts(release["cfg"], 1)[0] + [5, 17, 33, 90, 12, 7, 100, 200]
     subprocess.run([sys.executable, "-c", LLAMA_LOGITS, str(qwen), json.dumps(toks), str(tmp_path / "up.npy")],
                    check=True, timeout=120, capture_output=True)
