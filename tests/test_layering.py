@@ -6,7 +6,8 @@ TYPE_CHECKING imports included, and imports inside code strings run with ``pytho
 * clover_convert (the converter) and clover_cpp (the runtime) never import each other, except
   the front ends, which use the other side's public names only;
 * clover_testkit (what checks the product) is imported by neither;
-* no import cycle among the project's modules.
+* no import cycle among the project's modules;
+* no test module imports another (shared harnesses are in clover_testkit or tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -159,3 +160,36 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+TEST_MODULES = {p.stem for p in (REPO / "tests").rglob("test_*.py")}
+
+
+def imported_test_modules(source: str) -> list[str]:
+    """The test modules (tests/**/test_*.py, by name) that source imports, function-level imports
+    included: shared harnesses belong in clover_testkit or conftest.py."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module or ''}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n.rpartition(".")[2] in TEST_MODULES]
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    bad = [f"{path.relative_to(REPO)} -> {name}" for path in sorted((REPO / "tests").rglob("*.py"))
+           for name in imported_test_modules(path.read_text(encoding="utf-8"))]
+    assert bad == []
+
+
+def test_the_test_import_finder_finds_them() -> None:
+    assert imported_test_modules("from test_server import Server\nimport test_reference") == \
+        ["test_server", "test_reference"]
+    assert imported_test_modules("def f():\n    from tests.test_native_api import Model") == \
+        ["tests.test_native_api"]
+    assert imported_test_modules("from tests import test_reference\nfrom clover_testkit import reference") == \
+        ["tests.test_reference"]
