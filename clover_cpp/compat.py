@@ -7,42 +7,25 @@ from __future__ import annotations
 import ctypes
 import inspect
 import os
-import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _native as N
+from . import openai_reply as reply
 from ._args import INT32_MAX, bool_arg, int_arg, strings_arg
 from .errors import CloverError, CloverTypeError, CloverValueError, check
+from .openai_reply import PromptLogprobs
 
 if TYPE_CHECKING:
-    from .decoding import GenerationResult, StreamPiece
-
-
-def finish_reason(r: "GenerationResult", max_tokens: int) -> str:
-    """OpenAI's finish_reason of a result: "length" (the budget ran out) or "stop"."""
-    return "length" if r.finish_reason == "max_tokens" or (
-        r.finish_reason not in ("eos", "stop") and len(r.tokens) >= max_tokens) else "stop"
+    from .decoding import GenerationResult
 
 
 #: prompt positions per causal commit in :meth:`LlamaCompat.prompt_logprobs` (the logits of one
 #: commit are [rows, n_vocab] float32: 64 MiB at a 256k vocabulary)
 SCORE_ROWS = 64
-
-
-@dataclass
-class PromptLogprobs:
-    """:meth:`LlamaCompat.prompt_logprobs`: per prompt token, its log-probability given the
-    tokens before it (None for the first: nothing predicts it) and the N most probable
-    (token id, log-probability) pairs there, most probable first ([] for the first)."""
-
-    tokens: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]]]
 
 
 def _log_softmax(rows: np.ndarray, mask: int) -> np.ndarray:
@@ -62,43 +45,6 @@ def _top(row: np.ndarray, n: int) -> list[tuple[int, float]]:
     ids = np.flatnonzero(row >= cut)
     ids = ids[np.lexsort((ids, -row[ids]))][:n]
     return [(int(i), float(row[i])) for i in ids]
-
-
-def completion_logprobs(tokens: Sequence[int], logprobs: Sequence[float | None],
-                        top: Sequence[Sequence[tuple[int, float]] | None] | None, piece: Callable[[int], str],
-                        offset: int) -> dict[str, Any]:
-    """The legacy completions' ``logprobs`` object (OpenAI's, llama-cpp-python's): ``tokens``,
-    ``text_offset`` (from ``offset``: where the first token's text starts in prompt + reply),
-    ``token_logprobs`` and ``top_logprobs`` (a dict of the N most probable and the token's own,
-    as OpenAI: up to N + 1 entries); a position with no log-probability (None: the prompt's
-    first token) has None in both."""
-    texts, offsets, tops = [], [], []
-    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-        text = piece(t)
-        texts.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        if top is None:
-            continue
-        if lp is None:
-            tops.append(None)
-        else:
-            row = {piece(a): b for a, b in top[i] or ()}
-            row[text] = lp
-            tops.append(row)
-    return {"tokens": texts, "text_offset": offsets, "token_logprobs": list(logprobs),
-            "top_logprobs": tops if top is not None else None}
-
-
-def echoed_prompt(scored: PromptLogprobs, bos: int) -> tuple[list[int], list[float | None], list[Any]]:
-    """The prompt's part of echo's logprobs (tokens, logprobs, top ones): a leading BOS left out
-    (its text is not echoed), the first listed token's log-probability None (OpenAI's, even after
-    a BOS; llama-cpp-python's)."""
-    skip = 1 if bos >= 0 and scored.tokens[:1] == [bos] else 0
-    lps: list[float | None] = list(scored.logprobs[skip:])
-    if lps:
-        lps[0] = None
-    return scored.tokens[skip:], lps, list(scored.top_logprobs[skip:])
 
 
 #: llama.cpp's LLAMA_DEFAULT_SEED (llama-cpp-python's seed default): a fresh random seed per call
@@ -396,9 +342,6 @@ class LlamaCompat:
                                   N.CLOVER_ERR_CONTEXT_FULL)
             kw["max_tokens"] = room
 
-    def _piece(self, t: int) -> str:
-        return self.token_to_piece(t).decode("utf-8", "replace")
-
     def _completion_logprobs(self, r: "GenerationResult", prompt_text: str,
                              prompt: PromptLogprobs | None = None) -> dict[str, Any] | None:
         """The reply's logprobs, its text offsets counted from the prompt's start (as
@@ -406,24 +349,8 @@ class LlamaCompat:
         BOS left out (its text is not echoed) and the first listed token's log-probability None."""
         if getattr(r, "logprobs", None) is None:
             return None
-        toks, lps = list(r.tokens), list(r.logprobs)
-        tops: list[Any] = list(getattr(r, "top_logprobs", None) or [[] for _ in r.tokens])
-        if prompt is None:
-            return completion_logprobs(toks, lps, tops, self._piece, len(prompt_text))
-        p_toks, p_lps, p_tops = echoed_prompt(prompt, self.bos_token)
-        return completion_logprobs(p_toks + toks, p_lps + lps, p_tops + tops, self._piece, 0)
-
-    def _chat_logprobs(self, r: "GenerationResult | StreamPiece") -> dict[str, Any] | None:
-        if getattr(r, "logprobs", None) is None:
-            return None
-        tops = getattr(r, "top_logprobs", None) or [[] for _ in r.tokens]
-
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            b = self.token_to_piece(t)
-            return {"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b)}
-
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in row]}
-                            for t, lp, row in zip(r.tokens, r.logprobs, tops)]}
+        echoed = reply.prompt_logprobs(prompt, self.bos_token, self.token_to_piece) if prompt is not None else None
+        return reply.joined(echoed, reply.reply_logprobs(r, self.token_to_piece, len(prompt_text)))
 
     def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
                           temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
@@ -463,40 +390,30 @@ class LlamaCompat:
             prompt_text = self.detokenize_text(toks)
         self._budget(kw, len(toks), gen_kwargs)
         echo = bool_arg("echo", echo)
-        head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
-                "model": model if isinstance(model, str) else str(self.model_path)}
+        head = reply.head("text_completion", model if isinstance(model, str) else str(self.model_path))
+        scored = self.prompt_logprobs(toks, kw["logprobs"]) if echo and kw.get("logprobs") is not None else None
         if kw["stream"]:
-            scored = self.prompt_logprobs(toks, kw["logprobs"]) if echo and kw.get("logprobs") is not None else None
             s = self.generate(toks, **kw, **gen_kwargs)
 
             def chunks() -> Iterator[dict[str, Any]]:
                 offset = len(prompt_text)  # (the reply's text offsets count from the prompt's start)
                 with s:
                     if echo and prompt_text:
-                        lp = completion_logprobs(*echoed_prompt(scored, self.bos_token), self._piece, 0) \
+                        lp = reply.prompt_logprobs(scored, self.bos_token, self.token_to_piece) \
                             if scored is not None else None
-                        yield {**head, "choices": [{"text": prompt_text, "index": 0, "logprobs": lp,
-                                                    "finish_reason": None}]}
+                        yield {**head, "choices": [reply.text_choice(0, prompt_text, lp)]}
                     for piece in s:  # (with logprobs: each piece its own tokens')
-                        lp = None
-                        if piece.logprobs is not None:
-                            lp = completion_logprobs(piece.tokens, piece.logprobs, piece.top_logprobs, self._piece,
-                                                     offset)
-                            offset += sum(len(t) for t in lp["tokens"])
-                        yield {**head, "choices": [{"text": str(piece), "index": 0, "logprobs": lp,
-                                                    "finish_reason": None}]}
+                        lp = reply.reply_logprobs(piece, self.token_to_piece, offset)
+                        offset += sum(len(t) for t in lp["tokens"]) if lp is not None else 0
+                        yield {**head, "choices": [reply.text_choice(0, str(piece), lp)]}
                 assert s.result is not None
-                yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None,
-                                            "finish_reason": finish_reason(s.result, kw["max_tokens"])}]}
+                yield {**head, "choices": [reply.text_choice(0, "", None, reply.finish_reason(s.result))]}
             return chunks()
-        scored = self.prompt_logprobs(toks, kw["logprobs"]) if echo and kw.get("logprobs") is not None else None
         r = self.generate(toks, **kw, **gen_kwargs)
         text = (prompt_text if echo else "") + r.text
-        return {**head, "choices": [{"text": text, "index": 0,
-                                     "logprobs": self._completion_logprobs(r, prompt_text, scored),
-                                     "finish_reason": finish_reason(r, kw["max_tokens"])}],
-                "usage": {"prompt_tokens": len(toks), "completion_tokens": len(r.tokens),
-                          "total_tokens": len(toks) + len(r.tokens)}}
+        return {**head, "choices": [reply.text_choice(0, text, self._completion_logprobs(r, prompt_text, scored),
+                                                      reply.finish_reason(r))],
+                "usage": reply.usage([r], cached=False)}
 
     def __call__(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
         """``create_completion`` (as ``Llama.__call__``)."""
@@ -536,30 +453,25 @@ class LlamaCompat:
                                 mirostat_tau, mirostat_eta, logit_bias))
         prompt = self.format_chat(messages)
         self._budget(kw, len(self.chat_tokens(prompt)), gen_kwargs)
-        head = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()),
-                "model": model if isinstance(model, str) else str(self.model_path)}
+        head = reply.head("chat.completion", model if isinstance(model, str) else str(self.model_path))
         if kw["stream"]:
             s = self.generate_chat(prompt, **kw, **gen_kwargs)
 
             def chunks() -> Iterator[dict[str, Any]]:
                 obj = {**head, "object": "chat.completion.chunk"}
                 with s:
-                    yield {**obj, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
-                                               "finish_reason": None}]}
+                    yield {**obj, "choices": [reply.delta_choice(0, {"role": "assistant"})]}
                     for piece in s:  # (with logprobs: each piece its own tokens')
-                        lp = self._chat_logprobs(piece) if piece.logprobs is not None else None
-                        yield {**obj, "choices": [{"index": 0, "delta": {"content": str(piece)}, "logprobs": lp,
-                                                   "finish_reason": None}]}
+                        lp = reply.chat_logprobs(piece, self.token_to_piece)
+                        yield {**obj, "choices": [reply.delta_choice(0, {"content": str(piece)}, lp)]}
                 assert s.result is not None
-                yield {**obj, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                           "finish_reason": finish_reason(s.result, kw["max_tokens"])}]}
+                yield {**obj, "choices": [reply.delta_choice(0, {}, None, reply.finish_reason(s.result))]}
             return chunks()
         r = self.generate_chat(prompt, **kw, **gen_kwargs)
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                             "logprobs": self._chat_logprobs(r), "finish_reason": finish_reason(r, kw["max_tokens"])}],
-                "usage": {"prompt_tokens": r.stats.n_prompt, "completion_tokens": len(r.tokens),
-                          "total_tokens": r.stats.n_prompt + len(r.tokens)}}
+        message = {"role": "assistant", "content": r.text}
+        return {**head, "choices": [reply.message_choice(0, message, reply.chat_logprobs(r, self.token_to_piece),
+                                                         reply.finish_reason(r))],
+                "usage": reply.usage([r], cached=False)}
 
 
 def _chain_kwargs(min_p: Any, typical_p: Any, frequency_penalty: Any, presence_penalty: Any, repeat_penalty: Any,

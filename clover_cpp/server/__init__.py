@@ -11,8 +11,9 @@ server is built on. The package, by job:
   and watchdog, and the metrics;
 - ``types.py``: request bodies and their checks (a field is honoured or refused with a 400
   naming it), the limits, the one error shape;
-- ``tools.py``: tool calls; ``format.py``: the pieces of a reply; ``asgi.py``: body limits
-  and the API key; ``run.py``: :func:`serve` (uvicorn, signals).
+- ``tools.py``: tool calls; ``format.py``: Clover's own pieces of a reply (the OpenAI ones are
+  ``clover_cpp.openai_reply``'s); ``asgi.py``: body limits and the API key; ``run.py``:
+  :func:`serve` (uvicorn, signals).
 
 It uses the runtime's public names only. Endpoints, fields and limits: docs/server.md.
 """

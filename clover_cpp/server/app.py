@@ -9,7 +9,6 @@ A request's generation: generation.py.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +23,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import Clover, CloverError, GenerationResult
+from .. import openai_reply as reply
 from ..chat import CHATML_TEMPLATE
 from . import format as fmt
 from . import llama_dialect as llama
@@ -244,9 +244,6 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     def token_bytes(t: int) -> bytes:
         return model.token_to_piece(t, special=True)
 
-    def chat_logprobs(r: GenerationResult) -> dict[str, Any] | None:
-        return fmt.chat_logprobs(r, token_bytes)
-
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -254,27 +251,26 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         text, tp = await render(req)
         gen.constraints(req, tp)  # refused fields: before anything is tokenized
         fits_bytes(text, "messages")
-        cid, now = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        base = {"id": cid, "object": "chat.completion.chunk", "created": now, "model": name}
+        head = reply.head("chat.completion", name)
+        base = {**head, "object": "chat.completion.chunk"}
 
         def choice(c: Choice, delta: dict[str, Any], finish: str | None = None,
                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-            return {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish}]}
+            return {**base, "choices": [reply.delta_choice(c.index, delta, logprobs, finish)]}
 
         def chunk(c: Choice | None, ev: tuple[str, Any] | None) -> dict[str, Any]:
             if c is None:  # ("usage", the results)
-                return {**base, "choices": [], "usage": fmt.usage(ev[1], req.n)}  # type: ignore[index]
+                return {**base, "choices": [], "usage": reply.usage(ev[1], req.n)}  # type: ignore[index]
             if ev is None:
                 return choice(c, {"role": "assistant", "content": ""})
             kind, v = ev
             if kind == "content":  # (with its own tokens' logprobs)
-                return choice(c, {"content": str(v)}, logprobs=fmt.chat_logprobs(v, token_bytes))
+                return choice(c, {"content": str(v)}, logprobs=reply.chat_logprobs(v, token_bytes))
             if kind == "call":
                 i, call = v
                 return choice(c, {"tool_calls": [{"index": i, **call}]})
             r, ts = v
-            finish = "tool_calls" if ts is not None and ts.calls else fmt.finish_reason(r)
+            finish = "tool_calls" if ts is not None and ts.calls else reply.finish_reason(r)
             return {**choice(c, {}, finish), "clover": fmt.clover_stats(r)}
 
         def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:
@@ -283,10 +279,10 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 r = c.result
                 assert r is not None
                 msg, finish = message_of(r, tp)
-                choices.append({"index": c.index, "message": msg, "logprobs": chat_logprobs(r), "finish_reason": finish,
+                choices.append({**reply.message_choice(c.index, msg, reply.chat_logprobs(r, token_bytes), finish),
                                 **per_choice_stats(kept, r)})
-            return {"id": cid, "object": "chat.completion", "created": now, "model": name, "choices": choices,
-                    "usage": fmt.usage(results, req.n), "clover": first_choice_stats(kept)}
+            return {**head, "choices": choices,
+                    "usage": reply.usage(results, req.n), "clover": first_choice_stats(kept)}
 
         prompt = Prompt(lambda slot: slot.chat_reuse(text), lambda slot: slot.model.chat_tokens(text), chat_prompt=text)
         return await gen.run(request, Job(req, [prompt], chunk, final, tp, best_of=req.n), "messages")
@@ -321,38 +317,34 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         best_of = req.candidates()
         gen.check_generations(len(req.prompts()), best_of, req.n)  # (before any is tokenized)
         prompts = [await completion_prompt(p) for p in req.prompts()]
-        cid, now = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        base = {"id": cid, "object": "text_completion", "created": now, "model": name}
+        base = reply.head("text_completion", name)
 
         def echoed(c: Choice) -> tuple[str, dict[str, Any] | None]:
             """The echoed prompt's text and, with logprobs, its tokens' (scored: Job.score_prompts)."""
             if not req.echo:
                 return "", None
             sc = c.prompt.scored
-            return c.prompt.text, fmt.prompt_logprobs(sc, model.bos_token, token_bytes) if sc is not None else None
-
-        def reply_logprobs(c: Choice, r: GenerationResult) -> dict[str, Any] | None:
-            return fmt.completion_logprobs(r, token_bytes, len(c.prompt.text))
+            return c.prompt.text, reply.prompt_logprobs(sc, model.bos_token, token_bytes) if sc is not None else None
 
         def choice(c: Choice, text: str, logprobs: dict[str, Any] | None = None,
                    finish: str | None = None) -> dict[str, Any]:
-            return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return reply.text_choice(c.index, text, logprobs, finish)
 
         offsets: dict[int, int] = {}  # streamed: per choice, where its next token's text starts
 
         def chunk(c: Choice | None, ev: tuple[str, Any] | None) -> dict[str, Any]:
             if c is None:  # ("usage", the results)
-                return {**base, "choices": [], "usage": fmt.usage(ev[1], best_of)}  # type: ignore[index]
+                return {**base, "choices": [], "usage": reply.usage(ev[1], best_of)}  # type: ignore[index]
             if ev is None:  # the echo, with its tokens' logprobs
                 return {**base, "choices": [choice(c, *echoed(c))]}
             kind, v = ev
             if kind == "content":  # with its own tokens' logprobs
                 at = offsets.get(c.index, len(c.prompt.text))
-                lp = fmt.completion_logprobs(v, token_bytes, at)
+                lp = reply.reply_logprobs(v, token_bytes, at)
                 offsets[c.index] = at + sum(map(len, lp["tokens"])) if lp is not None else at
                 return {**base, "choices": [choice(c, str(v), lp)]}
             r, _ = v
-            return {**base, "choices": [choice(c, "", None, fmt.finish_reason(r))], "clover": fmt.clover_stats(r)}
+            return {**base, "choices": [choice(c, "", None, reply.finish_reason(r))], "clover": fmt.clover_stats(r)}
 
         def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:
             choices = []
@@ -360,10 +352,12 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 r = c.result
                 assert r is not None
                 echo_text, echo_lp = echoed(c)
-                lp = fmt.joined(echo_lp, reply_logprobs(c, r)) if r.logprobs is not None else None
-                choices.append({**choice(c, echo_text + r.text, lp, fmt.finish_reason(r)),
+                lp = reply.joined(echo_lp, reply.reply_logprobs(r, token_bytes, len(c.prompt.text))) \
+                    if r.logprobs is not None else None
+                choices.append({**choice(c, echo_text + r.text, lp, reply.finish_reason(r)),
                                 **per_choice_stats(kept, r)})
-            return {**base, "choices": choices, "usage": fmt.usage(results, best_of), "clover": first_choice_stats(kept)}
+            return {**base, "choices": choices, "usage": reply.usage(results, best_of),
+                    "clover": first_choice_stats(kept)}
 
         job = Job(req, prompts, chunk, final, best_of=best_of,
                   score_prompts=req.echo and req.logprobs is not None)
@@ -386,10 +380,10 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         openai = req.as_openai()
         gen.constraints(openai)  # refused fields: before anything is tokenized
         prompt = await completion_prompt(req.prompt)
-        reply = llama.LlamaReply(req, model, name)
+        llama_reply = llama.LlamaReply(req, model, name)
         try:
-            response = await gen.run(request, reply.job(prompt if req.cache_prompt else llama.uncached(prompt), openai),
-                                     "prompt")
+            job = llama_reply.job(prompt if req.cache_prompt else llama.uncached(prompt), openai)
+            response = await gen.run(request, job, "prompt")
         except APIError as e:
             raise llama.renamed(e) from None
         if isinstance(response, EventSourceResponse):

@@ -23,8 +23,9 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from .. import CLOVER_ERR_CONTEXT_FULL, CLOVER_ERR_INVALID_ARG, Clover, CloverError, GenerationResult
-from ..compat import PromptLogprobs
+from .. import openai_reply as reply
 from ..decoding import StreamPiece
+from ..openai_reply import PromptLogprobs
 from . import format as fmt
 from .pool import ServerState, Slot
 from .tools import ToolPlan, ToolStream
@@ -177,13 +178,13 @@ def constraint_param(req: Knobs) -> str | None:
 def message_of(r: GenerationResult, tp: ToolPlan | None) -> tuple[dict[str, Any], str]:
     """The chat reply's message and finish reason (tool calls parsed out of the text)."""
     if tp is None or not tp.active:
-        return {"role": "assistant", "content": r.text}, fmt.finish_reason(r)
+        return {"role": "assistant", "content": r.text}, reply.finish_reason(r)
     ts = ToolStream(tp)
     ts.feed(r.text)
     ts.finish()
     content, calls = ts.message()
     if not calls:
-        return {"role": "assistant", "content": content}, fmt.finish_reason(r)
+        return {"role": "assistant", "content": content}, reply.finish_reason(r)
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .. import Clover, GenerationResult
+from .. import openai_reply as reply
 from . import format as fmt
 from .generation import Choice, Job, Prompt
 from .pool import Pool, Slot
@@ -113,7 +114,7 @@ def stop_type(r: GenerationResult, word: str) -> str:
         return "word"
     if r.stats.finish_reason in ("eos", "stop"):
         return "eos"
-    return "limit" if fmt.finish_reason(r) == "length" else "none"
+    return "limit" if reply.finish_reason(r) == "length" else "none"
 
 
 def timings(r: GenerationResult) -> dict[str, Any]:
