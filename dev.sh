@@ -133,7 +133,7 @@ asan() {
     "$PY" -c "import sys; from clover_testkit.checkpoints import write_checkpoint; from clover_convert import convert; \
 write_checkpoint(sys.argv[1] + '/ck', preset='tiny', dtype='f32'); \
 convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress=False)" "$corpus"
-    "$PY" tests/fuzz.py gguf "$corpus/tiny.gguf" "$corpus/cases" "${CLOVER_FUZZ_CASES:-300}" >/dev/null
+    "$PY" -m clover_testkit.fuzz gguf "$corpus/tiny.gguf" "$corpus/cases" "${CLOVER_FUZZ_CASES:-300}" >/dev/null
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         "$asan_build/bin/clover-fuzz-load" "$corpus/cases"
     rm -rf "$corpus"

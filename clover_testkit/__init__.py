@@ -7,4 +7,10 @@ imports it when it runs a model).
   (``python -m clover_testkit.checkpoints``), the fixtures of the tests and benchmarks;
 * :mod:`clover_testkit.bpe` - the fixture tokenizers: Qwen2-style byte-level BPE trained with
   Hugging Face ``tokenizers``.
+
+The tests' shared harnesses live here too, so that no test module imports another:
+:mod:`~clover_testkit.server_harness` (the servers the tests talk to),
+:mod:`~clover_testkit.native_handles` (libclover through ctypes), :mod:`~clover_testkit.llama_tools`
+(llama.cpp's tools), :mod:`~clover_testkit.gguf_files` and :mod:`~clover_testkit.fuzz` (GGUF
+rewriters and mutators), :mod:`~clover_testkit.random_model` (the reference tests' random model).
 """

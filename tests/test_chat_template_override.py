@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fuzz  # noqa: E402 - tests/fuzz.py: the one GGUF rewriter
-
-from clover_cpp.chat import CHATML_TEMPLATE, OVERRIDE_HINT  # noqa: E402
+from clover_cpp.chat import CHATML_TEMPLATE, OVERRIDE_HINT
+from clover_testkit import fuzz  # the one GGUF rewriter
 
 FAILING = "{{ 1 / 0 }}"  # the model's template: fails on every render
 MINE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"

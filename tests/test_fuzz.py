@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fuzz  # noqa: E402
+from clover_testkit import fuzz
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(os.environ.get("CLOVER_CLI_PATH", ROOT / "build" / "bin" / "clover-cli"))

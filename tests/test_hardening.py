@@ -228,8 +228,7 @@ def test_values_past_32_bits_are_refused(model, what: str) -> None:
 
 
 def test_block_size_past_32_bits_in_the_gguf_is_refused(gguf, tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from fuzz import rewrite_gguf
+    from clover_testkit.fuzz import rewrite_gguf
 
     import gguf as gg
     bad = tmp_path / "b.gguf"
@@ -362,8 +361,7 @@ def test_impossible_calibration_cache_is_measured_again(gguf, tmp_path: Path, mo
 @pytest.mark.parametrize("train_block,n_ctx", [(256, 256), (1024, 512), (64, 64), (512, 8)])
 def test_training_block_size_at_or_past_n_ctx_works_with_auto(gguf, tmp_path: Path, monkeypatch,
                                                               train_block: int, n_ctx: int) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from fuzz import rewrite_gguf
+    from clover_testkit.fuzz import rewrite_gguf
 
     monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path))
     big = rewrite_gguf(gguf, tmp_path / "big.gguf", kv={"clover.diffusion.block_size": train_block})

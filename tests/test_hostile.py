@@ -254,8 +254,7 @@ def test_quantize_thread_count_and_output_that_is_the_imatrix(tiny_artifacts, tm
 def test_quantize_refuses_inputs_the_loader_refuses(tiny_artifacts, tmp_path, kv) -> None:
     """quantize read only the header (gguf-py): a file `clover run` refuses became a quantized
     file that it refuses too; now libclover's loader checks the input (and the output) first."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import fuzz
+    from clover_testkit import fuzz
 
     bad = fuzz.rewrite_gguf(tiny_artifacts["f32"], tmp_path / "bad.gguf", kv=kv)
     out = tmp_path / "out.gguf"

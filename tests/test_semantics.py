@@ -5,15 +5,13 @@ that says how to get a current one, and plain llama.cpp refuses it too."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from clover_convert import mapping
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fuzz  # noqa: E402
+from clover_testkit import fuzz
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = mapping.KEY_SEMANTICS.format(arch="clover")

@@ -26,11 +26,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 def tool_gguf(tiny_gguf: Path, dst: Path) -> Path:
     """The tiny GGUF with the Qwen tool-calling chat template (clover_testkit.chat_templates)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import fuzz  # noqa: PLC0415 - tests/fuzz.py: the one GGUF rewriter
-
+    from clover_testkit import fuzz  # the one GGUF rewriter
     from clover_testkit.chat_templates import QWEN_TOOLS_TEMPLATE
 
     return fuzz.rewrite_gguf(tiny_gguf, dst, kv={"tokenizer.chat_template": QWEN_TOOLS_TEMPLATE})

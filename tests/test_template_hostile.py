@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fuzz  # noqa: E402 - tests/fuzz.py: the one GGUF rewriter
+from clover_testkit import fuzz  # the one GGUF rewriter
 
 RUNAWAY_LOOP = "{% set s = 'a' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}"
 

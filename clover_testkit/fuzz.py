@@ -2,7 +2,7 @@
 infos (rewritten through gguf-py, so the file stays well-formed where the mutation does not
 aim at the format itself), safetensors headers and config.json files.
 
-    python tests/fuzz.py gguf MODEL.gguf OUTDIR N [SEED]    # write N mutated GGUFs (a corpus)
+    python -m clover_testkit.fuzz gguf MODEL.gguf OUTDIR N [SEED]    # write N mutated GGUFs (a corpus)
 """
 
 from __future__ import annotations
