@@ -138,7 +138,7 @@ def test_defaults_are_greedy_and_documented(files) -> None:
     assert (DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED, DEFAULT_N_PREDICT) == (0.0, 0, 1.0, 0, 128)
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "defaults are **greedy** (`--temp 0`, top-k and top-p off, seed 0, `-n 128`)" in readme
-    assert "`--temp 0.8 --top-k 40 --top-p 0.95 -s -1 -n -1`" in readme  # llama-cli's, for those who want them
+    assert "`--temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 -s -1 -n -1`" in readme  # llama-cli's, for those who want them
     help_text = " ".join(invoke(["run", "--help"]).output.split())
     for shown in ("greedy). [default: 0.0]", "[default: 128]", "(-1 = random). [default: 0]"):
         assert shown in help_text, help_text

@@ -29,7 +29,7 @@ HOSTILE = {
     "list_doubling": ("{% set ns = namespace(x=[1]) %}{% for i in range(40) %}{% set ns.x = ns.x + ns.x %}"
                       "{% endfor %}{{ ns.x|length }}", "string or list"),
     "string_doubling": ("{% set ns = namespace(x='a') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}"
-                        "{% endfor %}{{ ns.x|length }}", "memory"),
+                        "{% endfor %}{{ ns.x|length }}", ("memory", "ran past")),  # under load the clock can win
     "recursive_macro": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses"),
     "division_by_zero": ("{{ 1 / 0 }}", "division by zero"),
     "include": ("{% include 'other.jinja' %}", "includes, imports or extends"),
@@ -66,7 +66,8 @@ def test_render_chat_refuses_a_template_that_runs_away_or_fails(name: str) -> No
     out = _child(RENDER, json.dumps(template))
     assert time.monotonic() - start < 20
     assert out.get("type") == "ChatTemplateError", out
-    assert out["error"].startswith("chat template failed: ") and says in out["error"], out
+    says = says if isinstance(says, tuple) else (says,)
+    assert out["error"].startswith("chat template failed: ") and any(x in out["error"] for x in says), out
     assert "\n" not in out["error"]
 
 

@@ -4,6 +4,7 @@ on a signal."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -130,6 +131,16 @@ class _Server(uvicorn.Server):
                 pass
         super().handle_exit(sig, frame)
 
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's run, and a Ctrl-C that lands before the event loop starts serving closes the
+        serve coroutine: without it Python prints "coroutine 'Server.serve' was never awaited"."""
+        serving = self.serve(sockets=sockets)
+        try:
+            with asyncio.Runner(loop_factory=self.config.get_loop_factory()) as runner:
+                runner.run(serving)
+        finally:
+            serving.close()
+
 
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket, before the model loads: a port in use (or an address this machine
@@ -189,12 +200,9 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
     check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
     check_tls(ssl_key_file, ssl_cert_file)
     if embeddings:  # the embedding context is llama-cpp-python's: missing, say so now, not at the first request
-        from .._lib import import_llama_cpp  # noqa: PLC0415
-
-        try:
-            import_llama_cpp()
-        except ImportError as e:
-            raise ValueError(f"--embeddings: {e}") from None
+        if importlib.util.find_spec("llama_cpp") is None:  # found, not imported: it loads on the first request
+            raise ValueError("--embeddings: the embedding context needs llama-cpp-python "
+                             "(pip install llama-cpp-python)")
     with listen(host, port) as sock:
         if n_threads is None:
             # the contexts share the cores, less one for the HTTP side: ggml's threads spin at their
