@@ -67,6 +67,8 @@ class GenerationStats:
     n_blocks_diffusion: int = 0
     n_blocks_draft_self: int = 0
     tokens_per_verification: float = 0.0  # draft-self: tokens each verification kept (libclover's figure)
+    coreset: int = 0            # the block expert coreset C of the block passes (0 = off): the context's
+    #                             setting during the call (clover_coreset; libclover's clover_stats has no field)
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -97,6 +99,7 @@ class GenerationStats:
                 f"prefill={self.t_prefill_ms:.1f} ms, decode={self.t_decode_ms:.1f} ms "
                 f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
                 + (f", cost curve {self.calibration}" if self.calibration else "")
+                + (f", coreset {self.coreset}" if self.coreset else "")
                 + (f", draft-self: {self.n_accepted}/{self.n_drafted} drafted tokens accepted, "
                    f"{self.tokens_per_verification:.2f} tok/verification, "
                    f"{self.n_decode_passes / max(self.n_generated, 1):.2f} draft passes/tok"
@@ -498,11 +501,17 @@ class Generation:
         gp.step_callback, gp.block_callback = keep[-2], keep[-1]
         return gp
 
+    def _coreset(self) -> int:
+        """The context's block expert coreset now, the one this call runs with (a "model"
+        setting is already the GGUF's C there); libclover's clover_stats has no field for it."""
+        return max(0, int(lib().clover_coreset(self.ctx)))
+
     def run(self) -> GenerationResult:
         p, n_prompt = self.p, len(self.prompt)
         if self._cancelled():  # (a stream closed before its turn came)
             return GenerationResult(text="", tokens=[], stats=GenerationStats(n_prompt=n_prompt,
-                                                                             finish_reason="cancelled", seed=p.seed))
+                                                                             finish_reason="cancelled", seed=p.seed,
+                                                                             coreset=self._coreset()))
         L, keep = lib(), []
         gp = self._native_params(keep)
         cap, n_top = max(p.max_tokens, 1), p.logprobs
@@ -531,6 +540,7 @@ class Generation:
             check(lib().clover_stats_cut(ctypes.byref(st), len(tokens)), None, "clover_stats_cut")
         stats = GenerationStats._from_native(st, B)
         stats.seed = p.seed
+        stats.coreset = self._coreset()
         if self.out.hit:  # (libclover saw a cancel)
             stats.finish_reason = "stop"
         if tail and self.on_block is not None:

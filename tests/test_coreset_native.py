@@ -125,11 +125,17 @@ def test_gguf_default_coreset(tmp_path):
             assert L.clover_coreset(ctx.p) == 3
     finally:
         m.close()
+    from clover_cpp import Clover
+
+    with Clover(tmp_path / "m.gguf", n_ctx=64, n_threads=1, block_size=4) as c:  # the stats: "model" resolved
+        assert c.generate([5, 6], max_tokens=4).stats.coreset == 3
+        assert "coreset 3" in c.generate([5, 6], max_tokens=4).stats.format()
+        assert c.generate([5, 6], max_tokens=4, coreset=None).stats.coreset == 0
 
 
 def test_python_knobs(artifacts, vocab_hi):
     """Clover(coreset=...), Clover.coreset, generate(coreset=...) (the context's setting back after
-    the call), the refusals (libclover's message, param "coreset")."""
+    the call), stats.coreset (the one in effect), the refusals (libclover's message, param "coreset")."""
     from clover_cpp import Clover, CloverValueError
 
     prompt = random_prompt(77, 6, vocab_hi)
@@ -144,6 +150,9 @@ def test_python_knobs(artifacts, vocab_hi):
         assert again.tokens == one.tokens
         off = m.generate(prompt, max_tokens=12, block_size=4, threshold=0.0, stop_at_eos=False, seed=0, coreset=None)
         assert off.tokens == full.tokens and m.coreset == 1
+        # the stats say the coreset in effect: the call's, else the context's
+        assert [r.stats.coreset for r in (full, one, again, off)] == [0, 1, 1, 0]
+        assert m.generate(prompt, max_tokens=4, coreset=3).stats.coreset == 3
         m.coreset = "model"
         assert m.coreset == 0
         with pytest.raises(CloverValueError) as e:
@@ -153,6 +162,8 @@ def test_python_knobs(artifacts, vocab_hi):
             m.generate(prompt, max_tokens=4, coreset="lots")
     with Clover(artifacts["f32"], n_ctx=128, n_threads=2, block_size=4, coreset=2) as m:
         assert m.coreset == 2
+        assert m.generate(prompt, max_tokens=4).stats.coreset == 2
+        assert m.generate(prompt, max_tokens=4, coreset="model").stats.coreset == 0  # (no clover.expert_coreset)
     with pytest.raises(CloverValueError) as e:
         Clover.check_generate_args(coreset=-5)
     assert e.value.param == "coreset"

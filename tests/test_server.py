@@ -494,6 +494,23 @@ def test_draft_self_auto_and_the_mode_reported(server, local) -> None:
     assert 'true, false or "auto"' in r.json()["error"]["message"]
 
 
+def test_coreset_reported(server, local) -> None:
+    """The reply's clover.coreset is the block expert coreset its block passes used: the request's
+    coreset, else the served contexts' (/props' coreset: the tiny GGUF has no clover.expert_coreset,
+    off); in the streamed last chunk too."""
+    c = server.client()
+    served = httpx.get(server.url + "/props").json()["coreset"]
+    assert served == local.coreset == 0
+    base = dict(model="x", prompt="def add(a, b):", max_tokens=8, temperature=0)
+    r = c.completions.create(**base, extra_body={"block_size": 4, "coreset": 4})
+    assert r.model_extra["clover"]["coreset"] == 4
+    r = c.completions.create(**base, extra_body={"block_size": 4})
+    assert r.model_extra["clover"]["coreset"] == served
+    chunks = list(c.chat.completions.create(model="x", messages=MSGS, max_tokens=8, stream=True,
+                                            extra_body={"block_size": 4, "coreset": 2}))
+    assert [ch.model_extra["clover"]["coreset"] for ch in chunks if "clover" in (ch.model_extra or {})] == [2]
+
+
 def test_info_endpoints(server, local) -> None:
     props = httpx.get(server.url + "/props").json()
     assert props["n_ctx"] == 1024 and props["model"] == local.metadata.get("general.name")

@@ -68,6 +68,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     metrics = st.metrics
     gen = Generator(model, st, limits)
     template = model.chat_template
+    coreset = model.coreset  # the served contexts' block expert coreset (a request's `coreset` overrides it)
 
     def longest_piece() -> int:
         return max((len(model.token_to_piece(t, special=True)) for t in range(model.n_vocab())), default=1)
@@ -165,7 +166,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
     async def props() -> dict[str, Any]:
         return {"model": name, "model_path": str(model.model_path), "n_ctx": model.n_ctx(),
                 "n_ctx_train": model.n_ctx_train, "n_vocab": model.n_vocab(),
-                "block_size": "auto", "train_block_size": model.train_block_size,
+                "block_size": "auto", "train_block_size": model.train_block_size, "coreset": coreset,
                 "mode": "block-diffusion",
                 "modes": {"block-diffusion": "block_size 'auto' or 1..max_block_size, threshold, max_steps",
                           "draft-self": "draft_self: true (the output of block_size 1, verified)",

@@ -13,7 +13,8 @@ def clover_stats(r: GenerationResult) -> dict[str, Any]:
     s = r.stats
     out = {"block_size": s.block_size, "tokens_per_forward": round(s.tokens_per_forward, 4),
            "decode_passes": s.n_decode_passes, "reused_prompt_tokens": s.n_reused,
-           "tokens_per_second": round(s.tokens_per_second, 2), "seed": r.seed}
+           "tokens_per_second": round(s.tokens_per_second, 2), "seed": r.seed,
+           "coreset": getattr(s, "coreset", 0)}  # the block expert coreset the call's block passes used (0 = off)
     if getattr(s, "mode", ""):
         # the last block's mode ("autoregressive", "diffusion" or "draft-self": what block_size /
         # draft_self "auto" chose) and the blocks per mode

@@ -227,7 +227,7 @@ class ReplyView {
     this.cur = null;
   }
 
-  finish(stats, usage, how, sent) {
+  finish(stats, usage, how) {
     this.endBlock();
     this.text.classList.remove("streaming");
     this.root.classList.add("done");
@@ -249,7 +249,7 @@ class ReplyView {
       parts.push(`B ${stats.block_size}`);
       if (stats.mode) parts.push(stats.mode);
       parts.push(`${stats.decode_passes} passes`);
-      if (sent && sent.coreset !== undefined) parts.push(`coreset ${sent.coreset}`);
+      if (stats.coreset) parts.push(`coreset ${stats.coreset}`);  // the server's: what the passes used
       if (stats.draft_self) {
         const d = stats.draft_self;
         parts.push(`draft-self: ${d.accepted} of ${d.drafted} drafted tokens accepted, ${d.verifications} verifications`);
@@ -338,7 +338,7 @@ async function send() {
         if (c.finish_reason) finish = c.finish_reason;
       }
     }
-    view.finish(stats, usage, finish === "length" ? "max tokens reached" : finish ? "" : "ended", body);
+    view.finish(stats, usage, finish === "length" ? "max tokens reached" : finish ? "" : "ended");
   } catch (e) {
     if (e.name === "AbortError") {
       view.finish(null, null, "stopped");
