@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _native as N
 from . import openai_reply as reply
+from . import tool_calls
 from ._args import INT32_MAX, bool_arg, int_arg, strings_arg
 from .errors import CloverError, CloverTypeError, CloverValueError, check
 from .openai_reply import PromptLogprobs
@@ -128,6 +129,7 @@ class LlamaCompat:
     generate: Any
     generate_chat: Any
     format_chat: Any
+    chat_template: Any
     chat_tokens: Any
     tokenize: Any
     detokenize: Any
@@ -430,13 +432,20 @@ class LlamaCompat:
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
                                logits_processor: Any = None, grammar: Any = None,
                                logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
-                               top_logprobs: int | None = None, **gen_kwargs: Any) -> Any:
+                               top_logprobs: int | None = None, parallel_tool_calls: bool = True,
+                               **gen_kwargs: Any) -> Any:
         """llama-cpp-python's ``Llama.create_chat_completion``: the messages rendered with the
         model's chat template (:meth:`chat`), the same arguments and defaults (temperature 0.2,
         top_p 0.95, top_k 40, max_tokens None = until the end of the turn or of the context), and
         an OpenAI-shaped ``chat.completion`` dict, or with ``stream=True`` an iterator of
         ``chat.completion.chunk`` dicts (first delta: the role; last: ``finish_reason``).
-        Tool / function calling is refused (``clover serve`` has it); the sampler arguments are
+        ``tools`` (OpenAI's) are rendered by the chat template (a template that renders none:
+        CloverValueError naming ``tools``) and the reply's ``<tool_call>`` markup becomes the
+        message's ``tool_calls`` (finish_reason "tool_calls"); ``tool_choice`` "none", "auto",
+        "required" or a named function (the last two start the reply with a call whose arguments a
+        grammar holds to the tool's schema, as ``clover serve``: :mod:`clover_cpp.tool_calls`);
+        ``parallel_tool_calls`` (OpenAI's, not llama-cpp-python's): more than one call.
+        The legacy ``functions`` / ``function_call`` are refused; the sampler arguments are
         llama.cpp's sampler chain, the rest as :meth:`create_completion` says."""
         where = "create_chat_completion"
         if logprobs is not None:
@@ -447,30 +456,53 @@ class LlamaCompat:
         kw = self._llama_kwargs(where, max_tokens, temperature, top_p, top_k, seed, stop, n_lp, grammar,
                                 response_format, stream,
                                 {"functions": (functions, None), "function_call": (function_call, None),
-                                 "tools": (tools or None, None), "tool_choice": (tool_choice, (None, "none", "auto")),
                                  "tfs_z": (tfs_z, 1.0), "logits_processor": (logits_processor, None)})
         kw.update(_chain_kwargs(min_p, typical_p, frequency_penalty, presence_penalty, repeat_penalty, mirostat_mode,
                                 mirostat_tau, mirostat_eta, logit_bias))
-        prompt = self.format_chat(messages)
+        tp = tool_calls.plan(tools, tool_choice, bool_arg("parallel_tool_calls", parallel_tool_calls),
+                             self.chat_template)
+        if tp.grammar is not None:
+            if kw.get("grammar") is not None or kw.get("response_format") is not None:
+                raise CloverValueError(f"{where}: tool_choice forces a call: grammar and response_format cannot "
+                                       "apply too", param="tool_choice")
+            kw["grammar"] = tp.grammar
+        prompt = (self.format_chat(messages, tools=tp.tools) if tp.active else self.format_chat(messages)) + tp.prefill
         self._budget(kw, len(self.chat_tokens(prompt)), gen_kwargs)
         head = reply.head("chat.completion", model if isinstance(model, str) else str(self.model_path))
         if kw["stream"]:
             s = self.generate_chat(prompt, **kw, **gen_kwargs)
+            calls = tool_calls.ToolStream(tp) if tp.active else None
+
+            def deltas(piece: Any) -> Iterator[dict[str, Any]]:
+                """A piece's deltas: its text, or with tools the content and calls parsed out of it."""
+                lp = reply.chat_logprobs(piece, self.token_to_piece) if piece is not None else None
+                if calls is None:  # (no tools: the end adds nothing)
+                    if piece is not None:
+                        yield reply.delta_choice(0, {"content": str(piece)}, lp)
+                    return
+                for kind, v in calls.feed(str(piece)) if piece is not None else calls.finish():
+                    if kind == "content":  # (the piece's logprobs with its first content)
+                        yield reply.delta_choice(0, {"content": v}, lp)
+                        lp = None
+                    else:
+                        i, call = v
+                        yield reply.delta_choice(0, {"tool_calls": [{"index": i, **call}]})
 
             def chunks() -> Iterator[dict[str, Any]]:
                 obj = {**head, "object": "chat.completion.chunk"}
                 with s:
                     yield {**obj, "choices": [reply.delta_choice(0, {"role": "assistant"})]}
                     for piece in s:  # (with logprobs: each piece its own tokens')
-                        lp = reply.chat_logprobs(piece, self.token_to_piece)
-                        yield {**obj, "choices": [reply.delta_choice(0, {"content": str(piece)}, lp)]}
+                        yield from ({**obj, "choices": [d]} for d in deltas(piece))
+                yield from ({**obj, "choices": [d]} for d in deltas(None))
                 assert s.result is not None
-                yield {**obj, "choices": [reply.delta_choice(0, {}, None, reply.finish_reason(s.result))]}
+                finish = "tool_calls" if calls is not None and calls.calls else reply.finish_reason(s.result)
+                yield {**obj, "choices": [reply.delta_choice(0, {}, None, finish)]}
             return chunks()
         r = self.generate_chat(prompt, **kw, **gen_kwargs)
-        message = {"role": "assistant", "content": r.text}
+        message, finish = tool_calls.reply_message(r.text, tp)
         return {**head, "choices": [reply.message_choice(0, message, reply.chat_logprobs(r, self.token_to_piece),
-                                                         reply.finish_reason(r))],
+                                                         finish or reply.finish_reason(r))],
                 "usage": reply.usage([r], cached=False)}
 
 

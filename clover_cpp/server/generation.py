@@ -28,7 +28,7 @@ from ..decoding import StreamPiece
 from ..openai_reply import PromptLogprobs
 from . import format as fmt
 from .pool import ServerState, Slot
-from .tools import ToolPlan, ToolStream
+from .tools import ToolPlan, ToolStream, reply_message
 from .types import APIError, Knobs, Limits
 
 
@@ -177,15 +177,8 @@ def constraint_param(req: Knobs) -> str | None:
 
 def message_of(r: GenerationResult, tp: ToolPlan | None) -> tuple[dict[str, Any], str]:
     """The chat reply's message and finish reason (tool calls parsed out of the text)."""
-    if tp is None or not tp.active:
-        return {"role": "assistant", "content": r.text}, reply.finish_reason(r)
-    ts = ToolStream(tp)
-    ts.feed(r.text)
-    ts.finish()
-    content, calls = ts.message()
-    if not calls:
-        return {"role": "assistant", "content": content}, reply.finish_reason(r)
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+    message, finish = reply_message(r.text, tp)
+    return message, finish or reply.finish_reason(r)
 
 
 class Generator:
