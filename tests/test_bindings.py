@@ -557,7 +557,7 @@ def test_shims_logprobs_and_refusals(model) -> None:
     bias = {model.generate("hi", max_tokens=1, temperature=0).tokens[0]: float("-inf")}
     assert model.create_completion("hi", max_tokens=1, temperature=0, logit_bias=bias)["choices"][0]["text"] != plain
     model.create_completion("hi", max_tokens=2, min_p=0.0, repeat_penalty=1.3, logit_bias={})
-    with pytest.raises(CloverError, match="tools"):
+    with pytest.raises(CloverError, match="tools"):  # a malformed tool (tool calling: test_chat_tools_python.py)
         model.create_chat_completion([{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
 
 
