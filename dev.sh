@@ -141,7 +141,8 @@ convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     CLOVER_LIB_PATH="$asan_build/bin/libclover.so" CLOVER_CLI_PATH="$asan_build/bin/clover-cli" \
-        "$PY" -m pytest -q tests/test_native_api.py tests/test_block_auto.py tests/test_fuzz.py \
+        "$PY" -m pytest -q tests/test_native_parity.py tests/test_native_decoding.py tests/test_native_arguments.py \
+            tests/test_native_sampling_and_callbacks.py tests/test_native_model.py tests/test_block_auto.py tests/test_fuzz.py \
             tests/test_hardening.py tests/test_prefix_reuse.py tests/test_threads.py \
             -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate or prefill or budget or disk_cache or fuzz or llama_cpp_asserts or fifo or reentrant or values or prefill or reuse or new_context or threads or close or stream or subnormal or impossible or training_block"
     log "RPC tests (client and servers) under AddressSanitizer + UBSan"

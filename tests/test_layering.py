@@ -189,7 +189,7 @@ def test_no_test_module_imports_another() -> None:
 def test_the_test_import_finder_finds_them() -> None:
     assert imported_test_modules("from test_server import Server\nimport test_reference") == \
         ["test_server", "test_reference"]
-    assert imported_test_modules("def f():\n    from tests.test_native_api import Model") == \
-        ["tests.test_native_api"]
+    assert imported_test_modules("def f():\n    from tests.test_native_parity import Model") == \
+        ["tests.test_native_parity"]
     assert imported_test_modules("from tests import test_reference\nfrom clover_testkit import reference") == \
         ["tests.test_reference"]

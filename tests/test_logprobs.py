@@ -14,7 +14,7 @@ clover_testkit.reference:
   own log-probability; the bounds on n and the buffers refused with one line.
 
 Tolerance: the f32 graph's logits are within 1e-3 * max(1, max |logit|) of the float64
-reference (tests/test_native_api.py); a log-softmax at most doubles that.
+reference (tests/test_native_parity.py); a log-softmax at most doubles that.
 """
 from __future__ import annotations
 
