@@ -109,3 +109,12 @@ def llama_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+@pytest.fixture(scope="session")
+def fx(tmp_path_factory: pytest.TempPathFactory):
+    """The converter tests' tiny checkpoints and their GGUFs, each made once a session
+    (clover_testkit.converted_gguf.Fixtures)."""
+    from clover_testkit.converted_gguf import Fixtures
+
+    return Fixtures(tmp_path_factory.mktemp("convert"))
