@@ -3,7 +3,7 @@ rules instead of keeping copies. Each test here fails if a copy creeps back: clo
 are clover_generate_params_check's messages, it accepts what the library accepts (--top-p 0), its
 help shows the library's default threshold, and the draft-self figure both tools print is
 clover_stats.tokens_per_verification. (The server's and the Python CLI's messages: test_server.py
-test_ranges_are_the_runtimes, test_cli.py.)"""
+test_ranges_are_the_runtimes, test_cli_errors.py.)"""
 
 from __future__ import annotations
 
