@@ -12,5 +12,7 @@ The tests' shared harnesses live here too, so that no test module imports anothe
 :mod:`~clover_testkit.server_harness` (the servers the tests talk to),
 :mod:`~clover_testkit.native_handles` (libclover through ctypes), :mod:`~clover_testkit.llama_tools`
 (llama.cpp's tools), :mod:`~clover_testkit.gguf_files` and :mod:`~clover_testkit.fuzz` (GGUF
-rewriters and mutators), :mod:`~clover_testkit.random_model` (the reference tests' random model).
+rewriters and mutators), :mod:`~clover_testkit.random_model` (the reference tests' random model),
+:mod:`~clover_testkit.converted_gguf` (the converter tests' checkpoints and expected tensors),
+:mod:`~clover_testkit.cli_runs` (the `clover` command run for the tests).
 """
