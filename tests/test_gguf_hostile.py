@@ -113,7 +113,7 @@ def _vocab_count(path: Path) -> None:
 
 
 def _empty_vocab(path: Path) -> None:
-    from fuzz import rewrite_gguf
+    from clover_testkit.fuzz import rewrite_gguf
 
     tmp = path.with_suffix(".src")
     path.rename(tmp)
