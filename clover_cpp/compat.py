@@ -496,13 +496,13 @@ class LlamaCompat:
                         yield from ({**obj, "choices": [d]} for d in deltas(piece))
                 yield from ({**obj, "choices": [d]} for d in deltas(None))
                 assert s.result is not None
-                finish = "tool_calls" if calls is not None and calls.calls else reply.finish_reason(s.result)
+                finish = reply.finish_reason(s.result, tool_calls=calls is not None and bool(calls.calls))
                 yield {**obj, "choices": [reply.delta_choice(0, {}, None, finish)]}
             return chunks()
         r = self.generate_chat(prompt, **kw, **gen_kwargs)
-        message, finish = tool_calls.reply_message(r.text, tp)
+        message = tool_calls.reply_message(r.text, tp)
         return {**head, "choices": [reply.message_choice(0, message, reply.chat_logprobs(r, self.token_to_piece),
-                                                         finish or reply.finish_reason(r))],
+                                                         reply.finish_reason(r, tool_calls="tool_calls" in message))],
                 "usage": reply.usage([r], cached=False)}
 
 

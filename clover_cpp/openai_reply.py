@@ -14,12 +14,16 @@ if TYPE_CHECKING:
     from .decoding import GenerationResult, StreamPiece
 
 
-def finish_reason(r: "GenerationResult") -> str:
+def finish_reason(r: "GenerationResult", tool_calls: bool = False) -> str:
     """"stop" when the reply was ended on purpose: EOS, a stop token or string, a callback's
     cancel (llama-cpp-python's stopping_criteria: "stop" even on the budget's last token);
-    "length" when the budget ran out, max_tokens 0 too (nothing run, no reason from libclover)."""
+    "tool_calls" instead when the reply holds tool calls; "length" when the budget ran out,
+    max_tokens 0 too (nothing run, no reason from libclover), calls or not: a reply cut off
+    may be cut inside its next call."""
     reason = r.stats.finish_reason
-    return "length" if reason == "max_tokens" or (not reason and not r.tokens) else "stop"
+    if reason == "max_tokens" or (not reason and not r.tokens):
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def head(obj: str, model: str) -> dict[str, Any]:

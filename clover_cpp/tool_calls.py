@@ -259,7 +259,9 @@ class ToolStream:
 
     def finish(self) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
-        if self.in_call:  # the reply ended inside a call (the end-of-turn token came first)
+        if self.in_call and parse_call(self.buf, self.plan.names) is None:
+            self._content(OPEN + self.buf, out)  # cut off inside a call (the budget): text, no closing tag made up
+        elif self.in_call:  # a whole call, and the end-of-turn token came before its closing tag
             self._close(self.buf, out)
         else:
             self._content(self.buf, out)
@@ -287,16 +289,15 @@ class ToolStream:
         return text, []
 
 
-def reply_message(text: str, tp: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+def reply_message(text: str, tp: ToolPlan | None) -> dict[str, Any]:
     """A whole reply's assistant message, its calls parsed out of the text (OpenAI's
-    ``tool_calls``), and "tool_calls" as its finish reason when it has calls (None: the
-    generation's own reason)."""
+    ``tool_calls``; the finish reason: openai_reply.finish_reason(r, tool_calls=...))."""
     if tp is None or not tp.active:
-        return {"role": "assistant", "content": text}, None
+        return {"role": "assistant", "content": text}
     ts = ToolStream(tp)
     ts.feed(text)
     ts.finish()
     content, calls = ts.message()
     if not calls:
-        return {"role": "assistant", "content": content}, None
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content, "tool_calls": calls}

@@ -31,6 +31,12 @@ def test_finish_reason(reason: str, n_tokens: int, want: str) -> None:
     assert reply.finish_reason(_result(reason, n_tokens)) == want
 
 
+@pytest.mark.parametrize("reason,want", [("eos", "tool_calls"), ("stop", "tool_calls"), ("max_tokens", "length")])
+def test_finish_reason_with_tool_calls(reason: str, want: str) -> None:
+    """A reply with calls finishes "tool_calls", unless the budget cut it (maybe inside its next call)."""
+    assert reply.finish_reason(_result(reason, 4), tool_calls=True) == want
+
+
 def test_usage_counts_each_prompt_once() -> None:
     rs = [_result("eos", 2), _result("eos", 3)]
     assert reply.usage(rs, per_prompt=2) == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,

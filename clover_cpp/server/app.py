@@ -271,7 +271,7 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
                 i, call = v
                 return choice(c, {"tool_calls": [{"index": i, **call}]})
             r, ts = v
-            finish = "tool_calls" if ts is not None and ts.calls else reply.finish_reason(r)
+            finish = reply.finish_reason(r, tool_calls=ts is not None and bool(ts.calls))
             return {**choice(c, {}, finish), "clover": fmt.clover_stats(r)}
 
         def final(kept: list[Choice], results: list[GenerationResult]) -> dict[str, Any]:

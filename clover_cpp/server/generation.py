@@ -177,8 +177,8 @@ def constraint_param(req: Knobs) -> str | None:
 
 def message_of(r: GenerationResult, tp: ToolPlan | None) -> tuple[dict[str, Any], str]:
     """The chat reply's message and finish reason (tool calls parsed out of the text)."""
-    message, finish = reply_message(r.text, tp)
-    return message, finish or reply.finish_reason(r)
+    message = reply_message(r.text, tp)
+    return message, reply.finish_reason(r, tool_calls="tool_calls" in message)
 
 
 class Generator:
