@@ -172,7 +172,8 @@ def test_slots_while_a_request_runs(server) -> None:
     body = {"prompt": "hello", "n_predict": 500, "stream": True, "block_size": 500, "threshold": 1.0,
             "ignore_eos": True}
     with httpx.stream("POST", server.url + "/completion", json=body, timeout=60) as r:
-        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data:"))[len("data: "):])
+        lines = r.iter_lines()  # held: a dropped line iterator closes the stream (the client leaves)
+        first = json.loads(next(line for line in lines if line.startswith("data:"))[len("data: "):])
         busy = [s for s in slots_when(server, idle=False) if s["is_processing"]]
         assert [s["id"] for s in busy] == [first["id_slot"]]
     slots_when(server, idle=True)  # the client left: its generation is cancelled, the context given back
