@@ -16,7 +16,10 @@ from clover_cpp import _native as N
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "build" / "bin" / "clover-cli"
 
-L = N.load_library()
+try:  # a test module importing this is skipped, whole, where libclover is not built
+    L = N.load_library()
+except N.CloverLibraryNotFound as e:  # pragma: no cover - CI always builds it
+    pytest.skip(f"libclover is not built ({e})", allow_module_level=True)
 
 F32_TOL = 1e-3  # native f32 logits vs the float64 reference: max |diff| / max(1, max |logit|)
 

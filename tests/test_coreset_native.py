@@ -13,11 +13,6 @@ import pytest
 
 from clover_cpp import _native as N
 
-try:
-    N.find_library()
-except N.CloverLibraryNotFound as e:  # pragma: no cover - CI always builds it
-    pytest.skip(f"libclover is not built ({e})", allow_module_level=True)
-
 from clover_testkit.native_handles import (CLI, F32_TOL, REPO, Ctx, L, Model, artifacts, model,  # noqa: E402, F401
                                            random_prompt, ref, relative_diff, vocab_hi)
 

@@ -25,11 +25,6 @@ import pytest
 
 from clover_cpp import _native as N
 
-try:
-    _LIB_PATH = N.find_library()
-except N.CloverLibraryNotFound as e:  # pragma: no cover - CI always builds it
-    pytest.skip(f"libclover is not built ({e})", allow_module_level=True)
-
 from clover_testkit.native_handles import (F32_TOL, L, Ctx, artifacts, model, random_prompt, ref,  # noqa: E402, F401
                                            relative_diff, vocab_hi)
 
