@@ -181,3 +181,26 @@ def vocab_hi(artifacts):
 
 def relative_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
+
+
+class ParityReport:
+    """Worst relative differences per key (``record``) and the explained mismatches (``notes``),
+    printed at the end of a test module (pytest -s) by ``print``."""
+
+    def __init__(self, notes_heading: str) -> None:
+        self.measured: dict[str, float] = {}
+        self.notes: list[str] = []
+        self.notes_heading = notes_heading
+
+    def record(self, key: str, value: float) -> None:
+        self.measured[key] = max(self.measured.get(key, 0.0), float(value))
+
+    def print(self) -> None:
+        if self.measured:
+            print("\nmeasured max |native - reference| / max(1, max|logit|):")
+            for k in sorted(self.measured):
+                print(f"  {k:40s} {self.measured[k]:.3e}")
+        if self.notes:
+            print(self.notes_heading)
+            for t in self.notes:
+                print("  " + t)

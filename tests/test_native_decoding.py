@@ -25,28 +25,16 @@ import pytest
 
 from clover_cpp import _native as N
 
-from clover_testkit.native_handles import (F32_TOL, L, Ctx, artifacts, model, random_prompt, ref,  # noqa: E402, F401
+from clover_testkit.native_handles import (ParityReport, F32_TOL, L, Ctx, artifacts, model, random_prompt, ref,  # noqa: E402, F401
                                            relative_diff, vocab_hi)
 
-MEASURED: dict[str, float] = {}  # worst relative diffs, printed at the end (pytest -s)
-TIE_EXPLAINED: list[str] = []
-
-
-def _record(key: str, value: float) -> None:
-    MEASURED[key] = max(MEASURED.get(key, 0.0), float(value))
+REPORT = ParityReport("greedy mismatches explained by a near-tie in the reference:")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
-    if MEASURED:
-        print("\nmeasured max |native - reference| / max(1, max|logit|):")
-        for k in sorted(MEASURED):
-            print(f"  {k:40s} {MEASURED[k]:.3e}")
-    if TIE_EXPLAINED:
-        print("greedy mismatches explained by a near-tie in the reference:")
-        for t in TIE_EXPLAINED:
-            print("  " + t)
+    REPORT.print()
 
 
 # ----------------------------------------------------------------------------- greedy generation
@@ -176,9 +164,9 @@ def test_greedy_generate_matches_reference(model, ref, vocab_hi, n_threads, B, t
             why = _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, threshold, max_steps, max_tokens)
             assert why is not None, (f"greedy mismatch without a near-tie: prompt={prompt} B={B} th={threshold} "
                                      f"S={max_steps}\n native={toks}\n ref   ={r.tokens}")
-            TIE_EXPLAINED.append(f"B={B} th={threshold} S={max_steps} t={n_threads} len={len(prompt)}: {why}")
+            REPORT.notes.append(f"B={B} th={threshold} S={max_steps} t={n_threads} len={len(prompt)}: {why}")
     # a near-tie may flip a case now and then, never many of them
-    assert len(TIE_EXPLAINED) <= 8, TIE_EXPLAINED
+    assert len(REPORT.notes) <= 8, REPORT.notes
 
 
 @pytest.mark.parametrize("n_prompt", [1, 9, 600])
@@ -213,14 +201,14 @@ def test_block_size_1_is_autoregressive(model, ref, vocab_hi, n_prompt):
     with Ctx(model, 1, n_ctx=1024) as fresh:
         causal = fresh.commit_logits(prompt + toks[:-1])
     d = relative_diff(l_last, causal[-1])
-    _record("B=1 generate L_last vs one commit", d)
+    REPORT.record("B=1 generate L_last vs one commit", d)
     assert d <= 1e-5, d
     rows = causal[n_prompt - 1:].astype(np.float64)
     rows[:, model.mask] = -np.inf
     assert rows.argmax(axis=1).tolist() == toks
     want = causal_logits(ref, prompt + toks[:-1])
     d = relative_diff(causal, want)
-    _record("B=1 causal logits vs reference", d)
+    REPORT.record("B=1 causal logits vs reference", d)
     assert d <= F32_TOL, d
 
 
@@ -273,14 +261,14 @@ def test_block_decode_memory_equals_causal_commit(model, ref, vocab_hi):
         checks.append((f"L_last after a decode of {mt} vs one commit", l_last, last_row))
     for what, a, b in checks:
         d = relative_diff(a, b)
-        _record(f"fidelity: {what}", d)
+        REPORT.record(f"fidelity: {what}", d)
         assert d <= 1e-5, (what, d)
     want = causal_logits(ref, text)
     d = relative_diff(one_logits, want)
-    _record("fidelity: committed logits vs reference", d)
+    REPORT.record("fidelity: committed logits vs reference", d)
     assert d <= F32_TOL, d
     d = relative_diff(runs[max_tokens][1], want[-1])
-    _record("fidelity: L_last after the decode vs reference", d)
+    REPORT.record("fidelity: L_last after the decode vs reference", d)
     assert d <= F32_TOL, d
 
 

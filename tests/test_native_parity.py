@@ -19,7 +19,7 @@ import pytest
 
 from clover_cpp import _native as N
 
-from clover_testkit.native_handles import (F32_TOL, Ctx, Model, artifacts, model, random_prompt,  # noqa: E402, F401
+from clover_testkit.native_handles import (ParityReport, F32_TOL, Ctx, Model, artifacts, model, random_prompt,  # noqa: E402, F401
                                            ref, relative_diff, vocab_hi)
 
 # f16: every row; q8_0: the median row (a q8_0 router input can flip an expert choice for a
@@ -27,25 +27,13 @@ from clover_testkit.native_handles import (F32_TOL, Ctx, Model, artifacts, model
 QUANT_TOL = {"f16": 1e-2, "q8_0": 1e-1}
 Q8_ROW_SANITY = 1.0
 ROUTER_TIE = 1e-2  # router logit gap (k-th vs (k+1)-th expert) below which f16 may route differently
-MEASURED: dict[str, float] = {}  # worst relative diffs, printed at the end (pytest -s)
-ROUTING_FLIPS: list[str] = []  # quantized rows explained by a router near-tie
-
-
-def _record(key: str, value: float) -> None:
-    MEASURED[key] = max(MEASURED.get(key, 0.0), float(value))
+REPORT = ParityReport("quantized rows past the tolerance, explained by a router near-tie:")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
-    if MEASURED:
-        print("\nmeasured max |native - reference| / max(1, max|logit|):")
-        for k in sorted(MEASURED):
-            print(f"  {k:40s} {MEASURED[k]:.3e}")
-    if ROUTING_FLIPS:
-        print("quantized rows past the tolerance, explained by a router near-tie:")
-        for t in ROUTING_FLIPS:
-            print("  " + t)
+    REPORT.print()
 
 
 # ----------------------------------------------------------------------------- block passes
@@ -53,7 +41,7 @@ def _check_commit(ctx, mem, ref, toks, key: str, tol: float = F32_TOL) -> None:
     """Commit toks on both sides: the committed-position logits agree, L_last is their last row."""
     got, want = ctx.commit_logits(toks), ref.commit(mem, toks)
     d = relative_diff(got, want)
-    _record(key, d)
+    REPORT.record(key, d)
     assert d <= tol, (key, d)
     assert ctx.n_committed == mem.n_committed
     assert np.array_equal(ctx.last_logits(), got[-1])
@@ -69,7 +57,7 @@ def test_block_pass_parity_f32(model, ref, vocab_hi, B):
         # empty memory: a block pass at position 0
         toks = random_prompt(100 + B, B, vocab_hi)
         d = relative_diff(ctx.block_pass(toks), ref.block_pass(ref.new_memory(), toks, B))
-        _record(f"f32 B={B} pass, empty memory", d)
+        REPORT.record(f"f32 B={B} pass, empty memory", d)
         assert d <= F32_TOL, d
         for n in lengths:
             ctx.reset()
@@ -86,7 +74,7 @@ def test_block_pass_parity_f32(model, ref, vocab_hi, B):
                 canvases += [half, random_prompt(5 * n + B, B // 2, vocab_hi)]
             for canvas in canvases:
                 d = relative_diff(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B))
-                _record(f"f32 B={B} pass", d)
+                REPORT.record(f"f32 B={B} pass", d)
                 assert d <= F32_TOL, (n, len(canvas), d)
             # the pass left the memory unchanged: repeat it bit for bit
             assert np.array_equal(ctx.block_pass(canvases[0]), ctx.block_pass(canvases[0]))
@@ -97,7 +85,7 @@ def test_block_pass_parity_f32(model, ref, vocab_hi, B):
                 nxt = random_prompt(9 * n + k, B, vocab_hi)
                 nxt[B // 2:] = [mask] * (B - B // 2)
                 d = relative_diff(ctx.block_pass(nxt), ref.block_pass(mem, nxt, B))
-                _record(f"f32 B={B} pass after commits", d)
+                REPORT.record(f"f32 B={B} pass after commits", d)
                 assert d <= F32_TOL, (n, k, d)
 
 
@@ -115,7 +103,7 @@ def test_parity_default_kv_cache(model, ref, vocab_hi, B):
                 canvas = random_prompt(11 * n + k, B, vocab_hi)
                 canvas[k:] = [mask] * (B - k)
                 d = relative_diff(ctx.block_pass(canvas), ref.block_pass(mem, canvas, B))
-                _record(f"f32 default KV B={B} pass", d)
+                REPORT.record(f"f32 default KV B={B} pass", d)
                 assert d <= F32_TOL, (n, k, d)
                 _check_commit(ctx, mem, ref, random_prompt(13 * n + k, B + 1, vocab_hi),
                               f"f32 default KV B={B} commit logits")
@@ -152,7 +140,7 @@ def test_commit_in_one_call_equals_chunks_and_token_by_token(model, vocab_hi, B,
     for name in ("uneven chunks", "token by token"):
         for what, a, b in zip(("commit logits", "L_last", "block pass"), got[name], base):
             d = relative_diff(a, b)
-            _record(f"{name} vs one call, {what}", d)
+            REPORT.record(f"{name} vs one call, {what}", d)
             assert d <= 1e-5, (name, what, d)
 
 
@@ -215,9 +203,9 @@ def test_parity_quantized(artifacts, ref, vocab_hi, outtype):
     finally:
         m.close()
     rows_a = np.array(rows)
-    _record(f"{outtype} max row", rows_a.max())
-    _record(f"{outtype} median row", float(np.median(rows_a)))
-    ROUTING_FLIPS.extend(f"{outtype} {r}" for r in rerouted)
+    REPORT.record(f"{outtype} max row", rows_a.max())
+    REPORT.record(f"{outtype} median row", float(np.median(rows_a)))
+    REPORT.notes.extend(f"{outtype} {r}" for r in rerouted)
     assert rows_a.max() <= Q8_ROW_SANITY, rows_a.max()
     if outtype == "f16":
         assert len(rerouted) <= len(rows) // 50, rerouted
