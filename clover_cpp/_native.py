@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 7
+CLOVER_API_VERSION = 8
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -175,6 +175,7 @@ class clover_stats(Structure):
         ("n_blocks_diffusion", c_int32),
         ("n_blocks_draft_self", c_int32),
         ("tokens_per_verification", c_double),
+        ("n_graphs_reused", c_int32),
     ]
 
 

@@ -67,6 +67,7 @@ class GenerationStats:
     n_blocks_diffusion: int = 0
     n_blocks_draft_self: int = 0
     tokens_per_verification: float = 0.0  # draft-self: tokens each verification kept (libclover's figure)
+    n_graphs_reused: int = 0    # decode forwards that ran llama.cpp's previous graph again (same shape; GPU: replayed)
     coreset: int = 0            # the block expert coreset C of the block passes (0 = off): the context's
     #                             setting during the call (clover_coreset; libclover's clover_stats has no field)
 
@@ -83,7 +84,8 @@ class GenerationStats:
                    n_decode_forwards=s.n_decode_forwards, mode=N.DECODE_MODES.get(s.mode, ""),
                    grammar_mode={1: "ar", 2: "draft-self"}.get(int(s.grammar_mode), ""),
                    n_blocks_ar=s.n_blocks_ar, n_blocks_diffusion=s.n_blocks_diffusion,
-                   n_blocks_draft_self=s.n_blocks_draft_self, tokens_per_verification=s.tokens_per_verification)
+                   n_blocks_draft_self=s.n_blocks_draft_self, tokens_per_verification=s.tokens_per_verification,
+                   n_graphs_reused=s.n_graphs_reused)
 
     def format(self) -> str:
         """One line for humans (what `clover run` prints after the text)."""

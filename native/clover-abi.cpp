@@ -116,6 +116,7 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_FIELD(clover_stats, n_blocks_diffusion),
     CLOVER_ABI_FIELD(clover_stats, n_blocks_draft_self),
     CLOVER_ABI_FIELD(clover_stats, tokens_per_verification),
+    CLOVER_ABI_FIELD(clover_stats, n_graphs_reused),
 
     CLOVER_ABI_VALUE(CLOVER_API_VERSION),
     CLOVER_ABI_VALUE(CLOVER_OK),

@@ -183,7 +183,9 @@ int rpc_lost(const clover_context * c, const char * what, std::string & msg) {
 
 int run_decode(clover_context * c, const char * what, std::string & msg) {
     g_last_log_error.clear();
+    const int32_t reused_before = llama_perf_context(c->lctx).n_reused;
     const int rc = llama_decode(c->lctx, c->batch);
+    c->n_graphs_reused += llama_perf_context(c->lctx).n_reused - reused_before;
     const int lost = rpc_lost(c, what, msg);
     if (lost != CLOVER_OK) {
         return lost;

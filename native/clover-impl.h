@@ -69,6 +69,7 @@ struct clover_context {
     int32_t         kv_f32      = 0;
     int32_t         coreset     = 0; // the block expert coreset of canvases (0 = off; clover_set_coreset)
     int32_t         n_committed = 0;
+    int64_t         n_graphs_reused = 0; // llama_decode calls that ran the previous graph again (stats)
     std::vector<int32_t> mem_tokens;  // the committed tokens (n_committed of them): prefix reuse
     std::vector<float>   last_logits; // L_last: the logits of the last committed token (empty: none)
     llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)

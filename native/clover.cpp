@@ -41,7 +41,7 @@ struct decode_run {
     std::chrono::steady_clock::time_point t_start = std::chrono::steady_clock::now();
 
     std::vector<int32_t>       canvas, pending; // pending: the finished block whose commit rides on the next pass
-    std::vector<char>          want;            // logits only for the rows that predict a masked position
+    std::vector<char>          want;            // logits only for the rows that predict a position of the block (set at its start)
     std::vector<const float *> rows;
     std::vector<int32_t>       masked, cand_tok, order;
     std::vector<double>        cand_conf;
@@ -149,14 +149,9 @@ struct decode_run {
     // masked i > 0 needs one; the unmasked ones are written into the canvas
     CLOVER_NOINLINE int step(int32_t s, int32_t cap) {
         ds_rows = false;
-        std::fill(want.begin(), want.end(), 0);
-        bool need_pass = false;
-        for (int32_t p : masked) {
-            if (p > 0) {
-                want[p - 1] = 1;
-                need_pass   = true;
-            }
-        }
+        // (the rows asked for stay the block's first step's, `want`: every pass of a block then has
+        // the same shape, so that llama.cpp and the GPU backends replay its graph)
+        const bool need_pass = std::any_of(masked.begin(), masked.end(), [](int32_t p) { return p > 0; });
         int rc = CLOVER_OK;
         if (need_pass && !pending.empty() && (int32_t) pending.size() + Bc > ctx->U) {
             rc = commit_pending(); // the two do not fit one ubatch (a context of fewer than 2B positions)
@@ -261,6 +256,7 @@ struct decode_run {
             masked.clear();
             for (int32_t i = 0; i < n_cand; ++i) {
                 masked.push_back(i);
+                want[i] = i + 1 < n_cand; // row i predicts position i + 1
             }
             ++n_blocks;
             const auto t_block = std::chrono::steady_clock::now();
@@ -551,8 +547,12 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         run.modes = modes;
         run.ds    = plan.ds && B > 1;
         rc = run.prefill(reuse);
+        const int64_t graphs_reused_before = ctx->n_graphs_reused;
         if (rc == CLOVER_OK) {
             rc = run.run();
+        }
+        if (stats) {
+            stats->n_graphs_reused = (int32_t) (ctx->n_graphs_reused - graphs_reused_before);
         }
         if (rc != CLOVER_OK && rc != CLOVER_ERR_CANCELLED) { // the one error exit
             run.finish = CLOVER_FINISH_NONE;

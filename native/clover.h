@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 7
+#define CLOVER_API_VERSION 8
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -474,6 +474,10 @@ typedef struct clover_stats {
     double  tokens_per_verification; /* draft-self: (n_accepted + n_verifications) / n_verifications, the
                                         tokens each verification kept (its accepted drafts and one of its
                                         own); 0 without verifications */
+    int32_t n_graphs_reused;    /* forwards after the prompt's that ran llama.cpp's previous graph again (the
+                                   same shape: no rebuild; a GPU backend replays its captured graph). Every
+                                   pass of a block has one shape; a block's first pass, which carries the
+                                   previous block's commit, has another */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).

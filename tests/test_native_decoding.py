@@ -348,3 +348,25 @@ def test_budget_costs_no_passes_past_it(model, ref, vocab_hi, B, max_tokens, n_p
         assert st.tokens_per_forward == pytest.approx(r.tokens_per_forward)
     else:
         assert _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, 1.0, 0, max_tokens) is not None
+
+
+@pytest.mark.parametrize("B", [1, 4, 8])
+def test_every_pass_of_a_block_has_one_shape(model, vocab_hi, B):
+    """Every pass of a block asks for the same rows (those of the block's first step), so the
+    passes after the second of a block run llama.cpp's previous graph again (stats.n_graphs_reused;
+    what lets a GPU backend replay a captured graph): at threshold 1.0 with no step cap a block of
+    B takes B steps, up to B of them with a pass, and all passes but the first two of a block
+    reuse; B = 1 reuses the commit's graph at every token. Asking only for the rows of the positions still masked (the
+    old way) changed the graph at every step and reused none."""
+    max_tokens = 4 * B if B > 1 else 24
+    with Ctx(model, B) as ctx:
+        rc, toks, st, msg = ctx.generate(random_prompt(5, 9, vocab_hi), max_tokens=max_tokens, block_size=B,
+                                         threshold=1.0, max_steps=0, stop_at_eos=False)
+    assert rc == N.CLOVER_OK, msg
+    assert len(toks) == max_tokens
+    if B == 1:
+        assert st.n_graphs_reused >= st.n_decode_forwards - 2
+    else:
+        assert st.n_blocks == 4 and st.n_decode_passes >= 4 * (B - 1)
+        assert st.n_graphs_reused >= st.n_decode_passes - 2 * 4
+    assert st.n_graphs_reused <= st.n_decode_forwards
