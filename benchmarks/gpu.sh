@@ -15,12 +15,14 @@
 #
 # Measured, all on the default model's f16 GGUF with every layer on the device (-ngl -1):
 #   1. B = 1 (clover's autoregressive mode) vs upstream llama.cpp's autoregressive decode of the
-#      same file (examples/simple, llama-simple: llama_decode one token at a time, greedy)
+#      same file: llama-bench -p 0 -n 128 (tg128, the figure llama.cpp publishes) and llama-simple
+#      (examples/simple: llama_decode one token at a time, greedy, its own clock)
 #   2. the cost of a block pass of n = 1..64 tokens and of a causal commit of n tokens
 #   3. the k-tokens-per-step table: threshold 1.0 with a step cap B/k unmasks exactly k tokens
 #      per step whatever the weights: tok/s and tokens per forward for B x k
 #   4. block diffusion (threshold 0.9; B = 4, 8, 16, auto) and draft-self (B = 4, 8, 16): tok/s,
-#      tokens per forward, tokens per verification
+#      tokens per forward, tokens per verification, forwards that ran llama.cpp's previous graph
+#      again (stats.n_graphs_reused: what CUDA replays without a capture)
 # CLOVER_GPU_CMAKE_ARGS: extra CMake arguments. Results: benchmarks/results-gpu.txt (--cpu: /tmp/results-gpu-cpu-check.txt; CLOVER_GPU_RESULTS
 # overrides). Budget: <= 8 minutes wall on 16 cores including the build (the CUDA build leaves
 # out the flash-attention kernels, -DGGML_CUDA_FA=OFF, unless CLOVER_GPU_FA=1: they are most of
@@ -82,8 +84,8 @@ run() {
     if [ -n "$prebuilt" ]; then
         # measure an existing build (its bin/ has libclover and llama-simple): no unpacking, no build
         build=$(cd "$prebuilt" && pwd)
-        [ -f "$build/bin/libclover.so" ] && [ -x "$build/bin/llama-simple" ] \
-            || die "$build/bin lacks libclover.so or llama-simple (cmake --build $build --target clover llama-simple)"
+        [ -f "$build/bin/libclover.so" ] && [ -x "$build/bin/llama-simple" ] && [ -x "$build/bin/llama-bench" ] \
+            || die "$build/bin lacks libclover.so, llama-simple or llama-bench (cmake --build $build --target clover llama-simple llama-bench)"
     else
     # the tree: unpacked once per pack (the same layout as the checkout: WORK/third_party/llama.cpp,
     # WORK/build-*, so that ccache, where present, reuses the checkout's objects)
@@ -112,7 +114,7 @@ run() {
     rm -f "$build/CMakeCache.txt"
     cmake -S "$ROOT" -B "$build" "${args[@]}" > "$WORK/configure-$mode.log" 2>&1 \
         || { tail -30 "$WORK/configure-$mode.log" >&2; die "configure failed ($WORK/configure-$mode.log)"; }
-    local targets=(llama clover clover-cli llama-simple)
+    local targets=(llama clover clover-cli llama-simple llama-bench)
     if [ "$dry" = 1 ]; then
         local n_all n_cu
         n_all=$(cmake --build "$build" --target "${targets[@]}" -- -n 2>/dev/null | grep -c '^\[' || true)
@@ -139,7 +141,7 @@ run() {
     CLOVER_LIB_PATH=$build/bin/libclover.so PYTHONPATH=$ROOT CLOVER_CACHE_DIR=$WORK/cache \
         "$py" - "$PACK/clover-default-f16.gguf" "$build/bin/llama-simple" "$ngl" "$out.tmp" \
         "$mode" "$device" "$build_s" "$JOBS" <<'EOF'
-import ctypes, os, re, subprocess, sys, time
+import ctypes, json, os, re, subprocess, sys, time
 # libclover (and its llama-common) loaded before numpy: on the lent H200's Python, numpy 2.5's
 # bundled OpenBLAS loaded first made llama-common's initialisers crash (SIGSEGV in dlopen)
 ctypes.CDLL(os.environ["CLOVER_LIB_PATH"])
@@ -166,6 +168,13 @@ with Clover(model, n_ctx=2048, n_threads=threads, n_gpu_layers=ngl) as m:
     m.generate(PROMPT, max_tokens=16, block_size=1, stop_at_eos=False)
     ar = max((m.generate(PROMPT, max_tokens=NEW, block_size=1, stop_at_eos=False) for _ in range(3)),
              key=lambda r: r.stats.tokens_per_second)
+    bench = subprocess.run([os.path.join(os.path.dirname(simple), "llama-bench"), "-m", model, "-p", "0", "-n", str(NEW),
+                            "-ngl", str(99 if ngl else 0), "-t", str(threads), "-r", "3", "-o", "json"],
+                           capture_output=True, text=True, timeout=300)
+    try:
+        tg = json.loads(bench.stdout)[0]["avg_ts"]
+    except (ValueError, IndexError, KeyError):
+        raise SystemExit(f"error: llama-bench printed no result: {(bench.stderr + bench.stdout)[-800:]}")
     ups = []
     for _ in range(3):
         res = subprocess.run([simple, "-m", model, "-n", str(NEW), "-ngl", str(99 if ngl else 0), PROMPT],
@@ -175,8 +184,10 @@ with Clover(model, n_ctx=2048, n_threads=threads, n_gpu_layers=ngl) as m:
             raise SystemExit(f"error: llama-simple printed no speed line: {(res.stderr + res.stdout)[-800:]}")
         ups.append(float(mt.group(3)))
     lines += ["1. autoregressive decode, 128 new tokens (best of 3)",
-              f"   clover B = 1:                 {ar.stats.tokens_per_second:9.1f} tok/s",
-              f"   upstream llama-simple, same file: {max(ups):9.1f} tok/s   (ratio {ar.stats.tokens_per_second / max(ups):.2f})", ""]
+              f"   clover B = 1:                       {ar.stats.tokens_per_second:9.1f} tok/s",
+              f"   upstream llama-bench tg{NEW}, same file: {tg:9.1f} tok/s   (ratio {ar.stats.tokens_per_second / tg:.2f})",
+              f"   upstream llama-simple, same file:   {max(ups):9.1f} tok/s   (ratio {ar.stats.tokens_per_second / max(ups):.2f}; "
+              "its clock includes the prompt's decode and printing each token)", ""]
 
     # 2. cost of a block pass / a causal commit of n tokens
     lines += ["2. cost of one forward of n tokens (ms, best of 10; empty memory for the pass, after 64 committed)",
@@ -216,7 +227,7 @@ with Clover(model, n_ctx=2048, n_threads=threads, n_gpu_layers=ngl) as m:
 
     # 4. the default model's own confidences: block diffusion and draft-self
     lines += ["4. the default model, greedy, 128 new tokens: block diffusion (threshold 0.9) and draft-self",
-              f"   {'mode':<22} {'tok/s':>9} {'tok/fwd':>8} {'tok/verif':>9}  text = B=1's"]
+              f"   {'mode':<22} {'tok/s':>9} {'tok/fwd':>8} {'tok/verif':>9} {'graphs reused':>14}  text = B=1's"]
     cases = [("B=1", dict(block_size=1))] + [(f"diffusion B={B}", dict(block_size=B)) for B in (4, 8, 16)] + \
             [("diffusion auto", dict(block_size="auto"))] + \
             [(f"draft-self B={B}", dict(block_size=B, draft_self=True)) for B in (4, 8, 16)]
@@ -225,7 +236,8 @@ with Clover(model, n_ctx=2048, n_threads=threads, n_gpu_layers=ngl) as m:
         r = max((m.generate(PROMPT, max_tokens=NEW, stop_at_eos=False, **kw) for _ in range(3)),
                 key=lambda x: x.stats.tokens_per_second)
         tv = f"{r.stats.tokens_per_verification:9.2f}" if r.stats.n_verifications else f"{'-':>9}"
-        lines.append(f"   {name:<22} {r.stats.tokens_per_second:>9.1f} {r.stats.tokens_per_forward:>8.2f} {tv}  "
+        reused = f"{r.stats.n_graphs_reused}/{r.stats.n_decode_forwards}"
+        lines.append(f"   {name:<22} {r.stats.tokens_per_second:>9.1f} {r.stats.tokens_per_forward:>8.2f} {tv} {reused:>14}  "
                      f"{'yes' if r.tokens == ar.tokens else 'no'}")
 open(out, "w").write("\n".join(lines) + "\n")
 EOF
@@ -235,8 +247,35 @@ EOF
     cat "$out"
 }
 
+# The release's real widths (after `run`, on its build): the 35b-a3b-slice checkpoint (4 of the 40
+# layers, random weights, ~8.8 GB bf16) written and converted to f16 on the machine, then
+# benchmarks/gpu_slice.py. Needs Python with numpy, tokenizers, click, ml_dtypes and gguf (gguf
+# travels as a wheel where the machine lacks it). Results: benchmarks/results-gpu-slice.txt.
+slice() {
+    local mode=cuda build
+    [ "${1:-}" = --cpu ] && mode=cpu
+    build=${CLOVER_GPU_BUILD:-$WORK/build-gpu-$mode}
+    [ -f "$build/bin/libclover.so" ] && [ -x "$build/bin/llama-bench" ] || die "no build at $build: run 'gpu.sh run' first"
+    local py
+    py=${PY:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || command -v python3)}
+    local ckpt=$WORK/slice-bf16 gguf=$WORK/slice-f16.gguf
+    if [ ! -f "$gguf" ]; then
+        log "writing the 35b-a3b-slice checkpoint (bf16, random weights)"
+        rm -rf "$ckpt"
+        (cd "$ROOT" && "$py" -m clover_testkit.checkpoints 35b-a3b-slice "$ckpt" --dtype bf16) >&2
+        log "converting it to f16"
+        (cd "$ROOT" && "$py" -m clover_convert "$ckpt" "$gguf" --outtype f16 --no-progress) >&2
+        rm -rf "$ckpt"
+    fi
+    log "measuring"
+    CLOVER_LIB_PATH=$build/bin/libclover.so CLOVER_CACHE_DIR=$WORK/cache "$py" "$ROOT/benchmarks/gpu_slice.py" \
+        "$gguf" "$build/bin" "$([ "$mode" = cuda ] && echo -1 || echo 0)" \
+        "${CLOVER_GPU_SLICE_RESULTS:-$([ "$mode" = cuda ] && echo "$ROOT/benchmarks/results-gpu-slice.txt" || echo /tmp/results-gpu-slice-cpu.txt)}"
+}
+
 case "${1:-}" in
     pack) shift; pack "$@" ;;
     run) shift; run "$@" ;;
+    slice) shift; slice "$@" ;;
     *) sed -n '2,27p' "$0"; exit 2 ;;
 esac
