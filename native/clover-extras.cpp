@@ -8,8 +8,9 @@
 #include <map>
 
 // llama.cpp's grammar parser (llama_grammar_parser, exported by libllama; not in its public headers:
-// llama.cpp's own tests include it the same way, from the tree's src/)
-#include "../third_party/llama.cpp/src/llama-grammar.h"
+// llama.cpp's own tests include it the same way, from the tree's src/, which is on our include path:
+// CLOVER_LLAMA_DIR, wherever the tree is)
+#include "llama-grammar.h"
 
 namespace clover_detail {
 

@@ -250,6 +250,9 @@ void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int
 // pick_candidate's token at temperature 0 without its confidence (the softmax over the vocabulary):
 // for the rows whose confidence nothing reads (a verification, a step that unmasks every position)
 int32_t greedy_candidate(const float * logits, int32_t V, int32_t mask);
+// the softmax denominator of pick_candidate's greedy confidence (1 / this): e^(logit - bl) summed
+// over the candidates, bl = the highest candidate logit (vectorized; about 2 ulp a term)
+double greedy_exp_sum(const float * logits, int32_t V, int32_t mask, double bl);
 // draft-self at temperature > 0: keep drafted token x (true) or draw `other` from the residual
 bool accept_draft(const double * p, const float * q, int32_t V, int32_t x, std::mt19937_64 & rng, int32_t & other);
 // which of n masked positions a denoising step unmasks (most confident first); returns the count

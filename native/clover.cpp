@@ -187,8 +187,9 @@ struct decode_run {
         if (keep_q) {
             draft_q.resize((size_t) B * m->n_vocab);
         }
-        // the step cap unmasks every position now (select_unmask): no confidence is read
-        const bool all_now = greedy_plain && cap > 0 && cap - s <= 1;
+        // the step cap unmasks every position now, or one is left (select_unmask unmasks at least
+        // one): no confidence is read
+        const bool all_now = greedy_plain && ((cap > 0 && cap - s <= 1) || nm == 1);
         for (int32_t j = 0; j < nm; ++j) {
             const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
             if (all_now) {

@@ -49,7 +49,8 @@ def test_pick_candidate_greedy_matches_reference(ref):
         row = np.ascontiguousarray(logits[i])
         assert L.clover_pick_candidate(float_ptr(row), V, mask, 0.0, 0, 1.0, 0, ctypes.byref(tok), ctypes.byref(conf)) == 0
         assert tok.value == want_tok[i]
-        assert conf.value == pytest.approx(want_conf[i], rel=1e-12)
+        # (the exp is in float, vectorized: each term off by at most ~ulp(logit gap), ~3e-7 relative)
+        assert conf.value == pytest.approx(want_conf[i], rel=1e-6)
     assert want_tok[6] == 3
 
 
