@@ -48,7 +48,17 @@ def main() -> None:
             return max((m.generate(prompt, max_tokens=new, stop_at_eos=False, **kw) for _ in range(3)),
                        key=lambda r: r.stats.tokens_per_second)
 
-        ar = run(block_size=1).stats
+        ar_run = run(block_size=1)
+        ar = ar_run.stats
+        # the masked rows' greedy candidates are spread over the context's threads at this vocabulary:
+        # one thread must give the same tokens
+        kw = dict(max_tokens=32, block_size=16, threshold=0.9, max_steps=4, stop_at_eos=False)
+        many = m.generate(prompt, **kw).tokens
+        m.set_n_threads(1)
+        one = m.generate(prompt, **kw).tokens
+        m.set_n_threads(os.cpu_count() or 1)
+        lines.append(f"block diffusion B = 16, the rows' candidates on {os.cpu_count()} threads vs 1: "
+                     f"{'same tokens' if many == one else 'DIFFERENT tokens'}")
         lines += [f"B = 1: {ar.tokens_per_second:.1f} tok/s ({1e3 / ar.tokens_per_second:.2f} ms a token); "
                   f"upstream llama-bench tg{new}, same file: {tg:.1f} tok/s (ratio {ar.tokens_per_second / tg:.2f})", "",
                   "tok/s, speed-up over B = 1, ms per step, graphs reused / forwards: every step unmasks exactly k tokens",

@@ -250,6 +250,8 @@ void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int
 // pick_candidate's token at temperature 0 without its confidence (the softmax over the vocabulary):
 // for the rows whose confidence nothing reads (a verification, a step that unmasks every position)
 int32_t greedy_candidate(const float * logits, int32_t V, int32_t mask);
+// pick_candidate at temperature 0: the argmax and its softmax probability (a pure function of the row)
+void greedy_pick(const float * logits, int32_t V, int32_t mask, int32_t & tok, double & conf);
 // the softmax denominator of pick_candidate's greedy confidence (1 / this): e^(logit - bl) summed
 // over the candidates, bl = the highest candidate logit (vectorized; about 2 ulp a term)
 double greedy_exp_sum(const float * logits, int32_t V, int32_t mask, double bl);

@@ -26,22 +26,41 @@ void normalise_sampling(double & T, int32_t & top_k, double & top_p, int32_t n_v
     }
 }
 
-// the greedy candidate: the highest logit but the mask's (strict: the lowest id wins ties; NaN
-// never wins); -1 when every candidate is -inf/NaN. bl: its logit.
-static int32_t greedy_best(const float * logits, int32_t V, int32_t mask, double & bl) {
-    int32_t best = -1;
-    bl           = -std::numeric_limits<double>::infinity();
-    for (int32_t i = 0; i < V; ++i) {
-        if (i == mask) {
-            continue;
-        }
-        const double l = logits[i];
-        if (l > bl) {
-            bl   = l;
-            best = i;
+// the highest of n logits (-inf when there is none but -inf/NaN): in lanes the compiler vectorizes
+static float max_logit(const float * l, int32_t n) {
+    constexpr int32_t W = 16;
+    float             acc[W];
+    std::fill(acc, acc + W, -std::numeric_limits<float>::infinity());
+    int32_t i = 0;
+    for (; i + W <= n; i += W) {
+        for (int32_t j = 0; j < W; ++j) {
+            acc[j] = l[i + j] > acc[j] ? l[i + j] : acc[j]; // (NaN never wins)
         }
     }
-    return best;
+    for (; i < n; ++i) {
+        acc[0] = l[i] > acc[0] ? l[i] : acc[0];
+    }
+    return *std::max_element(acc, acc + W);
+}
+
+// the greedy candidate: the highest logit but the mask's (strict: the lowest id wins ties; NaN
+// never wins); -1 when every candidate is -inf/NaN. bl: its logit. (The maximum first, vectorized,
+// then the first id that holds it.)
+static int32_t greedy_best(const float * logits, int32_t V, int32_t mask, double & bl) {
+    const int32_t m  = mask >= 0 && mask < V ? mask : V;
+    const float   hi = std::max(max_logit(logits, m), m + 1 < V ? max_logit(logits + m + 1, V - m - 1)
+                                                                : -std::numeric_limits<float>::infinity());
+    bl = -std::numeric_limits<double>::infinity();
+    if (hi == -std::numeric_limits<float>::infinity()) {
+        return -1;
+    }
+    for (int32_t i = 0; i < V; ++i) {
+        if (i != mask && logits[i] == hi) {
+            bl = hi;
+            return i;
+        }
+    }
+    return -1;
 }
 
 // (degenerate rows: the lowest non-mask id)
@@ -114,19 +133,23 @@ int32_t greedy_candidate(const float * logits, int32_t V, int32_t mask) {
     return best < 0 ? degenerate_pick(V, mask) : best;
 }
 
+void greedy_pick(const float * logits, int32_t V, int32_t mask, int32_t & tok, double & conf) {
+    double        bl   = 0.0;
+    const int32_t best = greedy_best(logits, V, mask, bl);
+    if (best < 0) { // every candidate is -inf/NaN: degenerate, pick the lowest non-mask id
+        tok  = degenerate_pick(V, mask);
+        conf = 0.0;
+        return;
+    }
+    tok  = best;
+    conf = 1.0 / greedy_exp_sum(logits, V, mask, bl);
+}
+
 void pick_candidate(const float * logits, int32_t V, int32_t mask, double T, int32_t top_k, double top_p,
                            std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
     const double NEG_INF = -std::numeric_limits<double>::infinity();
     if (T == 0.0) {
-        double        bl   = NEG_INF;
-        const int32_t best = greedy_best(logits, V, mask, bl);
-        if (best < 0) { // every candidate is -inf/NaN: degenerate, pick the lowest non-mask id
-            tok  = degenerate_pick(V, mask);
-            conf = 0.0;
-            return;
-        }
-        tok  = best;
-        conf = 1.0 / greedy_exp_sum(logits, V, mask, bl);
+        greedy_pick(logits, V, mask, tok, conf);
         return;
     }
 

@@ -190,7 +190,7 @@ struct decode_run {
         // the step cap unmasks every position now, or one is left (select_unmask unmasks at least
         // one): no confidence is read
         const bool all_now = greedy_plain && ((cap > 0 && cap - s <= 1) || nm == 1);
-        for (int32_t j = 0; j < nm; ++j) {
+        for (int32_t j = 0; j < nm && (all_now || !greedy_plain); ++j) {
             const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
             if (all_now) {
                 cand_tok[j]  = clover_detail::greedy_candidate(row, m->n_vocab, m->mask);
@@ -202,6 +202,9 @@ struct decode_run {
                 std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
             }
         }
+        if (greedy_plain && !all_now) {
+            greedy_rows(nm); // (what ex.pick_at would give: a row's greedy candidate and confidence)
+        }
         const int32_t k =
             clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, cap, s, order.data());
         for (int32_t j = 0; j < k; ++j) {
@@ -211,6 +214,29 @@ struct decode_run {
         }
         masked.erase(std::remove_if(masked.begin(), masked.end(), [&](int32_t p) { return canvas[p] != m->mask; }),
                      masked.end());
+    }
+
+    // greedy_pick of the masked positions' rows (greedy without a grammar or sampler chain: a pure
+    // function of each row), over the context's threads when the rows are long: at the release's
+    // vocabulary a row's softmax is ~0.5 ms, B of them at every step
+    void greedy_rows(int32_t nm) {
+        const clover_model * m    = ctx->model;
+        auto                 rows_from = [&](int32_t first, int32_t stride) {
+            for (int32_t j = first; j < nm; j += stride) {
+                const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
+                clover_detail::greedy_pick(row, m->n_vocab, m->mask, cand_tok[j], cand_conf[j]);
+            }
+        };
+        const int64_t work = (int64_t) nm * m->n_vocab;
+        const int32_t nt   = work < (1 << 21) ? 1 : std::min(std::max(1, ctx->n_threads), nm);
+        std::vector<std::thread> pool;
+        for (int32_t t = 1; t < nt; ++t) {
+            pool.emplace_back(rows_from, t, nt);
+        }
+        rows_from(0, nt);
+        for (auto & th : pool) {
+            th.join();
+        }
     }
 
     // the finished block's tokens join the output (cut at the first EOS or stop token and at
