@@ -231,8 +231,14 @@ def test_calibration_keyed_by_the_device(gguf, tmp_path, monkeypatch, vulkan_dev
     assert calibration() == "cached"
 
 
-@pytest.mark.xfail(reason="2026-12-04: clover serve -ngl -1 on llvmpipe closed the connection without an answer "
-                          "in this test (found at the end of the session): under investigation", strict=False)
+# Reproduced alone (no server): with every layer on llvmpipe, the decode after committing this 9-token
+# prompt segfaults in a worker thread of Mesa 22.3's libvulkan_lvp.so (8 tokens do not), so the server
+# dies and the client sees a closed connection. Not with GGML_VK_DISABLE_FUSION=1, nor when an eval
+# callback has ggml-vulkan run the nodes one at a time; turning off any single fusion kind (or the
+# add + rms_norm partials alone) does not avoid it. Whether it is ggml-vulkan, llvmpipe or an access of
+# our graph past a tensor that only llvmpipe faults on is not established (docs/install.md).
+@pytest.mark.xfail(reason="2026-12-04: llvmpipe segfaults in the decode after this 9-token prompt's commit "
+                          "(not with GGML_VK_DISABLE_FUSION=1); cause not established", strict=False)
 def test_serve_prefix_reuse_with_offload(gguf, tiny_artifacts) -> None:
     """`clover serve -ngl -1`: a second turn that continues the first reuses its committed
     prefix (cached_tokens = the local run's stats.n_reused) and answers what the local
