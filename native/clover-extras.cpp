@@ -493,11 +493,21 @@ void gen_extras::choose(const float * row, const clover_generate_params & gp, st
     chain.choose(row, !verifying, gp, rng, w, tok, conf);
 }
 
+// a token into a grammar sampler; llama.cpp's refusal of it (its parse grew past its bound of
+// alternative stacks: an ambiguous grammar whose readings multiply) ends the generation, one line
+static void grammar_accept(llama_sampler * g, int32_t tok) {
+    try {
+        llama_sampler_accept(g, tok);
+    } catch (const std::runtime_error & e) {
+        throw clover_impl::input_error(std::string("grammar: ") + e.what());
+    }
+}
+
 void gen_extras::accept(int32_t tok) {
     chain.accept(tok);
     step_stale = true;
     if (smpl && allows(smpl, tok)) { // (a token the grammar refuses is only ever the stuck case's EOS)
-        llama_sampler_accept(smpl, tok);
+        grammar_accept(smpl, tok);
     }
 }
 
@@ -538,7 +548,7 @@ void gen_extras::pick_at(const float * row, int32_t p, const clover_generate_par
             draft_dead = true; // the draft already left the grammar: the rest of this step is free
             break;
         }
-        llama_sampler_accept(draft, t);
+        grammar_accept(draft, t);
     }
     if (draft_dead) {
         pick(row, false, gp, rng, w, tok, conf);

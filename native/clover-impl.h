@@ -109,11 +109,19 @@ int clear_err(char * err, size_t err_len);
 ggml_backend_reg_t rpc_backend();
 uint64_t rpc_failures();
 
+// An input a generation cannot go on with, found while it runs (a grammar whose parse ran away):
+// CLOVER_ERR_INVALID_ARG with this message.
+struct input_error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 // Runs f() and turns C++ exceptions into status codes (never lets them cross the C ABI).
 template <typename F>
 int guarded(char * err, size_t err_len, F && f) {
     try {
         return f();
+    } catch (const input_error & e) {
+        return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, e.what());
     } catch (const std::bad_alloc &) {
         return set_err(err, err_len, CLOVER_ERR_INTERNAL, "out of memory");
     } catch (const std::exception & e) {

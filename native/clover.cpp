@@ -576,7 +576,12 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         rc = run.prefill(reuse);
         const int64_t graphs_reused_before = ctx->n_graphs_reused;
         if (rc == CLOVER_OK) {
-            rc = run.run();
+            try {
+                rc = run.run();
+            } catch (const input_error & e) { // (through the one error exit below: the memory is cleared)
+                run.msg = e.what();
+                rc      = CLOVER_ERR_INVALID_ARG;
+            }
         }
         if (stats) {
             stats->n_graphs_reused = (int32_t) (ctx->n_graphs_reused - graphs_reused_before);

@@ -17,6 +17,10 @@ engine gets it (clover-extras.cpp, grammar_check) and refuses with one line nami
 * schema patterns: ``(`` (not a regex), ``^a{3,1}$``, ``^a**$``, the exponential one and the
   alternatives above.
 
+And at run time (patch 0013): ``root ::= "a" root "b" | "a" root "c" | ""`` passes those checks, but
+its parse stacks double with every "a": llama.cpp's engine stops at 4,096 and the generation ends
+with one line (a 400 from the server).
+
 Each case runs in a child under a time and an address-space limit, through the Python API, clover-cli,
 `clover run` and `clover serve` (a 400 naming the field); temporary folders only."""
 
@@ -32,6 +36,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from clover_testkit.llama_tools import default_gguf  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.needs_libclover
 
@@ -212,3 +218,56 @@ def test_server_answers_400_and_serves_on(gguf, tmp_path) -> None:
             proc.kill()
             out = proc.communicate()[0]
     assert "Traceback" not in out, out[-2000:]
+
+
+PY_MULTIPLYING = """
+import sys, time
+from clover_cpp import Clover, CloverValueError
+grammar = 'root ::= "a" root "b" | "a" root "c" | ""'
+with Clover(sys.argv[1], n_ctx=512, n_threads=1) as m:
+    for kw in ({}, {"block_size": 8, "draft_self": True}):
+        t = time.time()
+        try:
+            m.generate("x", max_tokens=64, grammar=grammar, stop_at_eos=False, **kw)
+            print("no error")
+        except CloverValueError as e:
+            print(f"{time.time() - t:.2f}", e)
+    print(m.generate("def f():", max_tokens=4, stop_at_eos=False).stats.n_generated)
+"""
+
+
+def test_a_parse_that_multiplies_is_stopped(default_gguf, tmp_path) -> None:  # noqa: F811
+    """``root ::= "a" root "b" | "a" root "c" | ""`` passes every static check (each rule is entered
+    one way), but after n "a"s llama.cpp's engine holds 2^n stacks and compares each new one with
+    the others: the default model, greedy after "x", writes "a"s, and one token took minutes and GBs.
+    Patch 0013 bounds the stacks (4,096): the generation ends with one line, at B = 1 and under
+    draft-self (whose drafts clone the grammar), and the model generates on."""
+    p = _run([sys.executable, "-c", PY_MULTIPLYING, default_gguf], cwd=tmp_path)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and len(lines) == 3, (p.stdout, p.stderr[-800:])
+    for line in lines[:2]:
+        secs, msg = line.split(" ", 1)
+        assert msg.startswith("grammar: the grammar's parse grew past 4096 alternative stacks"), line
+        assert float(secs) < 5, line
+    assert lines[2] == "4"
+
+
+def test_the_server_answers_a_multiplying_parse_with_400(default_gguf) -> None:  # noqa: F811
+    import httpx
+
+    from clover_testkit.server_harness import Server
+
+    s = Server(default_gguf, "-t", "1")
+    try:
+        grammar = 'root ::= "a" root "b" | "a" root "c" | ""'
+        for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 64}),
+                           ("/completion", {"prompt": "x", "n_predict": 64})):
+            t = time.time()
+            r = httpx.post(s.url + path, json={**body, "grammar": grammar, "temperature": 0}, timeout=BOUND)
+            assert r.status_code == 400 and time.time() - t < 10, (path, r.status_code, r.text[:300])
+            assert "alternative stacks" in r.json()["error"]["message"], r.text[:300]
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=BOUND)
+        assert r.status_code == 200, r.text[:300]
+    finally:
+        s.stop()
