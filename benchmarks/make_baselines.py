@@ -34,12 +34,14 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from clover_testkit.qwen35moe import copy_field as _copy_field, qwen35moe_from_clover  # noqa: E402, F401
 DEFAULT_CACHE = Path(os.environ.get("CLOVER_BENCH_CACHE", Path.home() / ".cache" / "clover-cpp" / "bench"))
 PRESET = "small"
 TYPES = ("f16", "q8_0")
 
-CLOVER_ONLY_TENSORS = ("ssm_mix", "ssm_conv1d_look", "ssm_block_calib")
-CLOVER_ONLY_KEYS = ("clover.ssm.conv_lookahead", "clover.diffusion.block_size")
 IDENTITY_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
@@ -86,18 +88,6 @@ def clover_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
 
 
 # ----------------------------------------------------------------------------- GGUF helpers
-def _copy_field(writer, field, key: str) -> None:
-    """Copy one metadata field of a GGUFReader into a GGUFWriter under `key`."""
-    import gguf
-
-    vtype = field.types[0]
-    if vtype == gguf.GGUFValueType.ARRAY:
-        sub = field.types[1] if len(field.types) > 1 else gguf.GGUFValueType.INT32
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    else:
-        writer.add_key_value(key, field.contents(), vtype)
-
-
 def _tokenizer_fields(reader):
     skip = ("tokenizer.chat_template",)  # diffusion-cli would wrap the prompt in it
     return [(k, f) for k, f in reader.fields.items() if k.startswith("tokenizer.") and k not in skip]
@@ -114,46 +104,6 @@ def qwen35moe_gguf(cache: Path, outtype: str, force: bool = False) -> Path:
     n = qwen35moe_from_clover(src, out)
     _log(f"  {n} tensors kept of the clover GGUF's, {time.perf_counter() - t0:.1f} s")
     return out
-
-
-def qwen35moe_from_clover(src: Path, out: Path) -> int:
-    """Write `out`, the qwen35moe twin of the clover GGUF `src` (see the module doc); returns
-    the number of tensors kept."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    tmp = _atomic_target(out)
-    writer = gguf.GGUFWriter(tmp, "qwen35moe")
-    rope_dims = None
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in CLOVER_ONLY_KEYS:
-            continue
-        if key == "tokenizer.chat_template":
-            continue
-        new_key = "qwen35moe." + key[len("clover."):] if key.startswith("clover.") else key
-        if key == "clover.rope.dimension_count":
-            rope_dims = int(field.contents())
-        _copy_field(writer, field, new_key)
-    if rope_dims is None:
-        raise RuntimeError(f"{src} has no clover.rope.dimension_count")
-    # Qwen3.5 uses interleaved M-RoPE; text-only positions make all sections identical.
-    half = rope_dims // 2
-    sections = [half - 2 * (half // 3), half // 3, half // 3, 0]
-    writer.add_key_value("qwen35moe.rope.dimension_sections", sections, gguf.GGUFValueType.ARRAY,
-                         sub_type=gguf.GGUFValueType.INT32)
-    kept = [t for t in reader.tensors if not any(t.name.endswith(f".{c}.weight") or t.name.endswith(f".{c}")
-                                                 for c in CLOVER_ONLY_TENSORS)]
-    for t in kept:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in kept:
-        writer.write_tensor_data(t.data)
-    writer.close()
-    del reader
-    tmp.rename(out)
-    return len(kept)
 
 
 # ----------------------------------------------------------------------------- llada-moe

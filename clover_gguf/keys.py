@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "ARCH",
+    "CAUSAL_ARCHS",
     "KEY_RECURRENT_LAYERS",
     "KEY_CONV_LOOKAHEAD",
     "KEY_DIFFUSION_BLOCK_SIZE",
@@ -22,6 +23,9 @@ __all__ = [
 ]
 
 ARCH = "clover"
+# architectures the runtime also loads, for causal decoding only (llama.cpp's own graph, no canvas):
+# Qwen3.5/3.6-MoE, which the release's converter and every conversion of those models write
+CAUSAL_ARCHS = ("qwen35moe",)
 KEY_RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"  # bool per layer: GDN (linear_attention)
 KEY_CONV_LOOKAHEAD = "{arch}.ssm.conv_lookahead"            # R, the lookahead conv taps
 KEY_DIFFUSION_BLOCK_SIZE = "{arch}.diffusion.block_size"    # B0, the training block size

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import UserFacingError
 from .files import require_regular
-from .keys import ARCH, BLOCK_OPERATOR_CLOVER, BLOCK_OPERATOR_RELEASE, KEY_BLOCK_OPERATOR, KEY_SEMANTICS, SEMANTICS
+from .keys import ARCH, CAUSAL_ARCHS, BLOCK_OPERATOR_CLOVER, BLOCK_OPERATOR_RELEASE, KEY_BLOCK_OPERATOR, KEY_SEMANTICS, SEMANTICS
 
 __all__ = ["GGUFInfoError", "GGUFInfo", "TensorSummary", "read_info", "check_clover_gguf"]
 
@@ -279,9 +279,9 @@ def read_info(path: str | os.PathLike[str], require_clover: bool = True) -> GGUF
         except Exception:  # noqa: BLE001
             meta[k] = "?"
     arch = str(meta.get("general.architecture", ""))
-    if require_clover and arch != ARCH:
+    if require_clover and arch != ARCH and arch not in CAUSAL_ARCHS:
         raise GGUFInfoError(f"{p}: not a Clover model (general.architecture = {arch or 'missing'!s}, "
-                            f"expected {ARCH})")
+                            f"expected {ARCH}, or {' or '.join(CAUSAL_ARCHS)} for causal decoding)")
     tensors = [TensorSummary(t.name, tuple(int(x) for x in reversed(list(t.shape))), t.tensor_type.name,
                              int(t.n_elements), int(t.n_bytes)) for t in r.tensors]
     version = r.fields["GGUF.version"].parts[-1].tolist()[0] if "GGUF.version" in r.fields else 0

@@ -51,6 +51,7 @@ struct clover_model {
     int32_t eos         = -1;
     int32_t train_block = 0;
     bool    has_block_operator = true; // false: clover.block_operator = release-bd-softmax (no block diffusion)
+    std::string causal_arch;           // "qwen35moe": llama.cpp's Qwen3.5-MoE graph, no canvas: block size 1 only
     bool     on_rpc           = false; // some layers live on RPC servers
     uint64_t rpc_failures_now = 0;     // rpc_failures() when loaded: more = a server was lost
     std::string placement;             // where the weights live (placement_key): in the calibration key

@@ -141,6 +141,12 @@ int check_mask_token(const clover_model * m, const std::string & what, std::stri
     if (!m || m->mask >= 0) {
         return CLOVER_OK;
     }
+    if (!m->causal_arch.empty()) {
+        msg = what + " needs a 'clover' model: this is a '" + m->causal_arch + "' GGUF, which llama.cpp decodes "
+              "causally (its graph has no canvas), so it runs at block size 1; for block diffusion and draft-self "
+              "convert the checkpoint with clover convert";
+        return CLOVER_ERR_INVALID_ARG;
+    }
     msg = what + " needs a mask token and this model has none (its GGUF has no tokenizer.ggml.mask_token_id: the "
                  "release publishes none), so it runs causally only (block size 1); to enable it, add \"mask_token_id\" "
                  "to the checkpoint's config.json and convert again";
@@ -288,6 +294,7 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
                                std::string("'") + path + "' is not a GGUF file (bad magic)");
             }
         }
+        std::string causal_arch; // (a 'qwen35moe' GGUF: see below)
         {
             gguf_init_params gp;
             gp.no_alloc = true;
@@ -313,11 +320,13 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
                 return set_err(err, err_len, CLOVER_ERR_LOAD,
                                std::string("'") + path + "' has no general.architecture key");
             }
-            if (arch != "clover") {
+            if (arch != "clover" && arch != "qwen35moe") {
                 return set_err(err, err_len, CLOVER_ERR_LOAD,
                                std::string("'") + path + "' is a '" + arch +
-                                   "' model, not a 'clover' model (general.architecture)");
+                                   "' model, not a 'clover' model (general.architecture; a 'qwen35moe' one runs "
+                                   "causally)");
             }
+            causal_arch = arch == "clover" ? "" : arch;
             if (!bad.empty()) {
                 return set_err(err, err_len, CLOVER_ERR_LOAD, std::string("'") + path + "': " + bad);
             }
@@ -408,6 +417,13 @@ clover_model * clover_model_load(const char * path, const clover_model_params * 
         // (the loader refused any other value; no key: a file of ours)
         cm->has_block_operator = !(llama_model_meta_val_str(lm, "clover.block_operator", buf, sizeof(buf)) > 0 &&
                                    std::string(buf) == "release-bd-softmax");
+        // the GGUFs users already have of Qwen3.5-MoE (the release's converter writes that architecture):
+        // llama.cpp's own graph, causal only (it has no canvas), so no mask token is used
+        cm->causal_arch = causal_arch;
+        if (!causal_arch.empty()) {
+            cm->mask               = -1;
+            cm->has_block_operator = false;
+        }
         result = cm;
         return CLOVER_OK;
     });
