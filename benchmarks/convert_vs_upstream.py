@@ -23,51 +23,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-UPSTREAM = REPO / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from clover_testkit.qwen35moe import UPSTREAM, UPSTREAM_RUNNER, qwen35moe_checkpoint  # noqa: E402
+
 MB = 1e6
-CLOVER_ONLY = ("in_proj_m.weight", "conv1d_lookahead.weight", "block_calib")
-
-# upstream's converter with its pre-tokenizer check answered (the fixture tokenizer is a
-# Qwen2-style byte-level BPE whose hash upstream does not list), then run as a script
-UPSTREAM_RUNNER = r"""
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = [sys.argv[2]] + sys.argv[3:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def qwen35moe_from_clover(src: Path, dst: Path) -> None:
-    from safetensors.numpy import save_file
-
-    from clover_convert.safetensors_io import CheckpointReader
-
-    dst.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((src / "config.json").read_text())
-    for k in ("linear_conv_lookahead", "block_size", "mask_token_id"):
-        cfg.pop(k, None)
-    cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
-               rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e7),
-                                "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
-                                "mrope_section": [11, 11, 10]})
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (src / f).exists():
-            shutil.copy(src / f, dst / f)
-    import ml_dtypes  # noqa: F401  (bf16 as a numpy dtype for safetensors)
-    import numpy as np
-
-    r = CheckpointReader(src)
-    tensors = {}
-    for name in r.names():
-        if name.endswith(CLOVER_ONLY):
-            continue
-        a = r.raw(name)
-        tensors[name] = np.ascontiguousarray(a.view(ml_dtypes.bfloat16) if r.dtype(name) == "BF16" else a)
-    save_file(tensors, str(dst / "model.safetensors"))
-    r.close()
 
 
 def timed(cmd: list[str], output: Path) -> tuple[float, float, int]:
@@ -106,7 +67,7 @@ def main() -> int:
     if not (clover / "config.json").exists():
         write_checkpoint(clover, args.preset, dtype="bf16", config_overrides={"num_hidden_layers": args.layers})
     if not (qwen / "config.json").exists():
-        qwen35moe_from_clover(clover, qwen)
+        qwen35moe_checkpoint(clover, qwen)
     size = {d: sum(f.stat().st_size for f in d.glob("*.safetensors")) for d in (clover, qwen)}
     ours = [sys.executable, "-m", "clover_convert", str(clover), str(root / "ours.gguf"), "--outtype", "f16",
             "--force", "--no-progress"]

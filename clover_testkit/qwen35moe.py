@@ -1,4 +1,10 @@
-"""The qwen35moe twin of a Clover GGUF: llama.cpp's own Qwen3.5-MoE architecture with the same
+"""Qwen3.5-MoE twins of a Clover model, the GGUFs users already have of that architecture:
+
+* :func:`qwen35moe_checkpoint`: a Clover Hugging Face checkpoint as a Qwen3.5-MoE one
+  (``model_type: qwen3_5_moe_text``; the same tensors less Clover's memory gate, look-ahead taps and
+  block calibration), for upstream llama.cpp's ``convert_hf_to_gguf.py`` (:func:`upstream_convert`,
+  torch needed);
+* :func:`qwen35moe_from_clover`: the qwen35moe twin of a Clover GGUF, written with gguf-py: llama.cpp's own Qwen3.5-MoE architecture with the same
 dimensions and weights. Every tensor and key of the clover GGUF except the clover-only ones
 (``ssm_mix``, ``ssm_conv1d_look``, ``ssm_block_calib``; ``ssm.conv_lookahead``,
 ``diffusion.block_size``), keys renamed ``clover.*`` -> ``qwen35moe.*`` plus
@@ -8,7 +14,25 @@ benchmarks' same-size baseline, and the fixture of tests/test_qwen35moe.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+UPSTREAM = REPO / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
+CLOVER_ONLY_HF = ("in_proj_m.weight", "conv1d_lookahead.weight", "block_calib")
+# upstream's converter with its pre-tokenizer check answered (the fixture tokenizer is a
+# Qwen2-style byte-level BPE whose hash upstream does not list), then run as a script
+UPSTREAM_RUNNER = r"""
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = [sys.argv[2]] + sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 CLOVER_ONLY_TENSORS = ("ssm_mix", "ssm_conv1d_look", "ssm_block_calib")
 CLOVER_ONLY_KEYS = ("clover.ssm.conv_lookahead", "clover.diffusion.block_size")
@@ -64,3 +88,43 @@ def qwen35moe_from_clover(src: Path, out: Path) -> int:
     del reader
     tmp.rename(out)
     return len(kept)
+
+
+def qwen35moe_checkpoint(src: Path, dst: Path) -> None:
+    """The Clover checkpoint `src` as a Qwen3.5-MoE checkpoint in `dst` (see the module doc)."""
+    from safetensors.numpy import save_file
+
+    from clover_convert.safetensors_io import CheckpointReader
+
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    for k in ("linear_conv_lookahead", "block_size", "mask_token_id"):
+        cfg.pop(k, None)
+    cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e7),
+                                "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
+                                "mrope_section": [11, 11, 10]})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, dst / f)
+    import ml_dtypes
+    import numpy as np
+
+    r = CheckpointReader(src)
+    tensors = {}
+    for name in r.names():
+        if name.endswith(CLOVER_ONLY_HF):
+            continue
+        a = r.raw(name)
+        tensors[name] = np.ascontiguousarray(a.view(ml_dtypes.bfloat16) if r.dtype(name) == "BF16" else a)
+    save_file(tensors, str(dst / "model.safetensors"))
+    r.close()
+
+
+def upstream_convert(checkpoint: Path, out: Path, outtype: str = "f16") -> None:
+    """upstream llama.cpp's convert_hf_to_gguf.py (the pinned tree's) on `checkpoint`, in a child."""
+    p = subprocess.run([sys.executable, "-c", UPSTREAM_RUNNER, str(UPSTREAM.parent), str(UPSTREAM), str(checkpoint),
+                        "--outtype", outtype, "--no-mtp", "--outfile", str(out)], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {p.stderr[-2000:]}")

@@ -1,9 +1,10 @@
 """GGUFs of architecture ``qwen35moe`` (what Qwen3.5/3.6-MoE conversions, the release's among them,
 write) run in Clover, the command lines and the server: causal decoding on llama.cpp's own graph,
 with prefix reuse across turns; block diffusion and draft-self are refused with one line (that graph
-has no canvas). The fixture is the default model's qwen35moe twin (clover_testkit.qwen35moe: the same
-weights less Clover's own tensors, written with gguf-py; upstream's convert_hf_to_gguf.py needs
-torch, which the test environment does not install)."""
+has no canvas). The fixtures (clover_testkit.qwen35moe) are the default model's Hugging Face checkpoint as a
+Qwen3.5-MoE one converted by upstream llama.cpp's own convert_hf_to_gguf.py (torch: the test extra
+installs it), and the default model's GGUF twin written with gguf-py (the same weights less Clover's
+own tensors)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,44 @@ def twin(default_gguf, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("qwen35moe") / "default-qwen35moe-f16.gguf"
     qwen35moe_from_clover(default_gguf, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def upstream_gguf(tmp_path_factory) -> Path:
+    pytest.importorskip("torch", reason="upstream's convert_hf_to_gguf.py needs torch (the test extra)")
+    from clover_testkit.llama_tools import REPO
+    from clover_testkit.qwen35moe import qwen35moe_checkpoint, upstream_convert
+
+    d = tmp_path_factory.mktemp("qwen35moe-upstream")
+    qwen35moe_checkpoint(REPO / "models" / "clover-default", d / "ckpt")
+    upstream_convert(d / "ckpt", d / "qwen35moe-f16.gguf")
+    return d / "qwen35moe-f16.gguf"
+
+
+def test_a_gguf_of_upstreams_converter_runs(upstream_gguf) -> None:
+    """What convert_hf_to_gguf.py writes for a Qwen3.5-MoE checkpoint (its chat template included)
+    loads, decodes causally as llama-cpp-python does, and chats."""
+    import itertools
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from clover_cpp import Clover
+
+    with Clover(upstream_gguf, n_ctx=256, n_threads=1, flash_attn=False) as m:
+        toks = m.tokenize(b"def parse(self, text):\n    ", add_bos=True, special=True)
+        ours = m.commit(toks, logits=True)
+        r = m.generate(toks, max_tokens=6, stop_at_eos=False, reuse_prefix=False)
+        chat = m.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+    llm = llama_cpp.Llama(model_path=str(upstream_gguf), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    try:
+        llm.eval(toks)
+        theirs = np.array(llm.scores[:len(toks)], np.float32)
+        llm.reset()
+        greedy = list(itertools.islice(llm.generate(toks, temp=0.0), 6))
+    finally:
+        llm.close()
+    assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, float(np.abs(theirs).max()))
+    assert r.tokens == greedy
 
 
 def test_causal_decoding_equals_upstream(twin) -> None:
