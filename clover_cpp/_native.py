@@ -25,11 +25,11 @@ from typing import Any, Callable, Sequence, TypeVar
 __all__ = [
     "CloverLibraryNotFound", "CloverLibraryMismatch", "abi_mismatches", "find_library", "lib_dirs", "load_library", "lib",
     "clover_model_params", "clover_context_params", "clover_generate_params", "clover_stats",
-    "clover_step_callback", "clover_block_callback",
+    "clover_step_callback", "clover_block_callback", "clover_draft_callback",
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 8
+CLOVER_API_VERSION = 9
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -92,6 +92,7 @@ class clover_context_params(Structure):
 clover_step_callback = CFUNCTYPE(c_int, c_int32, POINTER(c_int32), c_int32, c_int32, c_void_p)
 # int (*)(int32_t block_start, const int32_t * tokens, int32_t n_tokens, void * user_data)
 clover_block_callback = CFUNCTYPE(c_int, c_int32, POINTER(c_int32), c_int32, c_void_p)
+clover_draft_callback = CFUNCTYPE(c_int, c_int32, POINTER(c_int32), c_int32, c_void_p)
 
 
 class clover_generate_params(Structure):
@@ -144,6 +145,7 @@ class clover_generate_params(Structure):
         ("dynatemp_range", c_double),
         ("dynatemp_exponent", c_double),
         ("min_keep", c_int32),
+        ("draft_callback", clover_draft_callback),
     ]
 
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 StepCallback = Callable[[list[int], int, int], Any]
 #: on_block(text_piece, tokens) -> True to cancel
 BlockCallback = Callable[[str, list[int]], Any]
+#: on_draft(draft_tokens, block_start) -> True to cancel (draft-self: each draft before its verification)
+DraftCallback = Callable[[list[int], int], Any]
 
 
 # ----------------------------------------------------------------------------- results
@@ -428,10 +430,12 @@ class Generation:
                  detokenize: Callable[[list[int]], bytes], on_step: StepCallback | None = None,
                  on_block: BlockCallback | None = None, push: Callable[[str, list[int]], bool] | None = None,
                  cancel: threading.Event | None = None,
-                 native: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+                 native: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                 on_draft: DraftCallback | None = None) -> None:
         self.ctx, self.prompt, self.p = ctx, prompt, p
         self.mask = mask
         self.on_step, self.on_block, self.push, self.cancel = on_step, on_block, push, cancel
+        self.on_draft = on_draft
         self.native = native
         self._detokenize = detokenize
         ends = set(p.stop_tokens) | ({eos} if p.stop_at_eos and eos >= 0 else set())
@@ -459,6 +463,14 @@ class Generation:
                                              self.p.max_tokens):
                 return 1
             return 0
+        except BaseException as e:  # noqa: BLE001 - re-raised after the native call returns
+            self.exc = e
+            return 1
+
+    def _draft(self, block_start: int, draft: Any, n_draft: int, _ud: Any) -> int:
+        try:
+            assert self.on_draft is not None
+            return 1 if (self.on_draft(list(draft[:n_draft]), int(block_start)) or self._cancelled()) else 0
         except BaseException as e:  # noqa: BLE001 - re-raised after the native call returns
             self.exc = e
             return 1
@@ -501,6 +513,9 @@ class Generation:
         gp = self.p.native(keep)
         keep += [N.clover_step_callback(self._step), N.clover_block_callback(self._block)]
         gp.step_callback, gp.block_callback = keep[-2], keep[-1]
+        if self.on_draft is not None:
+            keep.append(N.clover_draft_callback(self._draft))
+            gp.draft_callback = keep[-1]
         return gp
 
     def _coreset(self) -> int:

@@ -49,7 +49,7 @@ from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, in
     token_ids, tristate_arg
 from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat, template_override
 from .compat import LLAMA_DEFAULT_SEED, POOLING_UNSPECIFIED, LlamaCompat, LlamaSettings
-from .decoding import BlockCallback, DecodeThread, Generation, GenerationResult, GenerationStats, \
+from .decoding import BlockCallback, DecodeThread, DraftCallback, Generation, GenerationResult, GenerationStats, \
     GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
 from .errors import CloverError, CloverTypeError, CloverValueError, check, current_verbosity, lib, set_verbosity
 from .output import OutputFollower
@@ -542,7 +542,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  xtc_threshold: float = 0.1, dry_multiplier: float = 0.0, dry_base: float = 1.75,
                  dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
                  dry_sequence_breakers: Sequence[str] | None = None, samplers: str | Sequence[str] | None = None,
-                 dynatemp_range: float = 0.0, dynatemp_exponent: float = 1.0, min_keep: int = 0) -> Any:
+                 dynatemp_range: float = 0.0, dynatemp_exponent: float = 1.0, min_keep: int = 0,
+                 on_draft: DraftCallback | None = None) -> Any:
         """Block-diffusion generation.
 
         prompt: text (tokenized with add_special and parse_special) or token ids.
@@ -560,6 +561,9 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         on_step(canvas_tokens, n_masked, block_start): called after every denoising step with
         the block's B tokens (masked ones = the mask token); returning True cancels.
         on_block(text, tokens): called with each committed block's text; True cancels.
+        on_draft(draft_tokens, block_start): draft-self, each draft before its verification (which
+        keeps a prefix of it, and the model's own token after a rejected one: on_block's tokens);
+        True cancels.
         stop_tokens: extra token ids that end the output like EOS (the output stops before them;
         libclover stops on them: ``finish_reason`` "stop", the stats of the cut output).
         stop: strings that end the output (matched across token boundaries; the text stops
@@ -641,17 +645,18 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         p.check()  # libclover's ranges, before waiting
         stream = bool_arg("stream", a["stream"])
         on_step, on_block = callable_arg("on_step", a["on_step"]), callable_arg("on_block", a["on_block"])
+        on_draft = callable_arg("on_draft", a.get("on_draft"))
         self._close_my_streams()  # a stream this thread left unfinished must not keep decoding
         coreset = None if a.get("coreset", "context") == "context" else coreset_value(a["coreset"])
 
         def run(push: Callable[[str, list[int]], bool] | None, cancel: threading.Event) -> GenerationResult:
             if coreset is None:
-                return self._run(toks, p, chat_text, on_step, on_block, push, cancel)
+                return self._run(toks, p, chat_text, on_step, on_block, push, cancel, on_draft)
             c = self._c()
             kept = int(lib().clover_coreset(c))
             self._apply_coreset(c, coreset)
             try:
-                return self._run(toks, p, chat_text, on_step, on_block, push, cancel)
+                return self._run(toks, p, chat_text, on_step, on_block, push, cancel, on_draft)
             finally:
                 self._apply_coreset(c, kept)
 
@@ -685,11 +690,12 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
     def _run(self, toks: list[int], p: GenParams, chat_text: str | None, on_step: StepCallback | None,
              on_block: BlockCallback | None, push: Callable[[str, list[int]], bool] | None,
-             cancel: threading.Event) -> GenerationResult:
+             cancel: threading.Event, on_draft: DraftCallback | None = None) -> GenerationResult:
         # (the caller holds this object's turn: see _op / GenerationStream)
         info = self._info()
         g = Generation(self._c(), toks, p, mask=info.mask, eos=info.eos, detokenize=self.detokenize,
-                       on_step=on_step, on_block=on_block, push=push, cancel=cancel, native=self._in_native)
+                       on_step=on_step, on_block=on_block, push=push, cancel=cancel, native=self._in_native,
+                       on_draft=on_draft)
         r = g.run()
         if g.ran:
             self._last = ChatExchange(chat_text, tuple(toks), tuple(r.tokens), r.text)

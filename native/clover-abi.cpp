@@ -88,6 +88,7 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_FIELD(clover_generate_params, dynatemp_range),
     CLOVER_ABI_FIELD(clover_generate_params, dynatemp_exponent),
     CLOVER_ABI_FIELD(clover_generate_params, min_keep),
+    CLOVER_ABI_FIELD(clover_generate_params, draft_callback),
 
     CLOVER_ABI_STRUCT(clover_stats),
     CLOVER_ABI_FIELD(clover_stats, n_prompt),

@@ -354,6 +354,7 @@ clover_generate_params clover_generate_default_params(void) {
     p.dynatemp_range          = 0.0;
     p.dynatemp_exponent       = 1.0;
     p.min_keep                = 0;
+    p.draft_callback          = nullptr;
     return p;
 }
 

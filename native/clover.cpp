@@ -347,6 +347,11 @@ struct decode_run {
                 return rc;
             }
         }
+        if (gp.draft_callback && gp.draft_callback(start, canvas.data(), n_cand, gp.user_data) != 0) {
+            cancelled = true; // (nothing of the draft is kept: the memory holds the text before it)
+            block_out.clear();
+            return CLOVER_OK;
+        }
         block_out.assign(canvas.begin(), canvas.begin() + n_cand);
         ex.block_from_canvas(n_cand);
         const int rc = verify(n_cand);

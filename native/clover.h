@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 8
+#define CLOVER_API_VERSION 9
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -292,6 +292,12 @@ typedef int (*clover_step_callback)(int32_t block_start, const int32_t * canvas,
  * top_tokens / top_logprobs, during the call or later. */
 typedef int (*clover_block_callback)(int32_t block_start, const int32_t * tokens, int32_t n_tokens,
                                      void * user_data);
+/* Draft-self: called with each draft before its verification (block_start = its first position, draft =
+ * the n_draft drafted tokens, valid during the call only). The verification keeps the draft's first k
+ * tokens (k = n_draft: all of it) and, when it rejects one (k < n_draft), the model's own token at
+ * position k: those are the block callback's tokens (spec/decoding.md, "Draft-self"). Return nonzero to
+ * cancel (nothing of the draft is kept). */
+typedef int (*clover_draft_callback)(int32_t block_start, const int32_t * draft, int32_t n_draft, void * user_data);
 
 /* clover_generate_params.draft_self: the mode chosen per block with block_size = auto */
 #define CLOVER_DRAFT_SELF_AUTO (-1)
@@ -420,6 +426,7 @@ typedef struct clover_generate_params {
     double  dynatemp_exponent;
     int32_t min_keep;           /* top_p, min_p, typical_p and xtc keep at least this many candidates (> 0 runs
                                    the chain); >= 0, default 0 */
+    clover_draft_callback draft_callback; /* draft-self: each draft before its verification; may be NULL */
 } clover_generate_params;
 
 #define CLOVER_MAX_TOP_LOGPROBS 20

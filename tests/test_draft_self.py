@@ -230,3 +230,27 @@ def test_tokens_per_verification_counts_only_draft_self_blocks():
     mixed = GenerationStats(n_generated=40, n_verifications=1, n_drafted=7, n_accepted=3, n_decode_passes=2,
                             tokens_per_verification=4.0)
     assert "3/7 drafted tokens accepted, 4.00 tok/verification" in mixed.format()
+
+
+def test_the_draft_callback_sees_each_draft_before_its_verification(model, cfg):
+    """on_draft (libclover's draft callback) gets every draft: one per verification, the drafted
+    tokens adding up to stats.n_drafted; each block's tokens are the draft's accepted prefix, then
+    the model's own token where it rejected one; returning True cancels before that verification."""
+    drafts, blocks = [], []
+    prompt = [5, 17, 33, 90, 12]
+    r = model.generate(prompt, max_tokens=24, block_size=8, draft_self=True, stop_at_eos=False,
+                       on_draft=lambda d, start: drafts.append((start, d)), on_block=lambda t, toks: blocks.append(toks))
+    assert len(drafts) == r.stats.n_verifications >= 2
+    assert sum(len(d) for _, d in drafts) == r.stats.n_drafted
+    accepted = 0
+    for (start, d), toks in zip(drafts, [b for b in blocks if b]):
+        k = next((i for i, (t, x) in enumerate(zip(toks, d)) if t != x), min(len(toks), len(d)))
+        assert toks[:k] == d[:k] and len(toks) == (k if k == len(d) else k + 1), (d, toks)
+        accepted += k
+    assert accepted == r.stats.n_accepted
+    assert r.tokens == model.generate(prompt, max_tokens=24, block_size=1, stop_at_eos=False).tokens
+    seen = []
+    c = model.generate(prompt, max_tokens=24, block_size=8, draft_self=True, stop_at_eos=False,
+                       on_draft=lambda d, start: seen.append(d) or len(seen) == 2)
+    assert c.stats.finish_reason == "cancelled" and c.stats.n_verifications == 1
+    assert c.tokens == r.tokens[:len(c.tokens)]

@@ -127,13 +127,27 @@ def test_canvas_events_only_when_asked(tiny_server) -> None:
     assert "".join(spelled) == text and len(spelled) == usage["completion_tokens"]
     assert min(e["offset"] for e in canvas) == 0
 
-    # draft-self: the events carry the verified tokens (drafts never leave libclover)
+    # draft-self: one event per verification, the kept tokens and the draft it checked (libclover's
+    # draft callback): the kept ones are the draft's accepted prefix, then the model's own token
+    # where it rejected one; over the reply they add up to the totals of clover.draft_self
     ds = _events(s.url, {**base, "draft_self": True, "block_size": 8,
                          "stream_options": {"include_canvas": True}})
     ds_canvas = [json.loads(d) for name, d in ds if name == "clover.canvas"]
     assert ds_canvas and all(e["verified"] is True for e in ds_canvas)
     final = json.loads([d for _, d in ds if d != "[DONE]"][-1])
-    assert final["clover"]["draft_self"]["verifications"] >= 1
+    totals = final["clover"]["draft_self"]
+    # (a last block of one position is no draft: the autoregressive token itself, no "drafted")
+    ds_canvas = [e for e in ds_canvas if "drafted" in e]
+    assert all(len(e["drafted"]) == len(e["tokens"]) for e in ds_canvas)
+    assert totals["verifications"] == len(ds_canvas) >= 1
+    accepted = drafted = 0
+    for e in ds_canvas:
+        kept = [t for t in e["tokens"] if t is not None]
+        n = sum(d is not None for d in e["drafted"])
+        k = next((i for i, (t, d) in enumerate(zip(e["tokens"], e["drafted"][:n])) if t != d), n)
+        assert len(kept) == (k if k == n else k + 1) and kept[:k] == e["drafted"][:k], e
+        accepted, drafted = accepted + k, drafted + n
+    assert (accepted, drafted) == (totals["accepted"], totals["drafted"]), (accepted, drafted, totals)
 
     # completions too
     with httpx.stream("POST", s.url + "/v1/completions", headers=_auth(), timeout=60,
@@ -290,8 +304,8 @@ def test_the_page_in_chromium(default_gguf, tmp_path) -> None:
                 page.wait_for_selector(".msg.assistant.done >> nth=1", timeout=30_000)
                 assert "stopped" in page.locator(".msg.assistant .stats").nth(1).inner_text()
                 assert page.locator("#send").is_enabled()
-                # draft-self: the totals in the statistics, each verification's kept / drafted
-                # positions on its block and in the canvas's head; no coreset field when empty
+                # draft-self: the totals in the statistics, each verification's accepted / drafted
+                # tokens on its block and in the canvas's head; no coreset field when empty
                 page.evaluate("window.__pauseAt = 0")  # (never held again)
                 page.fill("#coreset", "")
                 page.select_option("#draft-self", "true")
@@ -303,8 +317,13 @@ def test_the_page_in_chromium(default_gguf, tmp_path) -> None:
                 assert sent[-1]["draft_self"] is True and "coreset" not in sent[-1], sent[-1]
                 assert "drafted tokens accepted" in stats and "verifications" in stats, stats
                 assert "coreset" not in stats, stats
-                assert "kept per verification: " in reply.locator(".canvas-head").inner_text()
-                assert "positions kept" in (reply.locator(".block").first.get_attribute("title") or "")
+                assert "drafted tokens accepted per verification: " in reply.locator(".canvas-head").inner_text()
+                assert "drafted tokens accepted" in (reply.locator(".block").first.get_attribute("title") or "")
+                # each verification's accepted draft tokens, and where one was rejected the model's own
+                # token with the rejected draft token beside it
+                assert reply.locator(".tok.accepted").count() + reply.locator(".tok.own").count() >= 1
+                assert reply.locator(".tok.own").count() == reply.locator("s.rejected").count()
+                page.screenshot(path=str(shots / "web-page-draft-self.png"))
                 # a coreset the server refuses: its 400, naming the field, on the page
                 page.fill("#coreset", "many")
                 page.fill("#input", "x")

@@ -30,11 +30,16 @@ def clover_stats(r: GenerationResult) -> dict[str, Any]:
 
 
 def canvas_event(offset: int, block_start: int, block_size: int, step: int, n_masked: int,
-                 tokens: list[str | None], steps: list[int | None], verified: bool, index: int = 0) -> dict[str, Any]:
+                 tokens: list[str | None], steps: list[int | None], verified: bool, index: int = 0,
+                 drafted: list[str | None] | None = None) -> dict[str, Any]:
     """One ``clover.canvas`` event (docs/server.md, "The canvas events"): the block of choice
     ``index`` after a denoising step. ``offset``: the reply's token index of ``tokens[0]``;
     ``tokens``: each position's text, None while masked; ``steps``: the step of this block that
-    fixed it."""
-    return {"object": "clover.canvas", "index": index, "offset": offset, "block_start": block_start,
-            "block_size": block_size, "step": step, "n_masked": n_masked, "tokens": tokens, "steps": steps,
-            "verified": verified}
+    fixed it; ``drafted`` (draft-self's verifications): the draft it checked, position by position
+    (None past the draft)."""
+    ev = {"object": "clover.canvas", "index": index, "offset": offset, "block_start": block_start,
+          "block_size": block_size, "step": step, "n_masked": n_masked, "tokens": tokens, "steps": steps,
+          "verified": verified}
+    if drafted is not None:
+        ev["drafted"] = drafted
+    return ev

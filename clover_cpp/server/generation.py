@@ -125,12 +125,17 @@ class CanvasEvents:
         self.n_step = 0                       # its steps so far
         self.fixed: list[int | None] = []     # per position: the step that fixed its token
         self.pieces: dict[int, str] = {}      # token id -> text
+        self.drafted: tuple[int, list[int]] | None = None  # draft-self: (block_start, the draft being verified)
 
     def piece(self, t: int) -> str:
         s = self.pieces.get(t)
         if s is None:
             s = self.pieces[t] = self.model.token_to_piece(t, special=True).decode("utf-8", "replace")
         return s
+
+    def draft(self, tokens: list[int], block_start: int) -> None:
+        """From the decode thread, with each draft before its verification (draft-self)."""
+        self.drafted = (block_start, tokens)
 
     def step(self, canvas: list[int], n_masked: int, block_start: int) -> None:
         """From the decode thread, after every denoising step."""
@@ -149,8 +154,13 @@ class CanvasEvents:
                     self.fixed[i] = self.n_step
                 tokens.append(self.piece(t))
         offset = block_start + skip - self.n_prompt
+        drafted = None
+        if self.drafted is not None and self.drafted[0] == block_start:
+            d = self.drafted[1]  # (fewer than the block's positions at the budget's end: None after them)
+            drafted = [self.piece(t) for t in d[skip:]] + [None] * (len(canvas) - max(skip, len(d)))
+            self.drafted = None
         self.q.put(("canvas", fmt.canvas_event(offset, block_start, len(canvas), self.n_step, n_masked, tokens,
-                                               self.fixed[skip:], self.verified, self.index)))
+                                               self.fixed[skip:], self.verified, self.index, drafted)))
 
     def pump(self, it: Any) -> None:
         """Reads the text stream ``it`` into the queue on a thread of its own; then ("end", None)."""
@@ -426,6 +436,11 @@ class OneGeneration:
         self.released = False
         slot.start(run.cancel)
 
+    def _on_draft(self, draft: list[int], start: int) -> bool:
+        if self.cv is not None:
+            self.cv.draft(draft, start)
+        return False
+
     def _on_step(self, canvas: list[int], n_masked: int, start: int) -> bool:
         if self.cv is not None:
             self.cv.step(canvas, n_masked, start)
@@ -434,6 +449,8 @@ class OneGeneration:
     def generate(self, stream: bool) -> Any:
         """Clover.generate (or generate_chat: it reads the same tokens and keeps the exchange)."""
         call = dict(stream=stream, on_step=self._on_step, on_block=lambda text, toks: self.slot.block(), **self.kw)
+        if self.run.want_canvas:  # (drafts come in draft-self's blocks only)
+            call["on_draft"] = self._on_draft
         chat = self.choice.prompt.chat_prompt
         if chat is not None:
             return self.slot.model.generate_chat(chat, **call)
@@ -456,10 +473,11 @@ class OneGeneration:
 
     async def start(self) -> None:
         """Starts the streamed generation (its argument errors: CloverError, here)."""
-        self.it = await asyncio.to_thread(self.generate, True)
-        if self.run.want_canvas:
+        if self.run.want_canvas:  # (before the decoding starts: its first steps' events must find it)
             self.cv = CanvasEvents(self.slot.model, len(self.prompt), self.run.job.req.draft_self is True,
                                    self.choice.index)
+        self.it = await asyncio.to_thread(self.generate, True)
+        if self.cv is not None:
             self.cv.pump(self.it)
 
     def _next_item(self) -> tuple[str, Any] | None:

@@ -144,7 +144,7 @@ class ReplyView {
     this.cur = null;          // the block being drawn: {start, offset, el, cells}
     this.nSteps = 0;
     this.nBlocks = 0;
-    this.kept = [];           // draft-self: per verification, [tokens kept, the block's positions]
+    this.kept = [];           // draft-self: per verification, [drafted tokens accepted, drafted]
     this.content = "";
   }
 
@@ -200,15 +200,27 @@ class ReplyView {
       }
     });
     let what = `step ${ev.step} · ${ev.n_masked} masked`;
-    if (ev.verified) {
-      // one event per verification: the kept tokens (the accepted draft prefix, plus the
-      // model's own token after a rejection), the rest masked. The event says neither how many
-      // were drafted (fewer than the block at the budget's end) nor which kept token is the
-      // model's own: the exact counts are the reply's totals (clover.draft_self)
-      const kept = ev.tokens.filter((t) => t !== null).length, n = ev.tokens.length;
-      this.kept[this.nBlocks - 1] = [kept, n];
-      cur.el.title = `verification ${this.nBlocks}: ${kept} of the block's ${n} positions kept`;
-      what = `verification · ${kept} of ${n} kept`;
+    if (ev.drafted) {
+      // one event per verification: the kept tokens (the draft's accepted prefix, then the
+      // model's own token where it rejected one) and the draft it checked. A rejected draft
+      // token is shown struck through after the model's own; the ones after it never count.
+      const n = ev.drafted.filter((d) => d !== null).length;
+      let k = 0;
+      while (k < n && ev.tokens[k] === ev.drafted[k]) k += 1;
+      this.kept[this.nBlocks - 1] = [k, n];
+      cur.cells.forEach((cell, i) => {
+        cell.el.classList.toggle("accepted", i < k);
+        cell.el.classList.toggle("own", i === k && k < n);
+        if (i === k && k < n) {
+          const rej = el("s", "rejected");
+          rej.textContent = visible(ev.drafted[i]);
+          rej.title = `drafted ${JSON.stringify(ev.drafted[i])}, rejected by the verification`;
+          cell.el.append(rej);
+        }
+      });
+      cur.el.title = `verification ${this.nBlocks}: ${k} of ${n} drafted tokens accepted` +
+        (k < n ? ", then the model's own token" : "");
+      what = `verification · ${k} of ${n} drafted accepted`;
     }
     this.canvasHead.textContent = `canvas · block ${this.nBlocks} (tokens ${ev.offset}..${ev.offset + ev.tokens.length - 1})` +
       ` · ${what}`;
@@ -262,7 +274,7 @@ class ReplyView {
         `${this.nSteps} step${this.nSteps === 1 ? "" : "s"} (hover a token for its step)`;
       if (this.kept.length) {
         const per = this.kept.filter(Boolean).map(([k, n]) => `${k}/${n}`);
-        this.canvasHead.textContent += ` · kept per verification: ${per.join(" ")}`;
+        this.canvasHead.textContent += ` · drafted tokens accepted per verification: ${per.join(" ")}`;
       }
     }
     this.stats.textContent = parts.join(" · ");
