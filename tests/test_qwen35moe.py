@@ -41,46 +41,21 @@ def upstream_gguf(tmp_path_factory) -> Path:
     return d / "qwen35moe-f16.gguf"
 
 
-def test_a_gguf_of_upstreams_converter_runs(upstream_gguf) -> None:
-    """What convert_hf_to_gguf.py writes for a Qwen3.5-MoE checkpoint (its chat template included)
-    loads, decodes causally as llama-cpp-python does, and chats."""
+def _as_llama_cpp_python_decodes(gguf: Path) -> None:
+    """Clover's causal commit logits equal llama-cpp-python's (llama.cpp's own decode, on the same
+    libllama and file; flash attention off in both, llama-cpp-python's default) within 1e-4 of the
+    largest, and greedy B = 1 gives its greedy tokens."""
     import itertools
 
     llama_cpp = pytest.importorskip("llama_cpp")
     from clover_cpp import Clover
 
-    with Clover(upstream_gguf, n_ctx=256, n_threads=1, flash_attn=False) as m:
-        toks = m.tokenize(b"def parse(self, text):\n    ", add_bos=True, special=True)
-        ours = m.commit(toks, logits=True)
-        r = m.generate(toks, max_tokens=6, stop_at_eos=False, reuse_prefix=False)
-        chat = m.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
-        assert chat["choices"][0]["message"]["role"] == "assistant"
-    llm = llama_cpp.Llama(model_path=str(upstream_gguf), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
-    try:
-        llm.eval(toks)
-        theirs = np.array(llm.scores[:len(toks)], np.float32)
-        llm.reset()
-        greedy = list(itertools.islice(llm.generate(toks, temp=0.0), 6))
-    finally:
-        llm.close()
-    assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, float(np.abs(theirs).max()))
-    assert r.tokens == greedy
-
-
-def test_causal_decoding_equals_upstream(twin) -> None:
-    """The commit's logits equal llama-cpp-python's (llama.cpp's own decode, on the same libllama
-    and file), and greedy B = 1 gives llama-cpp-python's greedy tokens."""
-    import itertools
-
-    llama_cpp = pytest.importorskip("llama_cpp")
-    from clover_cpp import Clover
-
-    with Clover(twin, n_ctx=256, n_threads=1, flash_attn=False) as m:  # (as llama-cpp-python's default)
+    with Clover(gguf, n_ctx=256, n_threads=1, flash_attn=False) as m:
         toks = m.tokenize(b"def parse(self, text):\n    ", add_bos=True, special=True)
         ours = m.commit(toks, logits=True)
         r = m.generate(toks, max_tokens=6, stop_at_eos=False, reuse_prefix=False)
         assert r.stats.block_size == 1 and r.stats.mode == "autoregressive"
-    llm = llama_cpp.Llama(model_path=str(twin), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=1, logits_all=True, verbose=False)
     try:
         llm.eval(toks)
         theirs = np.array(llm.scores[:len(toks)], np.float32)
@@ -91,6 +66,21 @@ def test_causal_decoding_equals_upstream(twin) -> None:
     assert ours.shape == theirs.shape
     assert np.abs(ours - theirs).max() <= 1e-4 * max(1.0, float(np.abs(theirs).max()))
     assert r.tokens == greedy
+
+
+def test_a_gguf_of_upstreams_converter_runs(upstream_gguf) -> None:
+    """What convert_hf_to_gguf.py writes for a Qwen3.5-MoE checkpoint (its chat template included)
+    loads, decodes causally as llama-cpp-python does, and chats."""
+    from clover_cpp import Clover
+
+    _as_llama_cpp_python_decodes(upstream_gguf)
+    with Clover(upstream_gguf, n_ctx=256, n_threads=1) as m:
+        chat = m.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_causal_decoding_equals_upstream(twin) -> None:
+    _as_llama_cpp_python_decodes(twin)
 
 
 def test_block_diffusion_and_draft_self_are_refused_in_one_line(twin) -> None:
