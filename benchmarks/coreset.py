@@ -1,4 +1,4 @@
-"""The block expert coreset (issue 36): counts, not timings.
+"""The block expert coreset: counts, not timings.
 
 For the default model (models/clover-default: 8 experts, top 2) and the `small` preset (random
 weights: 32 experts, top 4), with the numpy reference (clover_testkit.reference, the oracle the

@@ -1,5 +1,5 @@
 """What a draft-self verification and a block-diffusion step cost, against one forward of the same
-token count (issue 35, "draft-self at the cost of its forward").
+token count.
 
     .venv/bin/python benchmarks/draft_self_cost.py --callgrind [--n 4,8,16] [--no-small]
     .venv/bin/python benchmarks/draft_self_cost.py [--threads 2] [--reps 5]      # wall clock

@@ -1,4 +1,4 @@
-"""The 35B-A3B dimensions, sliced (issue 26 part 4): write, convert to Q4_K_M in one step, decode,
+"""The 35B-A3B dimensions, sliced: write, convert to Q4_K_M in one step, decode,
 parity, and a projection for the full 40 layers on this machine.
 
 The checkpoint is preset ``35b-a3b-slice`` (clover_testkit.true_dims: every real width, 4 layers =

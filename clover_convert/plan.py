@@ -332,7 +332,7 @@ def plan_conversion(
         raise ConversionError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
     split = parse_size(split_max_size)
     source = resolve_source(src, dry_run)
-    check_regular_inputs(source.folder, ConversionError)  # a FIFO would block a read forever (issue 28)
+    check_regular_inputs(source.folder, ConversionError)  # a FIFO would block a read forever
     cfg = load_config(source.folder)
     tok = load_tokenizer(source.folder, cfg)
     inv = open_inventory(source, dry_run)

@@ -122,7 +122,7 @@ def require_inside(path: str | os.PathLike, folder: str | os.PathLike, error: ty
     that resolves outside the folder (or, for a hub cache snapshot, outside its repo's blobs),
     or is not a regular file once resolved. A missing file passes (the reader says so in its own
     words). A checkpoint is untrusted input: a ``chat_template.jinja`` linked to ``/etc/passwd``
-    must not end up in the GGUF (issue 40)."""
+    must not end up in the GGUF."""
     p = Path(path)
     if not os.path.lexists(p):
         return

@@ -136,7 +136,7 @@ def check_regular_inputs(folder: Path, error: type[Exception]) -> None:
     socket, before anything is opened (a FIFO would block a read forever), or a link that
     resolves outside the folder (a ``chat_template.jinja`` linked to ``/etc/passwd`` or
     ``/proc/self/environ`` would be embedded in the GGUF, and ``clover serve`` hands the
-    template to any client: issue 40). A hub cache snapshot's links into its repo's blobs are
+    template to any client). A hub cache snapshot's links into its repo's blobs are
     its own files. Each reader checks its file again (:func:`require_inside`)."""
     try:
         entries = sorted(folder.iterdir())

@@ -51,7 +51,7 @@ class TokenizerInfo:
 
 
 def _read_json(path: Path) -> Any:
-    require_inside(path, path.parent, ConversionError)  # a FIFO; a link out of the checkpoint (issue 40)
+    require_inside(path, path.parent, ConversionError)  # a FIFO; a link out of the checkpoint
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -120,7 +120,7 @@ def _check_structure(p: Path) -> None:
     """Walk the header, the keys and the tensor infos with gguf.cpp's rules (the loader's), each
     count bounded by the bytes left in the file, before gguf-py reads it: GGUFReader takes a
     string array whose sub-type byte says ARRAY as 248k nested arrays (5 GB of RSS for one
-    changed byte, issue 40) and accepts tensors that overlap or whose type ggml does not know.
+    changed byte) and accepts tensors that overlap or whose type ggml does not know.
     Also the vocabulary's duplicate strings (llama-vocab.cpp aborts on them). Raises
     GGUFInfoError naming the first fault."""
     import mmap  # noqa: PLC0415

@@ -1,4 +1,4 @@
-"""The 35B-A3B shape, sliced: every real width, 4 layers, the real vocabulary (issue 26 part 4).
+"""The 35B-A3B shape, sliced: every real width, 4 layers, the real vocabulary.
 
 Preset ``35b-a3b-slice`` (registered in :mod:`clover_testkit.presets`, written by
 :mod:`clover_testkit.checkpoints`): the config of preset ``35b-a3b`` (the dimensions of

@@ -471,7 +471,7 @@ def test_quantize_api(tiny, tmp_path: Path) -> None:
         quantize(tiny[1], tmp_path / "x.gguf", "Q9_9")
 
 
-# ---------------------------------------------------------------- llama-cpp-python shims (issue 27)
+# ---------------------------------------------------------------- llama-cpp-python shims
 
 def _llama_signature(name: str):
     import inspect

@@ -1,5 +1,5 @@
 """The first run of a file at block size auto measures its cost curve (seconds to minutes of
-silence on a large model, issue 38): the command lines say so in one line on stderr, once, and
+silence on a large model): the command lines say so in one line on stderr, once, and
 not when the curve comes from the disk cache or the block size is fixed; the library says it
 only at verbosity 1 and up (a quiet library prints nothing)."""
 

@@ -1,6 +1,6 @@
-"""A chat template given instead of the model's (issue 40 item 4's way out, issue 37 item 3's
-flags), as llama-server / llama-cli have it: --chat-template NAME|JINJA, --chat-template-file
-FILE and --jinja (a no-op) on `clover run`, `chat` and `serve`; Clover(chat_template=...) in
+"""A chat template given instead of the model's, as llama-server / llama-cli have it:
+--chat-template NAME|JINJA, --chat-template-file FILE and --jinja (a no-op) on `clover run`, `chat`
+and `serve`; Clover(chat_template=...) in
 Python; the template in use in /props. A model whose own template fails is usable again with
 it, and its error names the way out. Bad flags are one line and exit 1. Temporary folders only."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A checkpoint or a request that carries code or bulk (issue 40, item 6): the converter never unpickles
+"""A checkpoint or a request that carries code or bulk: the converter never unpickles
 a ``pytorch_model.bin`` nor imports the modules of ``auto_map`` (remote code), and the server refuses a
 10 MB prompt (413: over --max-body) and a 6 MB one (400: it cannot fit the context) and serves on. Each planted payload writes a marker file if it ever runs."""
 

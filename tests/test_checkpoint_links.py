@@ -1,4 +1,4 @@
-"""A checkpoint is untrusted input (issue 40): every file the converter reads from it
+"""A checkpoint is untrusted input: every file the converter reads from it
 (config.json, tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja,
 special_tokens_map.json, README.md, model.safetensors, the index and its shards) must be a
 regular file inside the folder once links are resolved. A ``chat_template.jinja`` linked to a file

@@ -1,4 +1,4 @@
-"""The block expert coreset (spec/model.md "MoE", issue 36): the numpy reference against a
+"""The block expert coreset (spec/model.md "MoE"): the numpy reference against a
 brute-force statement of the rule, and its invariants (commits and one-row canvases keep full
 routing; C >= E is full routing). The native graph against the reference: test_coreset_native*.
 """

@@ -1,4 +1,4 @@
-"""The block expert coreset in libclover's graph (issue 36) against the numpy reference:
+"""The block expert coreset in libclover's graph against the numpy reference:
 block-pass logits with a coreset C (clover_set_coreset) within 1e-3 of CloverReference.block_pass
 (coreset=C); greedy block diffusion token for token equal to reference.generate(coreset=C) (the
 fused commit + pass: committed rows full routing, canvas rows the coreset); draft-self with a

@@ -1,4 +1,4 @@
-"""Model files that attack (issue 40): each damaged GGUF is one line and exit 1 from every front end
+"""Model files that attack: each damaged GGUF is one line and exit 1 from every front end
 that opens it (clover-cli, `clover run`, `clover inspect`, `clover quantize`, `Clover()`), within
 a time and memory bound; never an abort, a hang or gigabytes of memory.
 

@@ -1,4 +1,4 @@
-"""Grammars and schemas that explode (issue 40, item 3): libclover checks a grammar before llama.cpp's
+"""Grammars and schemas that explode: libclover checks a grammar before llama.cpp's
 engine gets it (clover-extras.cpp, grammar_check) and refuses with one line naming the rule:
 
 * ``root ::= "a"{5,3}``, a minimum above the maximum: llama.cpp's parser allocated without bound

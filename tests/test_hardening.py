@@ -180,7 +180,7 @@ def test_signal_names_are_the_usual_ones() -> None:
     assert signal.SIGINT == 2  # the exit status 130 the CLI uses is 128 + SIGINT
 
 
-# ---------------------------------------------------------------- issue 28, round 2
+# ---------------------------------------------------------------- hostile input, round 2
 
 def test_subnormal_temperature_finishes(model) -> None:
     # temperature 1e-310 made logits / T overflow: NaN probabilities, the mask token as every

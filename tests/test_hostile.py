@@ -1,4 +1,4 @@
-"""Hostile inputs, round 2 (issue 28): every case ends in one clear line and a non-zero exit, or
+"""Hostile inputs, round 2: every case ends in one clear line and a non-zero exit, or
 in a correct result, within a bound, and never loses data.
 
 * the tokenizer's special-token pass: linear in the number of special tokens (patch 0007);

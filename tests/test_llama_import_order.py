@@ -1,4 +1,4 @@
-"""llama-cpp-python's ``llama_cpp`` next to ``clover_cpp`` (issue 38): imported first it loads our
+"""llama-cpp-python's ``llama_cpp`` next to ``clover_cpp``: imported first it loads our
 libllama (it failed: "Shared library with base name 'llama' not found"), through the finder that
 packaging/_clover_cpp_llama.pth installs; imported after a ``Clover`` loaded, it leaves
 libclover's log callback in place (its own printed llama.cpp's debug lines, ``set_canvas: ...``,

@@ -50,7 +50,7 @@ def test_every_fence_is_bash_python_or_text(page: str) -> None:
 
 
 def test_readme_is_short_and_its_links_resolve() -> None:
-    """A newcomer's README (issue 27): at most ~250 lines, the two commands on the first screen, the
+    """A newcomer's README: at most ~250 lines, the two commands on the first screen, the
     default model called what it is; every relative link of the README and of docs/ resolves."""
     readme = REPO.joinpath("README.md").read_text()
     assert len(readme.splitlines()) <= README_MAX_LINES

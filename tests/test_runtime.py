@@ -1,4 +1,4 @@
-"""The Python runtime's parts (issue 25): the output follower (stop strings and output
+"""The Python runtime's parts: the output follower (stop strings and output
 following as one class), "does it fit in n_ctx" (one rule: Clover.room / fits agree with
 libclover's own check), the chat session (last_exchange, generate_chat), the committed tokens
 read from libclover, stop tokens handled by libclover, and new_context."""

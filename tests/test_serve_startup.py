@@ -1,4 +1,4 @@
-"""`clover serve`'s start (issue 38): a port in use is one line and exit status 1 before the model
+"""`clover serve`'s start: a port in use is one line and exit status 1 before the model
 loads (it used to print the banner, load the model, then fail); the banner comes once the port
 is bound and the model loaded, with the port bound (``--port 0``: the one the system chose);
 ``--alias NAME`` is the model's id in the API (llama-server's --alias); ``--access-log`` gives

@@ -1,4 +1,4 @@
-"""`clover serve`'s API key (issue 40): an empty key is refused at start-up (it used to turn
+"""`clover serve`'s API key: an empty key is refused at start-up (it used to turn
 authentication off: a falsy test), ``$CLOVER_API_KEY`` set but empty too (click reads it as
 absent); every endpoint but /health wants the key (docs/server.md lists them); the key is
 compared in constant time (secrets.compare_digest)."""

@@ -1,4 +1,4 @@
-"""The auto cost curve is measured and cached per backend set (issue 27 part 4): a model whose
+"""The auto cost curve is measured and cached per backend set: a model whose
 layers live on an RPC server gets its own calibration entry, never the local CPU's; the entry's
 key names the placement (servers, devices, offloaded layers, split)."""
 from __future__ import annotations

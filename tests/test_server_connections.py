@@ -1,4 +1,4 @@
-"""`clover serve`'s connections and request bodies under attack (issue 40).
+"""`clover serve`'s connections and request bodies under attack.
 
 * a request head trickled at 1 byte/s stayed open forever (uvicorn has no head deadline): now
   408 and closed after ``Limits.header_timeout``; connections that send nothing are closed too;

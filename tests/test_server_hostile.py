@@ -1,4 +1,4 @@
-"""`clover serve` against hostile requests (issue 28): one request never takes the server down.
+"""`clover serve` against hostile requests: one request never takes the server down.
 
 * the battery: bodies that are not UTF-8, nest deep, are not objects, hold NaN; a
   Content-Length larger than the body and a body that trickles in (408 within
@@ -261,7 +261,7 @@ def test_sigterm_ends_the_process(gguf, stuck: bool) -> None:
 
 
 def test_forty_thousand_messages_do_not_freeze_the_server(gguf) -> None:
-    """The reproducer of issue 28 (40k short chat messages, 1.3 MB, froze /health for 12 s), under
+    """The reproducer of round 2's hang (40k short chat messages, 1.3 MB, froze /health for 12 s), under
     the default limits: refused by --max-messages before any message is validated or rendered,
     and the event loop answers /health meanwhile."""
     from clover_cpp import Clover

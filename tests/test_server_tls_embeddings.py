@@ -1,4 +1,4 @@
-"""`clover serve` as llama-server (issue 38 item 5): TLS with ``--ssl-key-file`` and
+"""`clover serve` as llama-server: TLS with ``--ssl-key-file`` and
 ``--ssl-cert-file`` (both or neither; a file that is missing or not a matching PEM pair: one
 line, exit 1, before the model loads), and ``/v1/embeddings`` with ``--embeddings`` (OpenAI's
 shape, Clover.create_embedding's vectors; without the flag llama-server's 501)."""

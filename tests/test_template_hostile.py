@@ -1,4 +1,4 @@
-"""Chat templates in model files that run away or fail (issue 40, item 4): each is one clear
+"""Chat templates in model files that run away or fail: each is one clear
 error naming the template, within a time limit, in render_chat, the Python API
 (Clover.format_chat, create_chat_completion), `clover chat` and `clover serve`, whose /health
 and other requests answer while and after a bad template renders.

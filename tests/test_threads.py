@@ -1,4 +1,4 @@
-"""Thread safety of the Python API (issue 28): calls on one Clover object from several threads
+"""Thread safety of the Python API: calls on one Clover object from several threads
 run in turn without deadlock, close() cancels or waits for the calls in flight and later calls
 raise "the model is closed", a generate() from another thread waits for a stream instead of
 cancelling it, and a bounded stress run of every public method from several threads with

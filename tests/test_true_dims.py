@@ -1,4 +1,4 @@
-"""The 35B-A3B slice (clover_testkit.true_dims, issue 26 part 4): its config and every tensor shape
+"""The 35B-A3B slice (clover_testkit.true_dims): its config and every tensor shape
 against the real dimensions (written nowhere: the checkpoint is 8.8 GB), its 248,320-entry
 tokenizer, the streamed writer at the real widths on a few tensors, and the one-layer parity
 machinery (clover_testkit.layer_parity) on the tiny preset, where the whole reference runs too."""

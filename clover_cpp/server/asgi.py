@@ -47,7 +47,7 @@ def check_api_key(api_key: str | None, env: str = "CLOVER_API_KEY") -> None:
 
     An empty key used to mean "no key" (a falsy test): ``--api-key ''``, or ``$CLOVER_API_KEY``
     set but empty (click reads an empty variable as absent), served every endpoint to anyone
-    with no word (issue 40). No key at all (the option absent, the variable unset) is an open
+    with no word. No key at all (the option absent, the variable unset) is an open
     server, as before; a set-but-empty one is now a mistake, refused at start-up."""
     if api_key is None:
         if os.environ.get(env) is not None and not os.environ[env].strip():
@@ -66,7 +66,7 @@ def check_api_key(api_key: str | None, env: str = "CLOVER_API_KEY") -> None:
 
 #: set while a request runs: its client has gone (the connection closed). Watched from the end
 #: of the body on, so that a request waiting for a context gives its queue place back when its
-#: client leaves (pool.Pool.acquire); issue 40: such places were kept, and live clients got 503
+#: client leaves (pool.Pool.acquire): such places were once kept, and live clients got 503
 CLIENT_GONE: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("clover_client_gone",
                                                                                    default=None)
 
@@ -150,7 +150,7 @@ class Guard:
             await self.app(scope, guarded_receive, send)
         except ClientDisconnect:
             # the client left (or uvicorn answered its malformed body, a chunk size of 5,000 hex
-            # digits say, with 400 and logged one line): nobody to answer, no traceback (issue 40)
+            # digits say, with 400 and logged one line): nobody to answer, no traceback
             return
         finally:
             CLIENT_GONE.reset(token)

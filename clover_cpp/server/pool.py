@@ -100,7 +100,7 @@ class Pool:
                 self.waiting -= 1
                 if wake is not None:
                     wake.cancel()
-            if not self.free:  # its place in the queue is given back (it was kept: issue 40)
+            if not self.free:  # its place in the queue is given back (it used to be kept)
                 raise APIError(499, "the client closed the connection while its request waited for a context",
                                code="client_closed")
             best = self.free[0] if len(self.free) == 1 else max(self.free, key=score)

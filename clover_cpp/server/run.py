@@ -45,7 +45,7 @@ def _raw_error(template: bytes, message: str, code: str) -> bytes:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with what it lacks (issue 40): a deadline for the request head
+    """uvicorn's h11 protocol with what it lacks: a deadline for the request head
     (uvicorn has a keep-alive timeout for an idle connection but none once bytes trickle in),
     a cap on open connections and one per client address. ``limits`` is set on a subclass
     (:func:`protocol_for`)."""
@@ -197,7 +197,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
     that one that fails stops the start with its error; ``ssl_key_file`` and ``ssl_cert_file``:
     serve HTTPS (llama-server's --ssl-key-file / --ssl-cert-file); ``embeddings``: serve
     /v1/embeddings (llama-server's --embeddings; a second, embedding context of the model)."""
-    check_api_key(api_key)  # before the model loads: an empty key would turn auth off (issue 40)
+    check_api_key(api_key)  # before the model loads: an empty key would turn auth off
     check_tls(ssl_key_file, ssl_cert_file)
     if embeddings:  # the embedding context is llama-cpp-python's: missing, say so now, not at the first request
         if importlib.util.find_spec("llama_cpp") is None:  # found, not imported: it loads on the first request

@@ -28,12 +28,12 @@ class Limits:
     stuck_after: float = 120.0         # --stuck-timeout: a generation with no progress this long is cancelled
     max_json_depth: int = 64           # nesting of the body's JSON
     # values in the body's JSON (array items and members), counted before it is parsed: a body
-    # under --max-body of 4M token ids grew to 1.2 GB once parsed and validated (issue 40)
+    # under --max-body of 4M token ids grew to 1.2 GB once parsed and validated
     max_json_values: int = 1 << 18
     # connections (uvicorn's h11 protocol; run.py): a request head must arrive within
     # header_timeout seconds of the connection (or of the last reply on it), and at most
     # max_connections are open, max_connections_per_client from one address; past a cap a new
-    # connection gets 503 and is closed (issue 40: a header trickled at 1 byte/s stayed open
+    # connection gets 503 and is closed (a header trickled at 1 byte/s stayed open
     # forever, and ~1,100 half-open connections used up the fds and /health with them)
     header_timeout: float = 10.0
     max_connections: int = 512
@@ -366,7 +366,7 @@ class Message(BaseModel):
                         args = json.loads(args)
                     except ValueError:
                         pass
-                    except RecursionError:  # a 100,000-deep string was a 500 (issue 40)
+                    except RecursionError:  # a 100,000-deep string was a 500
                         args = _TOO_DEEP
                     if args is _TOO_DEEP or not _depth_ok(args, Limits.max_json_depth):
                         raise APIError(400, f"a tool call's arguments nest deeper than {Limits.max_json_depth} "
