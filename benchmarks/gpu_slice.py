@@ -7,7 +7,8 @@ vocab 248,320; 4 of the 40 layers; random weights), converts it to an f16 GGUF a
 Random weights are never confident, so block diffusion is measured the way gpu.sh's table 3 is:
 threshold 1.0 with a step cap of B / k unmasks exactly k tokens per step, whatever the weights.
 Printed: B = 1 against upstream llama-bench (tg) on the same file, then tok/s, ms per step and
-llama.cpp graph reuse for B x k, and each cell's speed-up over B = 1.
+llama.cpp graph reuse for B x k, and each cell's speed-up over B = 1; then the cost of a block
+pass with the block expert coreset at C = 64 / 24 / 8 against full routing.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CORESETS = (0, 64, 24, 8)
 
 
 def main() -> None:
@@ -69,6 +71,16 @@ def main() -> None:
                 step_ms = s.t_decode_ms / max(1, s.n_decode_forwards)
                 lines.append(f"  {B:>3} {k:>3} {s.tokens_per_second:>9.1f} {s.tokens_per_second / ar.tokens_per_second:>6.2f} "
                              f"{step_ms:>8.2f} {s.n_graphs_reused:>4}/{s.n_decode_forwards:<3}")
+        # the block expert coreset (spec/model.md "MoE"): a block pass reads C experts per layer, not
+        # the union of its rows' (up to 256 at B = 32); one pass a block (k = B), ms per pass
+        lines += ["", "block expert coreset: ms per block pass (k = B, one pass a block) by C (0 = off)",
+                  f"  {'B':>3} " + " ".join(f"{'C=' + str(c):>9}" for c in CORESETS)]
+        for B in (8, 32):
+            cells = []
+            for c in CORESETS:
+                st = run(block_size=B, threshold=1.0, max_steps=1, coreset=c).stats
+                cells.append(f"{st.t_decode_ms / max(1, st.n_decode_forwards):>9.2f}")
+            lines.append(f"  {B:>3} " + " ".join(cells))
     lines += ["", f"wall time {time.time() - t0:.0f} s"]
     Path(out).write_text("\n".join(lines) + "\n")
 
