@@ -370,7 +370,7 @@ int main(int argc, char ** argv) {
         } else if (a == "-t" || a == "--threads") {
             cp.n_threads = (int32_t) parse_int(a, val(), 1, 512);
         } else if (a == "-c" || a == "--ctx-size") {
-            cp.n_ctx = (int32_t) parse_int(a, val(), 1, 1 << 24);
+            cp.n_ctx = (int32_t) parse_int(a, val(), 0, 1 << 24); // (0: the model's training context)
         } else if (a == "-ngl" || a == "--n-gpu-layers") {
             mp.n_gpu_layers = (int32_t) parse_int(a, val(), -1, 100000);
         } else if (a == "-r" || a == "--reverse-prompt") {

@@ -420,8 +420,11 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         if (!model) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "model is NULL");
         }
-        const clover_context_params cp = params ? *params : clover_context_default_params();
-        std::string                 pmsg;
+        clover_context_params cp = params ? *params : clover_context_default_params();
+        std::string           pmsg;
+        if (cp.n_ctx == 0) { // the model's training context, as llama.cpp's n_ctx = 0
+            cp.n_ctx = std::max(3, llama_model_n_ctx_train(model->lm));
+        }
         if (check_context_params(cp, pmsg) != CLOVER_OK) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, pmsg);
         }

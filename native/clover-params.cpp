@@ -166,11 +166,12 @@ int check_chain_params(const clover_generate_params & gp, std::string & msg) {
 }
 
 int check_context_params(const clover_context_params & cp, std::string & msg) {
-    if (cp.n_ctx < 3) { // (llama.cpp caps its batch at n_ctx and needs one output per sequence: 3)
-        msg = "n_ctx must be >= 3, got " + std::to_string(cp.n_ctx);
+    if (cp.n_ctx != 0 && cp.n_ctx < 3) { // (llama.cpp caps its batch at n_ctx and needs one output per sequence: 3)
+        msg = "n_ctx must be 0 (the model's training context) or >= 3, got " + std::to_string(cp.n_ctx);
         return CLOVER_ERR_INVALID_ARG;
     }
-    if (cp.block_size != CLOVER_BLOCK_SIZE_TRAIN && (cp.block_size < 1 || cp.block_size > cp.n_ctx)) {
+    // (with n_ctx 0 the block size's bound is known once the model is: clover_context_new)
+    if (cp.block_size != CLOVER_BLOCK_SIZE_TRAIN && (cp.block_size < 1 || (cp.n_ctx > 0 && cp.block_size > cp.n_ctx))) {
         msg = "block size must be in [1, n_ctx=" + std::to_string(cp.n_ctx) + "], got " + std::to_string(cp.block_size);
         return CLOVER_ERR_INVALID_ARG;
     }

@@ -176,7 +176,8 @@ CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tok
 #define CLOVER_CORESET_MODEL (-1)
 
 typedef struct clover_context_params {
-    int32_t n_ctx;      /* positions the memory can hold (prompt + generation), >= 3; default 4096 */
+    int32_t n_ctx;      /* positions the memory can hold (prompt + generation), >= 3, or 0 = the model's
+                           training context (clover_n_ctx_train, as llama.cpp's n_ctx = 0); default 4096 */
     int32_t n_threads;  /* CPU threads; <= 0 = a default from the hardware; default 4 */
     int32_t block_size; /* B >= 1, or CLOVER_BLOCK_SIZE_TRAIN (default) */
     int32_t flash_attn; /* -1 auto (default), 0 off, 1 on */
@@ -195,10 +196,11 @@ typedef struct clover_context_params {
 CLOVER_API clover_context_params clover_context_default_params(void);
 
 /* The rules of clover_context_params (clover_context_new checks them first; front ends call this
- * to refuse bad options before loading anything): n_ctx >= 3; block_size >= 1 and at most n_ctx,
+ * to refuse bad options before loading anything): n_ctx 0 or >= 3; block_size >= 1 and at most n_ctx,
  * or CLOVER_BLOCK_SIZE_TRAIN (at most n_ctx by definition); flash_attn -1, 0 or 1; coreset >= 0 or
  * CLOVER_CORESET_MODEL. CLOVER_OK, or
- * CLOVER_ERR_INVALID_ARG and the first broken rule in err ("n_ctx must be >= 3, got 2"). */
+ * CLOVER_ERR_INVALID_ARG and the first broken rule in err ("n_ctx must be 0 (the model's training context)
+ * or >= 3, got 2"). */
 CLOVER_API int clover_context_params_check(const clover_context_params * params, char * err, size_t err_len);
 
 CLOVER_API clover_context * clover_context_new(clover_model * model, const clover_context_params * params,

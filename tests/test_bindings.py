@@ -421,7 +421,9 @@ def test_errors(model, tiny, tmp_path: Path) -> None:
     with pytest.raises(CloverError, match="not a GGUF"):
         Clover(junk)
     with pytest.raises(CloverError):
-        Clover(tiny[1], n_ctx=0)
+        Clover(tiny[1], n_ctx=2)
+    with Clover(tiny[1], n_ctx=0, n_threads=1) as m:  # (llama.cpp's n_ctx = 0: the model's training context)
+        assert m.n_ctx() == m.n_ctx_train >= 3
     with pytest.raises(CloverError):
         Clover(tiny[1], block_size=0)
     assert issubclass(CloverError, RuntimeError)

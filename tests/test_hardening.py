@@ -387,7 +387,8 @@ def test_tiny_context_is_refused_not_aborted(gguf, n_ctx: int) -> None:
     p = _python(code, str(gguf), str(n_ctx))
     assert p.returncode == 0, p.stderr[-800:]
     # (one rule, one message: Python raises libclover's, clover_context_params_check)
-    assert f"python: n_ctx must be >= 3, got {n_ctx}" in p.stdout and "native: False n_ctx must be >= 3" in p.stdout, \
+    assert f"python: n_ctx must be 0 (the model's training context) or >= 3, got {n_ctx}" in p.stdout and \
+        "native: False n_ctx must be 0 (the model's training context) or >= 3" in p.stdout, \
         p.stdout
     with Clover(gguf, n_ctx=3, n_threads=1, block_size=1) as m:
         assert len(m.generate([1], max_tokens=1).tokens) == 1

@@ -150,8 +150,12 @@ def test_errors_block_size_and_passes(model, vocab_hi):
         assert not L.clover_context_new(model.p, ctypes.byref(cp), eb, el)
         assert b"block size" in eb.value
     cp = L.clover_context_default_params()
-    cp.n_ctx = 0
+    cp.n_ctx = 2
     assert not L.clover_context_new(model.p, ctypes.byref(cp), eb, el) and b"n_ctx" in eb.value
+    cp.n_ctx = 0  # the model's training context (llama.cpp's n_ctx = 0)
+    c = L.clover_context_new(model.p, ctypes.byref(cp), eb, el)
+    assert c and L.clover_n_ctx(c) == L.clover_n_ctx_train(model.p)
+    L.clover_context_free(c)
     assert not L.clover_context_new(None, None, eb, el)
     with Ctx(model, 4, n_ctx=16) as ctx:
         assert L.clover_set_block_size(ctx.p, 0, eb, el) == N.CLOVER_ERR_INVALID_ARG and b"block size" in eb.value

@@ -27,8 +27,8 @@ def runtime_options(f: Any) -> Any:
     opts = [
         click.option("-t", "--threads", "threads", type=click.IntRange(1, 512), default=None,
                      help="CPU threads (default: from the hardware)."),
-        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=1), default=4096, show_default=True,
-                     help="Context size (prompt + generation) in tokens."),
+        click.option("-c", "--ctx-size", "ctx_size", type=click.IntRange(min=0), default=4096, show_default=True,
+                     help="Context size (prompt + generation) in tokens; 0 = the model's training context."),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", type=click.IntRange(min=-1), default=0,
                      show_default=True, help="Layers to offload to the GPU (-1 = all)."),
         click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
