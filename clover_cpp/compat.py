@@ -122,6 +122,36 @@ class LlamaState:
         self.seed = seed
 
 
+class CloverTokenizer:
+    """llama-cpp-python's ``LlamaTokenizer`` over a Clover (what ``tokenizer()`` returns):
+    ``tokenize`` / ``detokenize`` in bytes, ``encode`` / ``decode`` in str."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._model.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        return self._model.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class LlamaCompat:
     """The llama-cpp-python-compatible methods of :class:`Clover` (a mixin over its generate,
     generate_chat, tokenizer and room)."""
@@ -150,6 +180,32 @@ class LlamaCompat:
     committed_tokens: Any
     last_logits: Any
     _decoder: Any
+    cache: Any = None  # set_cache's
+
+    def tokenizer(self) -> CloverTokenizer:
+        """llama-cpp-python's ``Llama.tokenizer()``: a ``LlamaTokenizer``-like object over this model."""
+        return CloverTokenizer(self)
+
+    def set_cache(self, cache: Any) -> None:
+        """llama-cpp-python's ``Llama.set_cache``: a ``LlamaRAMCache`` / ``LlamaDiskCache`` (or any
+        mapping from token lists to states whose lookup takes the longest cached prefix, raising
+        KeyError for none). create_completion then starts from the cached state of the longest
+        prefix of its prompt when that is longer than what the memory already holds, and caches
+        the state after each completion (prompt and reply), as llama-cpp-python's does; None: off."""
+        self.cache = cache
+
+    def _from_cache(self, toks: list[int]) -> None:
+        """The memory from the cache's longest prefix of ``toks``, when it beats the memory's own."""
+        try:
+            state = self.cache[toks]
+        except KeyError:
+            return
+        cached = [int(t) for t in state.input_ids[:state.n_tokens]]
+        if _common_prefix(cached, toks) > _common_prefix(self.committed_tokens, toks):
+            self.load_state(state)
+
+    def _to_cache(self) -> None:
+        self.cache[list(self.committed_tokens)] = self.save_state()
 
     def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> PromptLogprobs:
         """The log-probability of each token of ``prompt`` (text: tokenized as generate() does)
@@ -394,6 +450,8 @@ class LlamaCompat:
         echo = bool_arg("echo", echo)
         head = reply.head("text_completion", model if isinstance(model, str) else str(self.model_path))
         scored = self.prompt_logprobs(toks, kw["logprobs"]) if echo and kw.get("logprobs") is not None else None
+        if self.cache is not None:
+            self._from_cache(toks)
         if kw["stream"]:
             s = self.generate(toks, **kw, **gen_kwargs)
 
@@ -409,9 +467,13 @@ class LlamaCompat:
                         offset += sum(len(t) for t in lp["tokens"]) if lp is not None else 0
                         yield {**head, "choices": [reply.text_choice(0, str(piece), lp)]}
                 assert s.result is not None
+                if self.cache is not None:
+                    self._to_cache()
                 yield {**head, "choices": [reply.text_choice(0, "", None, reply.finish_reason(s.result))]}
             return chunks()
         r = self.generate(toks, **kw, **gen_kwargs)
+        if self.cache is not None:
+            self._to_cache()
         text = (prompt_text if echo else "") + r.text
         return {**head, "choices": [reply.text_choice(0, text, self._completion_logprobs(r, prompt_text, scored),
                                                       reply.finish_reason(r))],

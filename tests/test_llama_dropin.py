@@ -343,3 +343,38 @@ def test_llama_cpp_python_readme_usage(gguf):
         assert llm.detokenize(toks) == b"hi" and 0 <= llm.token_eos() < llm.n_vocab() and llm.n_ctx() == 256
     finally:
         llm.close()
+
+
+def test_tokenizer_and_set_cache(gguf):
+    """``tokenizer()`` is a LlamaTokenizer-like object; ``set_cache`` with llama-cpp-python's own
+    LlamaRAMCache: each completion's state is cached, a prompt that continues a cached one is
+    looked up there (the memory then starts from that state) and gives the uncached text."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from clover_cpp import Clover
+
+    class Counting(llama_cpp.LlamaRAMCache):
+        hits = 0
+
+        def __getitem__(self, key):
+            got = super().__getitem__(key)
+            Counting.hits += 1
+            return got
+
+    with Clover(gguf, n_ctx=256, n_threads=1, block_size=1) as m:  # (B = 1: the same text every call)
+        t = m.tokenizer()
+        ids = t.encode("def f(x):")
+        assert ids == m.tokenize(b"def f(x):", add_bos=True, special=True) and t.decode(ids) == "def f(x):"
+        assert t.detokenize(t.tokenize(b"abc", add_bos=False)) == b"abc"
+        first = m.create_completion("def f(x):", max_tokens=6, temperature=0)["choices"][0]["text"]
+        more = "def f(x):" + first + "\n"
+        want = m.create_completion(more, max_tokens=6, temperature=0)["choices"][0]["text"]
+        cache = Counting(capacity_bytes=1 << 28)
+        m.set_cache(cache)
+        m.reset()
+        assert m.create_completion("def f(x):", max_tokens=6, temperature=0)["choices"][0]["text"] == first
+        assert len(cache.cache_state) == 1 and Counting.hits == 0
+        m.reset()  # (the memory is empty: only the cache holds the first exchange)
+        assert m.create_completion(more, max_tokens=6, temperature=0)["choices"][0]["text"] == want
+        assert Counting.hits == 1
+        m.set_cache(None)
+        assert m.cache is None
