@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -231,38 +232,78 @@ def test_calibration_keyed_by_the_device(gguf, tmp_path, monkeypatch, vulkan_dev
     assert calibration() == "cached"
 
 
-# Reproduced alone (no server): with every layer on llvmpipe, the decode after committing this 9-token
-# prompt segfaults in a worker thread of Mesa 22.3's libvulkan_lvp.so (8 tokens do not), so the server
-# dies and the client sees a closed connection. Not with GGML_VK_DISABLE_FUSION=1, nor when an eval
-# callback has ggml-vulkan run the nodes one at a time; turning off any single fusion kind (or the
-# add + rms_norm partials alone) does not avoid it. Whether it is ggml-vulkan, llvmpipe or an access of
-# our graph past a tensor that only llvmpipe faults on is not established (docs/install.md).
-@pytest.mark.xfail(reason="2026-12-04: llvmpipe segfaults in the decode after this 9-token prompt's commit "
-                          "(not with GGML_VK_DISABLE_FUSION=1); cause not established", strict=False)
-def test_serve_prefix_reuse_with_offload(gguf, tiny_artifacts) -> None:
+LOCAL_TURNS = """
+import json, sys
+from clover_cpp import Clover
+with Clover(sys.argv[1], n_ctx=1024, n_threads=2, n_gpu_layers=-1) as local:
+    first = local.tokenize("def alpha(x):\\n", add_bos=True, special=True)
+    w1 = local.generate(first, max_tokens=8, block_size=4, stop_at_eos=False, reuse_prefix=False)
+    then = local.committed_tokens + local.tokenize("    return x\\n", add_bos=False, special=True)
+    w2 = local.generate(then, max_tokens=8, block_size=4, stop_at_eos=False)
+    print(json.dumps({"first": first, "then": then, "w1": w1.text, "w2": w2.text, "reused": w2.stats.n_reused}))
+"""
+
+
+# (with every layer on llvmpipe this prompt's B = 4 decode dies in the driver, in the server and in a
+# process of its own alike, fused shaders or not: the local turns run in a child, so that a crash is
+# this test's xfail and not the end of the test run)
+@pytest.mark.xfail(reason="2026-12-04: on llvmpipe the B = 4 decode after this 9-token prompt dies by a signal "
+                          "in the driver (fused shaders or not): under investigation", strict=False)
+def test_serve_prefix_reuse_with_offload(gguf, tiny_artifacts, tmp_path) -> None:
     """`clover serve -ngl -1`: a second turn that continues the first reuses its committed
     prefix (cached_tokens = the local run's stats.n_reused) and answers what the local
     offloaded model answers."""
+    import json
+
     pytest.importorskip("openai", reason="the test extra installs openai")
     from clover_testkit.server_harness import Server
 
+    p = subprocess.run([sys.executable, "-c", LOCAL_TURNS, str(gguf)], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=300)
+    assert p.returncode == 0, f"the local turns died (exit {p.returncode}): {p.stderr[-800:]}"
+    want = json.loads(p.stdout.strip().splitlines()[-1])
+    assert want["reused"] > len(want["first"])
     kw = dict(max_tokens=8, temperature=0)
     s = Server(gguf, "-ngl", "-1", "-t", "2")
     try:
         c = s.client()
-        with Clover(gguf, n_ctx=1024, n_threads=2, n_gpu_layers=-1) as local:
-            first = local.tokenize("def alpha(x):\n", add_bos=True, special=True)
-            r1 = c.completions.create(model="x", prompt=first, extra_body={"block_size": 4, "ignore_eos": True}, **kw)
-            w1 = local.generate(first, max_tokens=8, block_size=4, stop_at_eos=False, reuse_prefix=False)
-            assert r1.choices[0].text == w1.text
-            then = local.committed_tokens + local.tokenize("    return x\n", add_bos=False, special=True)
-            w2 = local.generate(then, max_tokens=8, block_size=4, stop_at_eos=False)
-            assert w2.stats.n_reused > len(first)
-            r2 = c.completions.create(model="x", prompt=then, extra_body={"block_size": 4, "ignore_eos": True}, **kw)
-            assert r2.usage.prompt_tokens_details.cached_tokens == w2.stats.n_reused
-            assert r2.choices[0].text == w2.text
+        r1 = c.completions.create(model="x", prompt=want["first"], extra_body={"block_size": 4, "ignore_eos": True},
+                                  **kw)
+        assert r1.choices[0].text == want["w1"]
+        r2 = c.completions.create(model="x", prompt=want["then"], extra_body={"block_size": 4, "ignore_eos": True},
+                                  **kw)
+        assert r2.usage.prompt_tokens_details.cached_tokens == want["reused"]
+        assert r2.choices[0].text == want["w2"]
     finally:
         s.stop()
+
+
+FUSED_CHILD = """
+import sys
+from clover_cpp import Clover
+with Clover(sys.argv[1], n_ctx=1024, n_threads=2, n_gpu_layers=-1) as m:
+    first = m.tokenize("def alpha(x):\\n", add_bos=True, special=True)
+    print(m.generate(first, max_tokens=8, block_size=1, stop_at_eos=False, reuse_prefix=False).tokens)
+"""
+
+
+def test_fused_shaders_on_llvmpipe(gguf, tmp_path) -> None:
+    """The reproducer of the crash that dev.sh avoids by running these tests with
+    GGML_VK_DISABLE_FUSION=1: with ggml-vulkan's fused shaders on, the decode after the commit of
+    this 9-token prompt segfaults in a worker thread of Debian 12's llvmpipe (Mesa 22.3,
+    libvulkan_lvp.so; 8 tokens do not); running the nodes one at a time avoids it too, turning off
+    any single fusion kind does not. Whether ggml-vulkan, llvmpipe or our graph is at fault is not
+    established. A child with fusion on: xfail while it crashes; once it runs, its tokens must be
+    the CPU build's."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_VK_DISABLE_FUSION"}
+    p = subprocess.run([sys.executable, "-c", FUSED_CHILD, str(gguf)], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=300)
+    if p.returncode < 0:
+        pytest.xfail(f"llvmpipe died with signal {-p.returncode} in the fused shaders (see the docstring)")
+    assert p.returncode == 0, p.stderr[-1500:]
+    cpu = subprocess.run([sys.executable, "-c", FUSED_CHILD.replace("n_gpu_layers=-1", "n_gpu_layers=0"), str(gguf)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert cpu.returncode == 0 and p.stdout == cpu.stdout, (p.stdout, cpu.stdout, cpu.stderr[-800:])
 
 
 SCHED_NODE = re.compile(r"node #\s*\d+ \(\s*([A-Z0-9_]+)\): +(\S+) +\( *[0-9.]+ ?[A-Za-z]*\) \[(.{5}) ")
