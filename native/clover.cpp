@@ -190,20 +190,21 @@ struct decode_run {
         // the step cap unmasks every position now, or one is left (select_unmask unmasks at least
         // one): no confidence is read
         const bool all_now = greedy_plain && ((cap > 0 && cap - s <= 1) || nm == 1);
-        for (int32_t j = 0; j < nm && (all_now || !greedy_plain); ++j) {
-            const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
-            if (all_now) {
-                cand_tok[j]  = clover_detail::greedy_candidate(row, m->n_vocab, m->mask);
-                cand_conf[j] = 1.0;
-                continue;
-            }
-            ex.pick_at(row, masked[j], gp, rng, work, cand_tok[j], cand_conf[j]);
-            if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
-                std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
-            }
-        }
         if (greedy_plain && !all_now) {
             greedy_rows(nm); // (what ex.pick_at would give: a row's greedy candidate and confidence)
+        } else {
+            for (int32_t j = 0; j < nm; ++j) {
+                const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
+                if (all_now) {
+                    cand_tok[j]  = clover_detail::greedy_candidate(row, m->n_vocab, m->mask);
+                    cand_conf[j] = 1.0;
+                    continue;
+                }
+                ex.pick_at(row, masked[j], gp, rng, work, cand_tok[j], cand_conf[j]);
+                if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
+                    std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
+                }
+            }
         }
         const int32_t k =
             clover_detail::select_unmask(cand_conf.data(), nm, gp.threshold, cap, s, order.data());
