@@ -18,7 +18,7 @@
 #   CLOVER_CMAKE_ARGS  extra CMake arguments, e.g. "-DGGML_CUDA=ON" (CMAKE_ARGS too); a change
 #                      configures build/ afresh
 #   CLOVER_JOBS        parallel build jobs (default: number of cores)
-#   CLOVER_WITH_TRAIN  1 = also install the training extra (torch) so tests/test_train.py runs
+#   CLOVER_WITH_TRAIN  1 = also install the training extra (torch) so tests/project/test_train.py runs
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -110,13 +110,13 @@ build_native() {
 }
 
 # llama.cpp's own tools, from the same patched tree: they run clover GGUFs causally (B = 1;
-# tests/test_llama_tools.py, tests/test_causal_path.py). The package build makes only what the wheel
-# ships; on two cores they add ~16 min to a first set-up (ccache: seconds after that).
+# tests/native/test_llama_tools.py, tests/native/test_causal_path.py). The package build makes only
+# what the wheel ships; on two cores they add ~16 min to a first set-up (ccache: seconds after that).
 LLAMA_TOOLS=(llama-cli llama-server llama-completion llama-perplexity llama-bench llama-tokenize llama-quantize
              llama-imatrix llama-gguf-split)
 setup() { setup_python; build_native "${LLAMA_TOOLS[@]}" "$@"; setup_llama_cpp_python; }
 
-# the other llama.cpp programs the tests run (tests/test_semantics.py)
+# the other llama.cpp programs the tests run (tests/reference/test_semantics.py)
 TEST_TOOLS=(llama-simple)
 
 # The native decoding tests, the fuzz corpus and the hardening tests once more, on an
@@ -141,15 +141,14 @@ convert(sys.argv[1] + '/ck', sys.argv[1] + '/tiny.gguf', outtype='f16', progress
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     CLOVER_LIB_PATH="$asan_build/bin/libclover.so" CLOVER_CLI_PATH="$asan_build/bin/clover-cli" \
-        "$PY" -m pytest -q tests/test_native_parity.py tests/test_native_decoding.py tests/test_native_arguments.py \
-            tests/test_native_sampling_and_callbacks.py tests/test_native_model.py tests/test_block_auto.py tests/test_fuzz.py \
-            tests/test_hardening.py tests/test_prefix_reuse.py tests/test_threads.py \
+        "$PY" -m pytest -q tests/native/test_native_{parity,decoding,arguments,sampling_and_callbacks,model}.py \
+            tests/native/test_block_auto.py tests/hostile/test_{fuzz,hardening}.py tests/runtime/test_{prefix_reuse,threads}.py \
             -k "block_pass or generate or errors or bad_clover or cost_curve or switches or calibrate or prefill or budget or disk_cache or fuzz or llama_cpp_asserts or fifo or reentrant or values or prefill or reuse or new_context or threads or close or stream or subnormal or impossible or training_block"
     log "RPC tests (client and servers) under AddressSanitizer + UBSan"
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
     ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     CLOVER_LIB_PATH="$asan_build/bin/libclover.so" CLOVER_CLI_PATH="$asan_build/bin/clover-cli" \
-    CLOVER_RPC_SERVER_PATH="$asan_build/bin/ggml-rpc-server" "$PY" -m pytest -q tests/test_rpc.py
+    CLOVER_RPC_SERVER_PATH="$asan_build/bin/ggml-rpc-server" "$PY" -m pytest -q tests/native/test_rpc.py
 }
 
 # llama.cpp's own tests on the patched tree (native/upstream-tests/CMakeLists.txt says which run,

@@ -1,4 +1,4 @@
-"""Constrained decoding's cost: the JSON schema of tests/test_grammar.py over its 10 prompts
+"""Constrained decoding's cost: the JSON schema of tests/runtime/test_grammar.py over its 10 prompts
 (greedy, up to 200 tokens each) at block size 1 and with draft-self (B = 4, 8, 16), and the same
 prompts unconstrained (64 tokens), on one thread.
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
 
 from test_grammar import PROMPTS, RF_SCHEMA  # noqa: E402
 

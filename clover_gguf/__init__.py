@@ -3,4 +3,4 @@
 (:mod:`.keys`), the output-file rules (:mod:`.files`), the quantization types and the
 importance-matrix format (:mod:`.quant`), the Clover GGUF reader check (:mod:`.reader`) and the
 user-error base (:mod:`.errors`). It imports neither package above it; they never import each
-other (tests/test_layering.py)."""
+other (tests/project/test_layering.py)."""

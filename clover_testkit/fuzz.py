@@ -1,4 +1,4 @@
-"""Structure-aware mutators for the fuzz suite (tests/test_fuzz.py): GGUF metadata and tensor
+"""Structure-aware mutators for the fuzz suite (tests/hostile/test_fuzz.py): GGUF metadata and tensor
 infos (rewritten through gguf-py, so the file stays well-formed where the mutation does not
 aim at the format itself), safetensors headers and config.json files.
 

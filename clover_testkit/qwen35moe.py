@@ -10,7 +10,7 @@ dimensions and weights. Every tensor and key of the clover GGUF except the clove
 ``diffusion.block_size``), keys renamed ``clover.*`` -> ``qwen35moe.*`` plus
 ``rope.dimension_sections``; the tensors copied byte for byte (the same types). The chat template
 is left out. What the GGUFs users already have of Qwen3.5-MoE look like to the loader (the
-benchmarks' same-size baseline, and the fixture of tests/test_qwen35moe.py)."""
+benchmarks' same-size baseline, and the fixture of tests/runtime/test_qwen35moe.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 // clover-abi.cpp - what a binding checks at load (clover_api_version, clover_abi_query): the
 // size and alignment of every public struct, the offset of every field, the field counts and
 // the values of the named constants, as this build of clover.h has them. One table; a binding
-// (clover_cpp/_native.py) compares its own declarations with it, and tests/test_abi.py checks
+// (clover_cpp/_native.py) compares its own declarations with it, and tests/native/test_abi.py checks
 // that the table lists every field clover.h declares.
 
 #include "clover.h"

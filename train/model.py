@@ -25,7 +25,7 @@ Within a chunk with start state S0 and G the cumulative sum of g:
 ``Delta = (I + A)^-1 (beta v - beta e^G k S0)`` with ``A[t,s] = beta_t e^(G_t - G_s) k_t.k_s``
 (s < t), ``S1 = e^G_n S0 + (k e^(G_n - G))^T Delta``, and the outputs read before the write
 ``S_{t-1}^T q_t = e^(G_{t-1}) q_t^T S0 + sum_{s<t} e^(G_{t-1} - G_s) (q_t.k_s) Delta_s``
-(G_{-1} = 0 at the chunk start). tests/test_train.py checks all of it against a
+(G_{-1} = 0 at the chunk start). tests/project/test_train.py checks all of it against a
 token-by-token loop of the spec.
 """
 

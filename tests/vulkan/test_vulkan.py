@@ -22,7 +22,7 @@ printed with -s). Both sides compute in f32 from the same f32 weights; they diff
 order of summation (ggml-vulkan's tiled matrix products and subgroup reductions against the CPU's
 SIMD dot products), a few f32 ulps per op that grow through 4 layers, the gated-delta-net
 recurrence and a 576-way output head to ~1e-6 of the largest logit here. Against the float64
-numpy reference the native f32 graph itself is off by up to ~1e-4 (tests/test_native_parity.py
+numpy reference the native f32 graph itself is off by up to ~1e-4 (tests/native/test_native_parity.py
 allows 1e-3, F32_TOL); the same bound holds here.
 """
 from __future__ import annotations

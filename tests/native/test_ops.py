@@ -1,0 +1,56 @@
+"""The clover graph uses only ggml ops that the CPU, CUDA, Metal and Vulkan backends all handle."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_check_ops():
+    spec = importlib.util.spec_from_file_location("check_ops", ROOT / "native" / "check_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_graph_ops_supported_by_every_backend(tiny_artifacts):
+    check_ops = load_check_ops()
+    ops = check_ops.graph_ops(tiny_artifacts["f16"], 8)
+    # the ops that make Clover what it is must really be in the graph
+    for op in ("GATED_DELTA_NET", "SSM_CONV", "PAD", "SOFT_MAX", "MUL_MAT_ID", "ROPE", "EXP"):
+        assert op in ops
+    assert check_ops.check(ops) == {"CPU": [], "CUDA": [], "Metal": [], "Vulkan": []}
+
+
+def test_check_flags_an_unsupported_op():
+    check_ops = load_check_ops()
+    # (the CPU's supports_op accepts every op it does not name: its switch's default)
+    assert check_ops.check(["MUL_MAT", "NO_SUCH_OP"]) == {"CPU": [], "CUDA": ["NO_SUCH_OP"], "Metal": ["NO_SUCH_OP"],
+                                                          "Vulkan": ["NO_SUCH_OP"]}
+
+
+def test_case_bodies_are_read():
+    """Each backend's answer is its case's body: a bare return true is "yes", a condition is
+    "conditional" (with the code), a unary op missing from the UNARY case's switch is "NO"."""
+    check_ops = load_check_ops()
+    res = check_ops.table(["GATED_DELTA_NET", "SSM_CONV", "SILU", "TRUNC"])
+    assert res["CPU"]["SILU"][0] == "yes"                      # the CPU's default
+    assert res["Vulkan"]["GATED_DELTA_NET"][0] == "conditional"
+    assert "S_v != 16" in res["Vulkan"]["GATED_DELTA_NET"][1]  # its head-size condition
+    assert res["CUDA"]["SSM_CONV"] == ("conditional", "{ return op->src[0]->ne[1] % 128 == 0; }")
+
+
+def test_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "native" / "check_ops.py"), *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    ok = run("--ops", "MUL_MAT,SOFT_MAX")
+    assert ok.returncode == 0 and "Vulkan : every op" in ok.stdout
+    bad = run("--ops", "NO_SUCH_OP")
+    assert bad.returncode == 1 and "CUDA   : NOT supported: NO_SUCH_OP" in bad.stdout
+    missing = run(str(tmp_path / "none.gguf"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such file" in missing.stderr

@@ -1,0 +1,603 @@
+"""Training code (spec v2: causal clean stream, shifted decode blocks): torch forward == a
+token-by-token loop (and the numpy reference), masks and losses, resume, export (needs torch)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # train/ is not installed
+
+torch = pytest.importorskip("torch")
+
+from clover_testkit.reference import CloverConfig, CloverReference  # noqa: E402
+from train.model import CloverTorch  # noqa: E402
+from train import train as tr  # noqa: E402
+
+
+def tiny_cfg(**kw) -> CloverConfig:
+    d = dict(vocab_size=50, hidden_size=16, num_hidden_layers=3, full_attention_interval=2,
+             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+             linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_conv_lookahead=2,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=8, partial_rotary_factor=0.5,
+             rope_theta=10000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+             shared_expert_intermediate_size=8, block_size=4, mask_token_id=49, eos_token_id=48)
+    d.update(kw)
+    return CloverConfig.from_dict(d)
+
+
+def random_model(cfg: CloverConfig, seed: int = 0) -> CloverTorch:
+    m = CloverTorch(cfg, seed=seed).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # bigger than the training init so that every path matters
+        for name, p in m.p.items():
+            if "A_log" in name or "dt_bias" in name:
+                continue
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return m
+
+
+# ---------------------------------------------------------------- the oracle: spec v2, token by token
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _rmsnorm1p(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def _l2(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def _rope(x, pos, rot, theta):
+    """x [n, dh] at positions pos [n] (NeoX rotate_half on the first rot dims)."""
+    half = rot // 2
+    out = x.copy()
+    for t, ps in enumerate(pos):
+        for d in range(half):
+            ang = ps * theta ** (-2.0 * d / rot)
+            x1, x2 = x[t, d], x[t, d + half]
+            out[t, d] = x1 * np.cos(ang) - x2 * np.sin(ang)
+            out[t, d + half] = x2 * np.cos(ang) + x1 * np.sin(ang)
+    return out
+
+
+class SlowClover:
+    """A plain float64 loop over spec v2: memory = per GDN layer (S, conv tail), per attention
+    layer the committed K, V; `step` runs n canvas tokens against it (block size Bsz) and,
+    with commit, absorbs them one by one. Independent of train/model.py's chunked algebra."""
+
+    def __init__(self, cfg, weights):
+        self.c, self.w = cfg, {k: np.asarray(v, np.float64) for k, v in weights.items()}
+
+    def new_memory(self):
+        c, mem = self.c, {"n": 0}
+        for i, lt in enumerate(c.layer_types):
+            if lt == "linear_attention":
+                mem[i] = [np.zeros((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)),
+                          np.zeros((c.linear_conv_kernel_dim - 1, c.conv_dim))]
+            else:
+                mem[i] = [np.zeros((0, c.num_key_value_heads, c.head_dim)),
+                          np.zeros((0, c.num_key_value_heads, c.head_dim))]
+        return mem
+
+    def _gdn(self, i, x, mem, Bsz, commit):
+        c, w, p = self.c, self.w, f"model.layers.{i}.linear_attn."
+        Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        K, R, n = c.linear_conv_kernel_dim, c.linear_conv_lookahead, len(x)
+        S, tail = mem[i]
+        u = x @ w[p + "in_proj_qkv.weight"].T
+        z = x @ w[p + "in_proj_z.weight"].T
+        bl, al, ml = (x @ w[p + f"in_proj_{s}.weight"].T for s in "bam")
+        U = np.concatenate([tail, u, np.zeros((R, u.shape[1]))])
+        wc = w[p + "conv1d.weight"][:, 0]
+        cv = np.zeros_like(u)
+        for t in range(n):
+            for j in range(K):
+                cv[t] += wc[:, j] * U[t + j]
+            for j in range(R):
+                cv[t] += w[p + "conv1d_lookahead.weight"][:, 0, j] * U[K - 1 + t + 1 + j]
+        cv = _silu(cv)
+        q = _l2(cv[:, :Hk * dk].reshape(n, Hk, dk))
+        k = _l2(cv[:, Hk * dk:2 * Hk * dk].reshape(n, Hk, dk))
+        v = cv[:, 2 * Hk * dk:].reshape(n, Hv, dv)
+        tau = np.exp(w[p + "block_calib"][0] + w[p + "block_calib"][1] * np.log(Bsz / c.block_size))
+        y = np.zeros((n, Hv, dv))
+        for t in range(n):
+            for j in range(Hv):
+                kh = j // (Hv // Hk)
+                o_mem = S[j].T @ q[t, kh] / np.sqrt(dk)
+                sc = np.array([tau[j] * q[t, kh] @ k[s, kh] for s in range(n)])
+                e = np.exp(sc - sc.max())
+                o_blk = (e / e.sum()) @ v[:, j]
+                lam = 1.0 / (1.0 + np.exp(-ml[t, j]))
+                o = lam * o_mem + (1 - lam) * o_blk
+                o = o / np.sqrt((o * o).mean() + c.rms_norm_eps)
+                y[t, j] = w[p + "norm.weight"] * o * _silu(z[t, j * dv:(j + 1) * dv])
+        if commit:
+            S = S.copy()
+            for t in range(n):
+                for j in range(Hv):
+                    kh = j // (Hv // Hk)
+                    beta = 1.0 / (1.0 + np.exp(-bl[t, j]))
+                    g = -np.exp(w[p + "A_log"][j]) * np.log1p(np.exp(al[t, j] + w[p + "dt_bias"][j]))
+                    S[j] = np.exp(g) * S[j]
+                    S[j] = S[j] + np.outer(k[t, kh], beta * (v[t, j] - S[j].T @ k[t, kh]))
+            mem[i] = [S, np.concatenate([tail, u])[-(K - 1):]]
+        return y.reshape(n, Hv * dv) @ w[p + "out_proj.weight"].T
+
+    def _attn(self, i, x, mem, commit):
+        c, w, p = self.c, self.w, f"model.layers.{i}.self_attn."
+        nh, nkv, dh, n = c.num_attention_heads, c.num_key_value_heads, c.head_dim, len(x)
+        qf = (x @ w[p + "q_proj.weight"].T).reshape(n, nh, 2 * dh)
+        k = (x @ w[p + "k_proj.weight"].T).reshape(n, nkv, dh)
+        v = (x @ w[p + "v_proj.weight"].T).reshape(n, nkv, dh)
+        pos = mem["n"] + np.arange(n)
+        q = _rmsnorm1p(qf[..., :dh], w[p + "q_norm.weight"], c.rms_norm_eps)
+        k = _rmsnorm1p(k, w[p + "k_norm.weight"], c.rms_norm_eps)
+        q = np.stack([_rope(q[:, h], pos, c.rotary_dim, c.rope_theta) for h in range(nh)], 1)
+        k = np.stack([_rope(k[:, h], pos, c.rotary_dim, c.rope_theta) for h in range(nkv)], 1)
+        Kc, Vc = np.concatenate([mem[i][0], k]), np.concatenate([mem[i][1], v])
+        out = np.zeros((n, nh, dh))
+        for t in range(n):
+            for h in range(nh):
+                sc = Kc[:, h // (nh // nkv)] @ q[t, h] / np.sqrt(dh)
+                e = np.exp(sc - sc.max())
+                out[t, h] = (e / e.sum()) @ Vc[:, h // (nh // nkv)]
+        out = out / (1.0 + np.exp(-qf[..., dh:]))
+        if commit:
+            mem[i] = [Kc, Vc]
+        return out.reshape(n, nh * dh) @ w[p + "o_proj.weight"].T
+
+    def _moe(self, i, x):
+        c, w, p = self.c, self.w, f"model.layers.{i}.mlp."
+        out = np.zeros_like(x)
+        for t in range(len(x)):
+            lg = w[p + "gate.weight"] @ x[t]
+            pr = np.exp(lg - lg.max())
+            pr /= pr.sum()
+            top = np.argsort(-pr, kind="stable")[:c.num_experts_per_tok]
+            wt = pr[top] / (pr[top].sum() if c.norm_topk_prob else 1.0)
+            for e, we in zip(top, wt):
+                h = _silu(w[p + f"experts.{e}.gate_proj.weight"] @ x[t]) * (w[p + f"experts.{e}.up_proj.weight"] @ x[t])
+                out[t] += we * (w[p + f"experts.{e}.down_proj.weight"] @ h)
+            hs = _silu(w[p + "shared_expert.gate_proj.weight"] @ x[t]) * (w[p + "shared_expert.up_proj.weight"] @ x[t])
+            sg = 1.0 / (1.0 + np.exp(-(w[p + "shared_expert_gate.weight"] @ x[t])))
+            out[t] += sg * (w[p + "shared_expert.down_proj.weight"] @ hs)
+        return out
+
+    def step(self, mem, tokens, Bsz, commit):
+        """Logits [n, V] of the n tokens run as one block of size Bsz; commit: absorb them."""
+        c, w = self.c, self.w
+        h = w["model.embed_tokens.weight"][np.asarray(tokens)]
+        for i, lt in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            x = _rmsnorm1p(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            h = h + (self._gdn(i, x, mem, Bsz, commit) if lt == "linear_attention" else self._attn(i, x, mem, commit))
+            h = h + self._moe(i, _rmsnorm1p(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps))
+        if commit:
+            mem["n"] += len(tokens)
+        head = w["model.embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]
+        return _rmsnorm1p(h, w["model.norm.weight"], c.rms_norm_eps) @ head.T
+
+    def training_logits(self, clean, noisy, B, o):
+        """(clean logits [T, V]: each token committed as a block of one; noisy logits [(nb-1)B, V]:
+        the block passes of noisy[o+bB : o+(b+1)B] against the memory of clean[:o+bB])."""
+        import copy
+        T = len(clean)
+        mem, cl, nl = self.new_memory(), [], []
+        for t in range(T):
+            if t >= o and (t - o) % B == 0 and t + B <= T:
+                nl.append(self.step(copy.deepcopy(mem), noisy[t:t + B], B, commit=False))
+            cl.append(self.step(mem, [clean[t]], 1, commit=True)[0])
+        return np.stack(cl), np.concatenate(nl)
+
+
+def _states_at_block_starts(slow, clean, B, o):
+    """The oracle's GDN states S at every decode block start (after clean[:p])."""
+    mem, out = slow.new_memory(), []
+    for t in range(len(clean)):
+        if t >= o and (t - o) % B == 0 and t + B <= len(clean):
+            out.append({i: m[0].copy() for i, m in mem.items() if i != "n" and m[0].ndim == 3})
+        slow.step(mem, [clean[t]], 1, commit=True)
+    return out, mem
+
+
+@pytest.mark.parametrize("B,o", [(4, 1), (4, 4), (4, 3), (3, 2), (8, 5), (2, 1)])
+def test_forward_matches_token_by_token_loop(B, o):
+    """forward_train (chunked delta rule, one batched pass) == a plain loop over spec v2:
+    every clean token committed as a block of one, every decode block passed against the
+    memory of the clean tokens before its start; float64, <= 1e-6 relative."""
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    slow = SlowClover(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
+    rng = np.random.default_rng(10 * B + o)
+    N, T = 2, 3 * B if B > 2 else 8
+    clean = rng.integers(0, 48, size=(N, T))
+    noisy = np.where(rng.random((N, T)) < 0.5, cfg.mask_token_id, clean)
+    trace: dict = {}
+    with torch.no_grad():
+        cl, nl, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, o, trace=trace)
+    assert cl.shape == (N, T, cfg.vocab_size) and nl.shape == (N, (T // B - 1) * B, cfg.vocab_size)
+    for n in range(N):
+        want_c, want_n = slow.training_logits(clean[n], noisy[n], B, o)
+        scale = np.abs(want_c).max()
+        np.testing.assert_allclose(cl[n].numpy(), want_c, rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(nl[n].numpy(), want_n, rtol=0, atol=1e-6 * scale)
+        states, mem = _states_at_block_starts(slow, clean[n], B, o)
+        for i, S in trace["states"].items():
+            for b in range(len(states)):
+                np.testing.assert_allclose(S[n, b].numpy(), states[b][i], rtol=0, atol=1e-9)
+            np.testing.assert_allclose(trace["final_state"][i][n].numpy(), mem[i][0], rtol=0, atol=1e-9)
+            np.testing.assert_allclose(trace["conv_tail"][i][n].numpy(), mem[i][1], rtol=0, atol=1e-12)
+
+
+def test_forward_is_causal():
+    """Clean logits at t depend on clean[:t+1] only; a decode block's logits on its canvas and
+    the clean tokens before its start only."""
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    rng = np.random.default_rng(3)
+    B, o, T = 4, 2, 12
+    clean = rng.integers(0, 48, size=(1, T))
+    noisy = np.where(rng.random((1, T)) < 0.5, cfg.mask_token_id, clean)
+    cut = o + B          # the start of the second decode block
+    clean2 = clean.copy()
+    clean2[0, cut:] = rng.integers(0, 48, size=T - cut)
+    noisy2 = noisy.copy()
+    noisy2[0, cut:] = rng.integers(0, 48, size=T - cut)
+    with torch.no_grad():
+        c1, n1, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, o)
+        c2, n2, _ = model.forward_train(torch.as_tensor(clean2), torch.as_tensor(noisy2), B, o)
+    assert torch.allclose(c1[:, :cut], c2[:, :cut], rtol=0, atol=1e-12)
+    assert not torch.allclose(c1[:, cut:], c2[:, cut:])
+    assert torch.allclose(n1[:, :B], n2[:, :B], rtol=0, atol=1e-12)     # block 0: [o, o + B)
+    # outside the decode blocks the noisy input is ignored
+    noisy3 = noisy.copy()
+    noisy3[0, :o] = cfg.mask_token_id
+    with torch.no_grad():
+        _, n3, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy3), B, o)
+    assert torch.equal(n1, n3)
+
+
+@pytest.mark.parametrize("B,o", [(4, 1), (4, 4), (3, 2)])
+def test_forward_matches_reference(B, o):
+    """forward_train == the numpy reference (commit is causal; block_pass against the memory)."""
+    cfg = tiny_cfg()
+    model = random_model(cfg)
+    ref = CloverReference(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
+    rng = np.random.default_rng(B + o)
+    N, T = 2, 3 * B
+    clean = rng.integers(0, 48, size=(N, T))
+    noisy = np.where(rng.random((N, T)) < 0.5, cfg.mask_token_id, clean)
+    with torch.no_grad():
+        cl, nl, _ = model.forward_train(torch.as_tensor(clean), torch.as_tensor(noisy), B, o)
+    for n in range(N):
+        mem = ref.new_memory()
+        got = ref.commit(mem, clean[n, :o])
+        np.testing.assert_allclose(cl[n, :o].numpy(), got, rtol=1e-5, atol=1e-5)
+        for b in range(T // B - 1):
+            p = o + b * B
+            np.testing.assert_allclose(nl[n, b * B:(b + 1) * B].numpy(), ref.block_pass(mem, noisy[n, p:p + B], B),
+                                       rtol=1e-5, atol=1e-5)
+            got = ref.commit(mem, clean[n, p:min(p + B, T)])
+            np.testing.assert_allclose(cl[n, p:p + B].numpy(), got, rtol=1e-5, atol=1e-5)
+        if o + (T // B - 1) * B < T:
+            got = ref.commit(mem, clean[n, o + (T // B - 1) * B:])
+            np.testing.assert_allclose(cl[n, o + (T // B - 1) * B:].numpy(), got, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_roundtrip_and_tied():
+    cfg = tiny_cfg(tie_word_embeddings=True, linear_conv_lookahead=0)
+    a, b = random_model(cfg, 1), CloverTorch(cfg, seed=5).double()
+    b.load_hf(a.hf_state_dict())
+    for k in a.p:
+        assert torch.equal(a.p[k], b.p[k])
+    assert "lm_head.weight" not in a.hf_state_dict()
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in a.hf_state_dict()
+
+
+def test_masks_on_shifted_blocks():
+    cfg = tiny_cfg()
+    rng = np.random.default_rng(0)
+    B, T = 4, 16
+    for o in range(1, B + 1):
+        clean = rng.integers(0, 48, size=(3, T))
+        noisy, masked = tr.mask_blocks(clean, B, o, cfg.mask_token_id, rng, t_min=0.05)
+        assert np.array_equal(noisy[~masked], clean[~masked])
+        assert np.all(noisy[masked] == cfg.mask_token_id)
+        assert not masked[:, :o].any() and not masked[:, o + (T // B - 1) * B:].any()
+        per_block = masked[:, o:o + (T // B - 1) * B].reshape(3, T // B - 1, B).sum(-1)
+        assert per_block.min() >= 1
+
+
+def test_diffusion_loss_on_masked_positions_after_the_block_start():
+    """The diffusion loss reads the noisy logits at q - 1 for exactly the masked q > p
+    (p = the block start), against clean[q]; no other logits reach it."""
+    cfg = tiny_cfg()
+    B, o, T = 4, 3, 16
+    masked = np.zeros((2, T), dtype=bool)
+    masked[0, [3, 4, 6, 7, 11]] = True      # blocks start at 3, 7, 11: 3, 7 and 11 are block starts
+    masked[1, [5, 9, 10, 14]] = True
+    sel = tr.diffusion_select(masked, B, o)
+    assert np.nonzero(sel[0])[0].tolist() == [3, 5]
+    assert np.nonzero(sel[1])[0].tolist() == [4, 8, 9, 13]
+    rng = np.random.default_rng(1)
+    clean = rng.integers(0, 48, size=(2, T))
+    noisy = np.where(masked, cfg.mask_token_id, clean)
+    model = random_model(cfg)
+    ct = torch.as_tensor(clean)
+    _, full, _ = model.forward_train(ct, torch.as_tensor(noisy), B, o)
+    full = full.detach().requires_grad_(True)           # [2, (nb-1)B, V] for positions o..
+    want = -np.mean([float(torch.log_softmax(full.detach()[n, q - 1 - o], -1)[clean[n, q]])
+                     for n, qs in ((0, [4, 6]), (1, [5, 9, 10, 14])) for q in qs])
+    picked = full[torch.as_tensor(sel[:, o:o + full.shape[1]])]
+    loss = tr.masked_loss(picked, ct, torch.as_tensor(sel))
+    assert loss.item() == pytest.approx(want, rel=1e-6)   # the loss is taken in float32
+    loss.backward()
+    keep = torch.as_tensor(sel[:, o:o + full.shape[1]])
+    assert torch.all(full.grad[~keep] == 0) and torch.all(full.grad[keep].abs().sum(-1) > 0)
+    # select= gives the same rows as the full logits
+    with torch.no_grad():
+        _, part, _ = model.forward_train(ct, torch.as_tensor(noisy), B, o, select=torch.as_tensor(sel))
+    assert torch.allclose(part, full.detach()[keep])
+    # the AR loss: logits at t against clean[t + 1], every position but the last
+    cl = torch.randn(2, T, cfg.vocab_size, dtype=torch.float64)
+    want_ar = -np.mean([float(torch.log_softmax(cl[n, t], -1)[clean[n, t + 1]]) for n in range(2) for t in range(T - 1)])
+    assert tr.ar_loss(cl, ct).item() == pytest.approx(want_ar, rel=1e-6)
+
+
+def toy_run_args(tmp_path, seed: int) -> list[str]:
+    """A random-token data folder and the train.train arguments of a tiny run on it."""
+    tokens = np.random.default_rng(seed).integers(0, 48, size=4000).astype(np.int16)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "train.npy", tokens)
+    np.save(data / "heldout.npy", tokens[:400])
+    return ["--data", str(data), "--preset", "test", "--batch", "2", "--seq-len", "16",
+            "--block-sizes", "4:0.5,8:0.5", "--eval-every", "0", "--warmup", "2"]
+
+
+def test_resume_matches_uninterrupted(tmp_path):
+    common = toy_run_args(tmp_path, 0) + ["--seed", "3"]
+    full = tr.main(common + ["--out", str(tmp_path / "a"), "--steps", "6"])
+    tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "6", "--stop-after", "3"])
+    rest = tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "6", "--resume"])
+    assert len(full) == 6 and len(rest) == 3
+    np.testing.assert_array_equal(np.array(full[3:]), np.array(rest))
+
+
+def test_second_stage_and_check_repro(tmp_path, capsys):
+    from train import check_repro
+
+    common = toy_run_args(tmp_path, 1)
+    s1, s2 = tmp_path / "s1", tmp_path / "s2"
+    tr.main(common + ["--out", str(s1), "--steps", "4", "--seed", "0"])
+    second = tr.main(common + ["--out", str(s2), "--steps", "4", "--seed", "1", "--init-from", str(s1 / "ckpt.pt")])
+    fresh = tr.main(common + ["--out", str(tmp_path / "s3"), "--steps", "4", "--seed", "1"])
+    assert second != fresh            # the second stage starts from the first stage's weights
+    assert check_repro.main(["--run", str(s2), "--steps", "3"]) == 0
+    assert "3/3 logged losses identical" in capsys.readouterr().out
+    log = (s2 / "log.csv").read_text().splitlines()      # a wrong log must be caught
+    cells = log[2].split(",")
+    cells[5] = "9.9999"
+    log[2] = ",".join(cells)
+    (s2 / "log.csv").write_text("\n".join(log) + "\n")
+    assert check_repro.main(["--run", str(s2), "--steps", "3"]) == 1
+
+
+def test_export_and_init_hf(tmp_path):
+    """train.export writes a spec v2 checkpoint folder (config.json marks "clover_semantics":
+    "causal-shift") that loads back to the run's weights (bf16 matrices); --init-hf starts a
+    run from such a folder."""
+    import json
+
+    from clover_convert.safetensors_io import CheckpointReader
+    from train import export
+
+    common = toy_run_args(tmp_path, 2)
+    data = tmp_path / "data"
+    (data / "meta.json").write_text(json.dumps({
+        "python": "3", "exclude_dirs": [], "heldout_files": ["x.py"], "vocab_size": 50,
+        "train": {"files": 1, "tokens": 4000, "bytes": 1}, "heldout": {"files": 1, "tokens": 400, "bytes": 1}}))
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tok / "tokenizer_config.json").write_text("{}")
+    s1, hf = tmp_path / "s1", tmp_path / "hf"
+    tr.main(common + ["--out", str(s1), "--steps", "3", "--eval-every", "2"])
+    export.main(["--run", str(s1), "--data", str(data), "--out", str(hf), "--tokenizer-from", str(tok),
+                 "--card-extra", ""])
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["clover_semantics"] == "causal-shift" and cfg["vocab_size"] == 50
+    assert (hf / "tokenizer.json").read_text() == "{}" and (hf / "loss.png").is_file()
+    assert "Held-out next-token (AR) loss of the causal stream: **" in (hf / "README.md").read_text()
+    model, _ = export.load_run(s1)
+    with CheckpointReader(hf) as rd:
+        for name, t in model.hf_state_dict().items():
+            np.testing.assert_allclose(rd.read_f32(name), t.numpy(), rtol=1e-2, atol=1e-6)
+    from_hf = tr.main(common + ["--out", str(tmp_path / "a"), "--steps", "2", "--seed", "4", "--init-hf", str(hf)])
+    from_ck = tr.main(common + ["--out", str(tmp_path / "b"), "--steps", "2", "--seed", "4",
+                                "--init-from", str(s1 / "ckpt.pt")])
+    fresh = tr.main(common + ["--out", str(tmp_path / "c"), "--steps", "2", "--seed", "4"])
+    assert from_hf[0] == pytest.approx(from_ck[0], rel=1e-2) and from_hf[0] != pytest.approx(fresh[0], rel=1e-2)
+
+
+def test_certainty_term_only_on_right_predictions():
+    from train.distill import certainty_loss
+
+    logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 3.0, 0.0], [1.0, 1.0, 1.0]], requires_grad=True)
+    target = torch.tensor([0, 2, 1])            # right, wrong, tie (argmax 0: wrong)
+    loss = certainty_loss(logits, target)
+    p = torch.softmax(logits[0], -1)
+    assert loss.item() == pytest.approx(float(-(p * p.log()).sum()), rel=1e-6)
+    loss.backward()
+    assert logits.grad[1].abs().sum() == 0 and logits.grad[2].abs().sum() == 0
+    assert logits.grad[0].abs().sum() > 0        # more confident on the right one
+    assert certainty_loss(logits[1:], target[1:]).item() == 0.0
+
+
+def _distill_inputs(tmp_path):
+    """(a tiny f32 checkpoint, a data folder of random tokens) for the distillation tests."""
+    from clover_testkit.checkpoints import write_checkpoint
+
+    init = tmp_path / "init"
+    write_checkpoint(init, preset="tiny", dtype="f32")
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 60, size=3000).astype(np.int16)
+    np.save(data / "train.npy", tokens)
+    np.save(data / "heldout.npy", tokens[:600])
+    return init, data
+
+
+@pytest.mark.needs_libclover
+def test_distill_trajectories_and_finetune(tmp_path):
+    """Trajectories are the native engine's own B = 1 greedy output; fine-tuning resumes to
+    the same losses as an uninterrupted run."""
+    from clover_cpp import Clover
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
+    traj = distill.trajectories(init, data, tmp_path / "traj", n_prompts=5, seed=1, threads=1)
+    rows = np.load(traj)
+    assert rows.shape == (5, distill.PROMPT_LEN + distill.NEW_TOKENS)
+    with Clover(tmp_path / "traj" / "model-f32.gguf", n_ctx=512, n_threads=1, block_size=1) as m:
+        r = m.generate(rows[2, :distill.PROMPT_LEN].tolist(), max_tokens=distill.NEW_TOKENS, stop_at_eos=False)
+    assert r.tokens == rows[2, distill.PROMPT_LEN:].tolist()
+    common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+              "--batch", "2", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
+              "--eval-windows", "2", "--threads", "1", "--steps", "4", "--seed", "7"]
+    full = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "a")]))
+    distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]))
+    rest = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]))
+    assert len(full) == 4 and len(rest) == 2
+    np.testing.assert_array_equal(np.array(full[2:]), np.array(rest))
+
+
+@pytest.mark.needs_libclover
+def test_distill_on_policy_rounds(tmp_path):
+    """--rounds 2: the second round trains on trajectories made from the weights at its first
+    step (kept in the run folder); a run resumed at the round boundary makes the same ones and
+    logs the same losses as an uninterrupted run."""
+    from clover_cpp import Clover
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
+    distill.trajectories(init, data, tmp_path / "traj", n_prompts=3, seed=1, threads=1)
+    common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+              "--batch", "2", "--block-sizes", "1:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
+              "--eval-windows", "2", "--threads", "1", "--steps", "4", "--seed", "7", "--lr", "5e-3",
+              "--rounds", "2", "--round-prompts", "3", "--traj-mask", "suffix", "--order", "1"]
+    full = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "a")]))
+    r1 = tmp_path / "a" / "round1"
+    rows = np.load(r1 / "traj" / "traj.npy")
+    assert rows.shape == (3, distill.PROMPT_LEN + distill.NEW_TOKENS)
+    assert not np.array_equal(rows, np.load(tmp_path / "traj" / "traj.npy"))  # new prompts, new weights
+    with Clover(r1 / "traj" / "model-f32.gguf", n_ctx=512, n_threads=1, block_size=1) as m:
+        r = m.generate(rows[0, :distill.PROMPT_LEN].tolist(), max_tokens=distill.NEW_TOKENS, stop_at_eos=False)
+    assert r.tokens == rows[0, distill.PROMPT_LEN:].tolist()
+    distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--stop-after", "2"]))
+    assert not (tmp_path / "b" / "round1").exists()
+    rest = distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]))
+    np.testing.assert_array_equal(np.load(tmp_path / "b" / "round1" / "traj" / "traj.npy"), rows)
+    np.testing.assert_array_equal(np.array(full[2:]), np.array(rest))
+
+
+def test_suffix_masks_are_block_suffixes():
+    """--traj-mask suffix: in every decode block [o + bB, o + (b+1)B) the masked positions are
+    its last n, 1 <= n <= B, every n occurs, and nothing outside the blocks is masked."""
+    from train.distill import mask_suffix
+
+    clean = np.arange(4 * 64).reshape(4, 64)
+    o = 3
+    noisy, masked = mask_suffix(clean, 8, o, -1, np.random.default_rng(0))
+    assert not masked[:, :o].any() and not masked[:, o + 56:].any()
+    blocks = masked[:, o:o + 56].reshape(4, 7, 8)
+    n = blocks.sum(-1)
+    assert n.min() >= 1 and n.max() <= 8 and len(set(n.ravel().tolist())) == 8
+    for row, k in zip(blocks.reshape(-1, 8), n.ravel()):
+        assert row.tolist() == [False] * (8 - k) + [True] * k
+    assert np.array_equal(noisy == -1, masked) and np.array_equal(noisy[~masked], clean[~masked])
+
+
+def test_order_term_only_on_wrong_later_positions_surer_than_the_first():
+    """order_loss: zero when a later masked position is right, or less sure of its wrong
+    candidate than the block's first masked position is of its target; else positive, and its
+    gradient lowers that later confidence and raises the first position's target."""
+    from train.distill import order_loss
+
+    V = 5
+    logits = torch.zeros(3, V)
+    logits[0, 1] = 4.0            # first masked position: target 1, sure of it
+    logits[1, 2] = 1.0            # later, wrong (target 3), not very sure
+    logits[2, 4] = 2.0            # later, right
+    target = torch.tensor([1, 3, 4])
+    block_of, is_first = np.array([0, 0, 0]), np.array([True, False, False])
+    assert order_loss(logits, target, block_of, is_first).item() == 0.0
+    logits[0, 1] = 0.0            # the first is now unsure of its target: the wrong one counts
+    logits.requires_grad_(True)
+    loss = order_loss(logits, target, block_of, is_first)
+    assert loss.item() > 0
+    loss.backward()
+    assert logits.grad[1, 2] > 0 and logits.grad[0, 1] < 0 and logits.grad[2].abs().sum() == 0
+    assert order_loss(logits, target, np.array([-1, -1, -1]), is_first).item() == 0.0
+
+
+@pytest.mark.needs_libclover
+def test_fallback_replay_reproduces_the_native_decode(tiny_artifacts):
+    """train.fallback_sim's replay with the spec's fallback gives the native decode's tokens
+    and passes (so its leftmost variant differs from the native one only by that rule)."""
+    from clover_cpp import Clover
+    from train import fallback_sim
+
+    prompt = np.random.default_rng(5).integers(0, 500, size=64).tolist()
+    with Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1, block_size=1) as m1, \
+            Clover(tiny_artifacts["f32"], n_ctx=512, n_threads=1, block_size=fallback_sim.B) as mb:
+        base = m1.generate(prompt, max_tokens=40, block_size=1, stop_at_eos=False).tokens
+        r = mb.generate(prompt, max_tokens=40, block_size=fallback_sim.B, threshold=fallback_sim.THRESHOLD,
+                        stop_at_eos=False)
+        out, passes = fallback_sim.decode(mb, prompt, base, False, [0, 0])
+        assert out == r.tokens and passes == r.stats.n_decode_passes
+        left, left_passes = fallback_sim.decode(mb, prompt, base, True, [0, 0])
+        assert len(left) == 40 and (left, left_passes) != (out, passes)  # the rule matters on this model
+
+
+def test_curriculum_grows_blocks_and_masks():
+    """--curriculum: at the start only the smallest block size and masked share 0.05 may be
+    drawn; from half-way on, every block size with its own probability and the full --t-min."""
+    from train.distill import curriculum
+
+    sizes, probs = [4, 8, 16, 32], [0.1, 0.2, 0.3, 0.4]
+    assert curriculum(sizes, probs, 0.3, 0.0) == ([4], [1.0], 0.05)
+    mid_sizes, mid_probs, mid_t = curriculum(sizes, probs, 0.3, 0.25)
+    assert mid_sizes == [4, 8] and abs(sum(mid_probs) - 1) < 1e-12 and 0.05 < mid_t < 0.3
+    late = curriculum(sizes, probs, 0.3, 0.5)
+    assert late[0] == sizes and np.allclose(late[1], probs) and abs(late[2] - 0.3) < 1e-12
+    assert curriculum(sizes, probs, 0.3, 1.0)[0] == sizes
+
+
+@pytest.mark.needs_libclover
+def test_distill_ar_rows_data_changes_only_the_causal_loss(tmp_path):
+    """--ar-rows data: the causal loss of the first step is computed on the real-text rows only
+    (a different number from --ar-rows all), the diffusion loss of that step is the same."""
+    import csv
+
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
+    distill.trajectories(init, data, tmp_path / "traj", n_prompts=3, seed=1, threads=1)
+    common = ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+              "--batch", "4", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0", "--warmup", "1",
+              "--eval-windows", "2", "--threads", "1", "--steps", "1", "--seed", "7", "--curriculum"]
+    for rows in ("all", "data"):
+        distill.finetune(distill.build_parser().parse_args(common + ["--out", str(tmp_path / rows),
+                                                                     "--ar-rows", rows]))
+    first = {rows: list(csv.DictReader(open(tmp_path / rows / "log.csv")))[-1] for rows in ("all", "data")}
+    assert first["all"]["ar_loss"] != first["data"]["ar_loss"]
+    diff = {rows: float(r["loss"]) - float(r["ar_loss"]) for rows, r in first.items()}
+    assert abs(diff["all"] - diff["data"]) < 1e-3
