@@ -58,7 +58,7 @@ POOLING_UNSPECIFIED, POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST = -1,
 #: value is refused, naming the argument (a setting Clover would silently ignore is a bug report)
 LLAMA_NEUTRAL_INIT: dict[str, tuple[Any, ...]] = {
     "split_mode": (1,), "main_gpu": (0,), "vocab_only": (False,), "kv_overrides": (None,),
-    "n_threads_batch": (None,), "rope_scaling_type": (-1,), "attention_type": (-1,), "rope_freq_base": (0.0,),
+    "rope_scaling_type": (-1,), "attention_type": (-1,), "rope_freq_base": (0.0,),
     "rope_freq_scale": (0.0,), "yarn_ext_factor": (-1.0,), "yarn_attn_factor": (1.0,), "yarn_beta_fast": (32.0,),
     "yarn_beta_slow": (1.0,), "yarn_orig_ctx": (0,), "offload_kqv": (True,), "op_offload": (None, True),
     "swa_full": (None, False), "no_perf": (False, True), "last_n_tokens_size": (64,), "lora_base": (None,),
@@ -81,11 +81,19 @@ class LlamaSettings:
 
     @classmethod
     def of(cls, seed: Any, n_batch: Any, n_ubatch: Any, logits_all: Any, embedding: Any, pooling_type: Any,
-           chat_format: Any, chat_handler: Any, others: Mapping[str, Any]) -> "LlamaSettings":
+           chat_format: Any, chat_handler: Any, others: Mapping[str, Any],
+           n_threads: int | None = None) -> "LlamaSettings":
         """Checked. n_batch / n_ubatch: accepted (positive), no effect: libclover sizes its
         batches from the block size. logits_all: no effect (logprobs need no kept logits here).
         chat_format: None (the GGUF's template, ChatML without one) or "chatml"; chat_handler:
-        None. Other ``Llama`` arguments: only their neutral values (:data:`LLAMA_NEUTRAL_INIT`)."""
+        None. n_threads_batch: None or ``n_threads`` (libclover decodes batches on n_threads).
+        Other ``Llama`` arguments: only their neutral values (:data:`LLAMA_NEUTRAL_INIT`)."""
+        others = dict(others)
+        batch_threads = others.pop("n_threads_batch", None)
+        if batch_threads is not None and batch_threads != n_threads:
+            raise CloverValueError(f"Clover(): n_threads_batch={batch_threads!r} is not supported: libclover decodes "
+                                   f"batches on n_threads; leave it None or n_threads ({n_threads!r})"[:300],
+                                   param="n_threads_batch")
         for name, value in others.items():
             if name not in LLAMA_NEUTRAL_INIT:
                 raise CloverTypeError(f"Clover() got an unexpected keyword argument {name!r}", param=name)
@@ -181,6 +189,10 @@ class LlamaCompat:
     last_logits: Any
     _decoder: Any
     cache: Any = None  # set_cache's
+    # llama-cpp-python's Llama._is_recurrent / _is_hybrid: clover and qwen35moe both keep a
+    # recurrent state beside their attention layers' KV cache
+    _is_recurrent = False
+    _is_hybrid = True
 
     def tokenizer(self) -> CloverTokenizer:
         """llama-cpp-python's ``Llama.tokenizer()``: a ``LlamaTokenizer``-like object over this model."""
@@ -292,13 +304,17 @@ class LlamaCompat:
         :meth:`set_seed`'s, random when none) from the last committed position's logits (the mask
         token excluded); the penalties count the last 64 committed tokens. tfs_z (gone from
         llama.cpp) and penalize_nl are accepted and have no effect, as in llama-cpp-python;
-        logits_processor, grammar and idx (only the last position's logits are kept) are refused."""
+        logits_processor and grammar are refused; idx: None or the last committed position
+        (``n_tokens - 1``), the only one whose logits are kept."""
         from ._lib import import_llama_cpp  # noqa: PLC0415 - optional: llama-cpp-python's Python layer
         from .llama_sample import SampleArgs, sample_token  # noqa: PLC0415
 
-        for name, value in (("logits_processor", logits_processor), ("grammar", grammar), ("idx", idx)):
+        for name, value in (("logits_processor", logits_processor), ("grammar", grammar)):
             if value is not None:
                 raise CloverValueError(f"sample: {name} is not supported by Clover; leave it None", param=name)
+        if idx is not None and idx != self.n_tokens - 1:
+            raise CloverValueError(f"sample: idx={idx!r} is not supported: only the last committed position's "
+                                   f"logits are kept (idx None or {self.n_tokens - 1})"[:300], param="idx")
         a = SampleArgs(int_arg("top_k", top_k), float(top_p), float(min_p), float(typical_p), float(temp),
                        float(repeat_penalty), float(frequency_penalty), float(presence_penalty),
                        int_arg("mirostat_mode", mirostat_mode, 0, 2), float(mirostat_eta), float(mirostat_tau))
@@ -309,10 +325,50 @@ class LlamaCompat:
         seed = self._llama.seed
         return sample_token(import_llama_cpp(), logits, history, a, LLAMA_DEFAULT_SEED if seed is None else seed)
 
+    def generate_tokens(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                        typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                        mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                        penalize_nl: bool = True, logits_processor: Any = None, stopping_criteria: Any = None,
+                        grammar: Any = None) -> Iterator[int]:
+        """llama-cpp-python's ``Llama.generate`` (its arguments and defaults; Clover's
+        :meth:`generate` is block diffusion): a generator of the tokens :meth:`sample` draws one at
+        a time after ``tokens`` are committed causally. With ``reset`` the memory is kept when it
+        holds a prefix of ``tokens`` (all of them: the first token is drawn from the logits already
+        there, nothing is decoded again), else cleared first; reset=False commits after the
+        memory. Each drawn token is committed when the generator resumes. Sending tokens in
+        (llama-cpp-python's draft verification) and stopping_criteria are refused."""
+        if stopping_criteria is not None:
+            raise CloverValueError("generate_tokens: stopping_criteria is not supported by Clover; leave it None",
+                                   param="stopping_criteria")
+        toks = self._tokens(tokens)
+        if bool_arg("reset", reset):
+            held = self.committed_tokens
+            if held and toks[:len(held)] == held:
+                toks = toks[len(held):]
+            else:
+                self.reset()
+        self.eval(toks)
+        knobs = dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                     repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                     presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                     mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, penalize_nl=penalize_nl,
+                     logits_processor=logits_processor, grammar=grammar)
+        while True:
+            token = self.sample(**knobs)
+            if (yield token) is not None:
+                raise CloverValueError("generate_tokens: tokens sent into the generator are not supported by Clover")
+            self.eval([token])
+
     @property
     def n_tokens(self) -> int:
         """The tokens in the memory (llama-cpp-python's ``Llama.n_tokens``)."""
         return len(self.committed_tokens)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """The tokens in the memory as llama-cpp-python's ``Llama.input_ids[:n_tokens]`` (intc)."""
+        return np.asarray(self.committed_tokens, dtype=np.intc)
 
     def pooling_type(self) -> int:
         """The pooling of :meth:`embed` (llama.cpp's enum llama_pooling_type; mean unless the
@@ -328,7 +384,7 @@ class LlamaCompat:
         if self._embed_llama is None:
             from ._lib import import_llama_cpp  # noqa: PLC0415 - optional: llama-cpp-python's Python layer
 
-            self._embed_llama = import_llama_cpp().Llama(
+            self._embed_llama = import_llama_cpp().llama.Llama(  # (its module's: the package's may be Clover)
                 str(self.model_path), embedding=True, verbose=False, n_ctx=self.n_ctx(), n_batch=self._llama.n_batch,
                 n_ubatch=self._llama.n_ubatch, n_threads=self._ctx_args.n_threads,
                 n_gpu_layers=self._load_args.n_gpu_layers, use_mmap=self._load_args.use_mmap is not False,

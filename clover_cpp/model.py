@@ -147,7 +147,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         self._coreset_arg = coreset_value(coreset)
         self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor, use_mlock)
         self._llama = LlamaSettings.of(seed, n_batch, n_ubatch, logits_all, embedding, pooling_type, chat_format,
-                                       chat_handler, llama_kwargs)
+                                       chat_handler, llama_kwargs, n_threads)
         self._template_override = template_override(chat_template, self._llama.chat_format)
         self.verbose = bool_arg("verbose", verbose)
         if _model is None:
