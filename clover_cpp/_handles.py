@@ -76,6 +76,7 @@ class ContextArgs:
     block_size: int | str | None = None
     flash_attn: bool | str | None = None
     kv_f32: bool = False
+    expert_stats: bool = False  # count the block passes' routed experts (GenerationStats.experts_per_pass)
 
     def checked(self) -> tuple[int, int | None, int | None, int, bool]:
         """n_ctx, n_threads, the block size (None = auto), flash_attn (-1/0/1), kv_f32: their types
@@ -84,6 +85,7 @@ class ContextArgs:
         n_ctx = int32_arg("n_ctx", self.n_ctx)
         n_threads = None if self.n_threads is None else int_arg("n_threads", self.n_threads, 1, MAX_THREADS)
         fa, kv = tristate_arg("flash_attn", self.flash_attn), bool_arg("kv_f32", self.kv_f32)
+        bool_arg("expert_stats", self.expert_stats)
         bs = None if is_auto(self.block_size) else int_arg("block_size", self.block_size, 1, INT32_MAX)
         cp = context_params(n_ctx, n_threads, bs, fa, kv)
         problem = N.context_params_problem(cp)
@@ -194,6 +196,7 @@ class ModelRef:
 def new_context(model: int, a: ContextArgs) -> int:
     """A clover_context over ``model`` (NULL never returned: a failure raises)."""
     cp = context_params(*a.checked())
+    cp.expert_stats = 1 if a.expert_stats else 0
     L = lib()
     err, n = N.err_buffer()
     c = L.clover_context_new(model, ctypes.byref(cp), err, n)

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------- constants
-CLOVER_API_VERSION = 9
+CLOVER_API_VERSION = 10
 
 CLOVER_OK = 0
 CLOVER_ERR_INVALID_ARG = -1
@@ -48,6 +48,7 @@ CLOVER_DEFAULT_MAX_TOKENS = 256
 CLOVER_CLI_DEFAULT_N_PREDICT = 128
 CLOVER_DRAFT_SELF_AUTO = -1
 CLOVER_CORESET_MODEL = -1  # clover_context_params.coreset: the GGUF's clover.expert_coreset
+CLOVER_CORESET_AUTO = -2   # clover_context_params.coreset: 3 k when below the expert count, else off
 # clover_stats.mode
 DECODE_MODES = {1: "autoregressive", 2: "diffusion", 3: "draft-self"}
 CLOVER_MAX_TOP_LOGPROBS = 20
@@ -85,6 +86,7 @@ class clover_context_params(Structure):
         ("kv_f32", c_int32),
         ("calib_cache", c_int32),
         ("coreset", c_int32),
+        ("expert_stats", c_int32),
     ]
 
 
@@ -178,6 +180,10 @@ class clover_stats(Structure):
         ("n_blocks_draft_self", c_int32),
         ("tokens_per_verification", c_double),
         ("n_graphs_reused", c_int32),
+        ("n_expert_passes", c_int32),
+        ("experts_per_pass", c_double),
+        ("expert_bytes_per_pass", c_double),
+        ("expert_bytes_b1", c_double),
     ]
 
 
@@ -510,7 +516,7 @@ CONSTANTS = ("CLOVER_API_VERSION", "CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVE
              "CLOVER_ERR_CANCELLED", "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL",
              "CLOVER_FINISH_NONE", "CLOVER_FINISH_EOS", "CLOVER_FINISH_MAX_TOKENS", "CLOVER_FINISH_CANCELLED",
              "CLOVER_FINISH_STOP_TOKEN", "CLOVER_BLOCK_SIZE_TRAIN", "CLOVER_BLOCK_SIZE_AUTO", "CLOVER_BLOCK_SIZE_CONTEXT",
-             "CLOVER_DRAFT_SELF_AUTO", "CLOVER_CORESET_MODEL", "CLOVER_MAX_TOP_LOGPROBS", "CLOVER_DEFAULT_MAX_TOKENS",
+             "CLOVER_DRAFT_SELF_AUTO", "CLOVER_CORESET_MODEL", "CLOVER_CORESET_AUTO", "CLOVER_MAX_TOP_LOGPROBS", "CLOVER_DEFAULT_MAX_TOKENS",
              "CLOVER_CLI_DEFAULT_N_PREDICT")
 
 

@@ -72,6 +72,16 @@ class GenerationStats:
     n_graphs_reused: int = 0    # decode forwards that ran llama.cpp's previous graph again (same shape; GPU: replayed)
     coreset: int = 0            # the block expert coreset C of the block passes (0 = off): the context's
     #                             setting during the call (clover_coreset; libclover's clover_stats has no field)
+    # the routed experts of the block passes, counted with Clover(expert_stats=True) (else 0):
+    n_expert_passes: int = 0         # block passes counted (canvases of >= 2 rows, draft-self's drafts included)
+    experts_per_pass: float = 0.0    # distinct routed experts per MoE layer of a pass (mean over passes and layers)
+    expert_bytes_per_pass: float = 0.0  # bytes of routed-expert weights those are, per pass
+    expert_bytes_b1: float = 0.0     # the same for a B = 1 step (k experts a layer)
+
+    @property
+    def expert_bytes_ratio(self) -> float:
+        """A block pass's routed-expert bytes in B = 1 steps' (0 when not counted)."""
+        return self.expert_bytes_per_pass / self.expert_bytes_b1 if self.expert_bytes_b1 else 0.0
 
     @classmethod
     def _from_native(cls, s: N.clover_stats, block_size: int) -> "GenerationStats":
@@ -87,7 +97,9 @@ class GenerationStats:
                    grammar_mode={1: "ar", 2: "draft-self"}.get(int(s.grammar_mode), ""),
                    n_blocks_ar=s.n_blocks_ar, n_blocks_diffusion=s.n_blocks_diffusion,
                    n_blocks_draft_self=s.n_blocks_draft_self, tokens_per_verification=s.tokens_per_verification,
-                   n_graphs_reused=s.n_graphs_reused)
+                   n_graphs_reused=s.n_graphs_reused, n_expert_passes=s.n_expert_passes,
+                   experts_per_pass=s.experts_per_pass, expert_bytes_per_pass=s.expert_bytes_per_pass,
+                   expert_bytes_b1=s.expert_bytes_b1)
 
     def format(self) -> str:
         """One line for humans (what `clover run` prints after the text)."""
@@ -104,6 +116,8 @@ class GenerationStats:
                 f"({self.tokens_per_second:.1f} tok/s), finish={self.finish_reason or 'none'}"
                 + (f", cost curve {self.calibration}" if self.calibration else "")
                 + (f", coreset {self.coreset}" if self.coreset else "")
+                + (f", experts/pass {self.experts_per_pass:.2f} ({self.expert_bytes_per_pass / 2**20:.1f} MiB, "
+                   f"{self.expert_bytes_ratio:.2f}x B = 1)" if self.n_expert_passes else "")
                 + (f", draft-self: {self.n_accepted}/{self.n_drafted} drafted tokens accepted, "
                    f"{self.tokens_per_verification:.2f} tok/verification, "
                    f"{self.n_decode_passes / max(self.n_generated, 1):.2f} draft passes/tok"

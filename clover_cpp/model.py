@@ -70,13 +70,14 @@ __all__ += ["CHATML_TEMPLATE", "StopMatcher"]
 
 def coreset_value(value: Any) -> int:
     """A coreset argument as libclover's value: None or 0 = off (0), "model" = CLOVER_CORESET_MODEL,
-    an int N >= 1 = N; the range is libclover's (clover_context_params_check's message)."""
+    "auto" = CLOVER_CORESET_AUTO (3 k when below the expert count, else off), an int N >= 1 = N; the
+    range is libclover's (clover_context_params_check's message)."""
     if value is None:
         return 0
     if isinstance(value, str):
-        if value == "model":
-            return N.CLOVER_CORESET_MODEL
-        raise CloverValueError(f"coreset must be an integer >= 0, None or 'model', got {value!r}",
+        if value in ("model", "auto"):
+            return N.CLOVER_CORESET_MODEL if value == "model" else N.CLOVER_CORESET_AUTO
+        raise CloverValueError(f"coreset must be an integer >= 0, None, 'auto' or 'model', got {value!r}",
                                N.CLOVER_ERR_INVALID_ARG, param="coreset")
     v = int32_arg("coreset", value)
     cp = lib().clover_context_default_params()
@@ -103,8 +104,11 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     ``tensor_split`` (one share per device, RPC servers first) or by their free memory;
     ``override_tensor`` ("PATTERN=BUFFER,...", llama.cpp's -ot) places matching tensors, e.g.
     ``"^output\\.weight=CPU"`` keeps the output head here so that no logits cross the network. A lost
-    server makes calls raise :class:`CloverError`; :meth:`reload` loads the model again. Use
-    as a context manager or call :meth:`close` (idempotent).
+    server makes calls raise :class:`CloverError`; :meth:`reload` loads the model again.
+    ``expert_stats=True`` counts the routed experts of every block pass (``stats.experts_per_pass``,
+    ``expert_bytes_per_pass``): llama.cpp's scheduler then stops after each MoE layer's expert
+    selection of a pass to read it, so leave it off when timing. Use as a context manager or call
+    :meth:`close` (idempotent).
 
     Errors: every method raises :class:`CloverError` (a bad argument: :class:`CloverValueError`,
     also a ValueError; a wrong type: :class:`CloverTypeError`, also a TypeError).
@@ -129,7 +133,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  chat_handler: Any = None, chat_template: str | None = None,
                  rpc_servers: str | Sequence[str] | None = None,
                  tensor_split: Sequence[float] | None = None, override_tensor: str | None = None,
-                 coreset: int | str | None = "model", _model: H.ModelRef | None = None, **llama_kwargs: Any) -> None:
+                 coreset: int | str | None = "model", expert_stats: bool = False, _model: H.ModelRef | None = None,
+                 **llama_kwargs: Any) -> None:
         # (_model: new_context's, a loaded model this object shares instead of loading one)
         self._model: int | None = None
         self._shared: H.ModelRef | None = None
@@ -142,7 +147,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         self.model_path = Path(model_path)
         self._metadata: dict[str, str] | None = None
         self._embed_llama: Any = None  # (create_embedding's llama_cpp.Llama, loaded on first use)
-        self._ctx_args = H.ContextArgs(n_ctx, n_threads, block_size, flash_attn, kv_f32)
+        self._ctx_args = H.ContextArgs(n_ctx, n_threads, block_size, flash_attn, kv_f32, expert_stats)
         self._ctx_args.checked()  # bad context arguments fail before anything is loaded
         self._coreset_arg = coreset_value(coreset)
         self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor, use_mlock)
@@ -169,7 +174,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         """The block expert coreset C of this context's block passes (0 = off; spec/model.md,
         "MoE"): each MoE layer of a canvas routes among the C experts of highest summed router
         probability only; committed tokens keep full routing, so draft-self's output never
-        changes. Set it to N, None or 0 (off) or "model" (the GGUF's clover.expert_coreset)."""
+        changes. Set it to N, None or 0 (off), "auto" (3 k when below the expert count: a pass reads
+        at most 3x a B = 1 step's expert bytes) or "model" (the GGUF's clover.expert_coreset)."""
         with self._op() as c:
             return int(lib().clover_coreset(c))
 
@@ -593,7 +599,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         it, at the step that unmasked it) and ``result.top_logprobs`` (the N most probable
         (token, log-probability) pairs there).
         coreset: the block expert coreset of this call's block passes (see :attr:`coreset`):
-        "context" (default) = the context's, N, None or 0 = off, "model" = the GGUF's default;
+        "context" (default) = the context's, N, None or 0 = off, "auto" (3 k when below the expert
+        count), "model" = the GGUF's default;
         the context's own setting is back after the call.
         min_p, typical_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
         logit_bias ({token id: bias}, -inf bans), mirostat_mode / _tau / _eta, top_n_sigma,

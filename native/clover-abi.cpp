@@ -38,6 +38,7 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_FIELD(clover_context_params, kv_f32),
     CLOVER_ABI_FIELD(clover_context_params, calib_cache),
     CLOVER_ABI_FIELD(clover_context_params, coreset),
+    CLOVER_ABI_FIELD(clover_context_params, expert_stats),
 
     CLOVER_ABI_STRUCT(clover_generate_params),
     CLOVER_ABI_FIELD(clover_generate_params, block_size),
@@ -118,6 +119,10 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_FIELD(clover_stats, n_blocks_draft_self),
     CLOVER_ABI_FIELD(clover_stats, tokens_per_verification),
     CLOVER_ABI_FIELD(clover_stats, n_graphs_reused),
+    CLOVER_ABI_FIELD(clover_stats, n_expert_passes),
+    CLOVER_ABI_FIELD(clover_stats, experts_per_pass),
+    CLOVER_ABI_FIELD(clover_stats, expert_bytes_per_pass),
+    CLOVER_ABI_FIELD(clover_stats, expert_bytes_b1),
 
     CLOVER_ABI_VALUE(CLOVER_API_VERSION),
     CLOVER_ABI_VALUE(CLOVER_OK),
@@ -142,6 +147,7 @@ const abi_entry k_abi[] = {
     CLOVER_ABI_VALUE(CLOVER_BLOCK_SIZE_CONTEXT),
     CLOVER_ABI_VALUE(CLOVER_DRAFT_SELF_AUTO),
     CLOVER_ABI_VALUE(CLOVER_CORESET_MODEL),
+    CLOVER_ABI_VALUE(CLOVER_CORESET_AUTO),
     CLOVER_ABI_VALUE(CLOVER_MAX_TOP_LOGPROBS),
     CLOVER_ABI_VALUE(CLOVER_DEFAULT_MAX_TOKENS),
     CLOVER_ABI_VALUE(CLOVER_CLI_DEFAULT_N_PREDICT),

@@ -63,9 +63,12 @@ void usage(const char * argv0) {
             "                         --block-size 1); auto (also --draft-self=auto) with --block-size auto:\n"
             "                         the mode too is chosen per block (B = 1, block diffusion or\n"
             "                         draft-self); the stats line names the mode chosen\n"
-            "  --coreset N|off|model  block expert coreset: each MoE layer of a block pass routes among the\n"
-            "                         N experts the block weighs most (default model: the GGUF's\n"
+            "  --coreset N|off|auto|model  block expert coreset: each MoE layer of a block pass routes among\n"
+            "                         the N experts the block weighs most (auto: 3 x the experts per token\n"
+            "                         when below the expert count; default model: the GGUF's\n"
             "                         clover.expert_coreset, off when absent; draft-self's output is unchanged)\n"
+            "  --expert-stats         count the distinct routed experts of each block pass (the stats line;\n"
+            "                         a synchronisation per MoE layer of a pass: leave it off when timing)\n"
             "  --grammar GBNF         constrain the output to a GBNF grammar (llama.cpp's format); decoded\n"
             "                         at block size 1, or verified by --draft-self (spec/decoding.md)\n"
             "  --grammar-file FILE    the grammar from a file\n"
@@ -472,8 +475,11 @@ int main(int argc, char ** argv) {
         } else if (a == "--coreset") { // (its range: clover_context_new's check)
             const std::string v = val();
             cp.coreset = v == "model" ? CLOVER_CORESET_MODEL
+                       : v == "auto"  ? CLOVER_CORESET_AUTO
                        : v == "off"   ? 0
                                       : (int32_t) parse_int(a, v.c_str(), INT32_MIN, INT32_MAX);
+        } else if (a == "--expert-stats") {
+            cp.expert_stats = 1;
         } else if (a == "-fa" || a == "--flash-attn") {
             const std::string v = val();
             if (v != "on" && v != "off" && v != "auto") {
@@ -668,6 +674,12 @@ int main(int argc, char ** argv) {
     if (stats.grammar_mode != 0) {
         fprintf(stderr, "clover: grammar: %s\n",
                 stats.grammar_mode == 1 ? "decoded at block size 1 (autoregressive)" : "verified by draft-self");
+    }
+    if (cp.expert_stats && stats.n_expert_passes > 0) {
+        fprintf(stderr, "clover: experts: %.2f distinct routed experts per MoE layer of a block pass (%d passes), "
+                        "%.1f MiB of expert weights a pass, %.2fx a B = 1 step's\n",
+                stats.experts_per_pass, stats.n_expert_passes, stats.expert_bytes_per_pass / 1048576.0,
+                stats.expert_bytes_b1 > 0 ? stats.expert_bytes_per_pass / stats.expert_bytes_b1 : 0.0);
     }
     if (gp.draft_self == 1 || stats.n_verifications > 0) {
         fprintf(stderr, "clover: draft-self: %d verifications, %d of %d drafted tokens accepted (%.2f tokens per verification)\n",

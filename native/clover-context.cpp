@@ -4,6 +4,64 @@
 
 #include "clover-impl.h"
 
+// ---- expert_stats: the distinct routed experts of the block passes
+
+// The graph scheduler's eval callback of a context with expert_stats: during a block pass it asks
+// for the ffn_moe_topk-<il> nodes (which stops the graph there: a synchronisation per MoE layer)
+// and counts them; everything else runs as without a callback.
+static bool count_experts(ggml_tensor * t, bool ask, void * user_data) {
+    expert_counter & x = static_cast<clover_context *>(user_data)->experts;
+    if (!ask) { // (only the nodes asked for come back)
+        x.count(t);
+        return true;
+    }
+    return x.in_pass && strncmp(t->name, "ffn_moe_topk-", 13) == 0;
+}
+
+void expert_counter::count(const ggml_tensor * t) {
+    const int     il = atoi(t->name + 13);
+    const int64_t k = t->ne[0], R = t->ne[1];
+    int64_t       first = 0; // t's first canvas row
+    if (coreset) {
+        // the canvas routes on its own with the coreset's bias (ffn_moe_probs_biased); the committed
+        // rows' topk, without it, is another node of the same name
+        const ggml_tensor * sel = t->src[0] ? t->src[0]->src[0] : nullptr;
+        if (!sel || strncmp(sel->name, "ffn_moe_probs_biased", 20) != 0) {
+            return;
+        }
+    } else { // every row of the ubatch, or (the last layer) its output rows only
+        first = R == (int64_t) n_commit + n_canvas ? n_commit : n_out_commit;
+    }
+    // t is a view of the argsort over all experts: k ids per row, rows nb[1] bytes apart
+    std::vector<uint8_t> raw(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    std::vector<char> seen(std::max<int64_t>(n_expert, t->src[0] ? t->src[0]->ne[0] : 0), 0);
+    int64_t distinct = 0;
+    for (int64_t r = first; r < R; ++r) {
+        for (int64_t j = 0; j < k; ++j) {
+            int32_t e;
+            memcpy(&e, raw.data() + r * t->nb[1] + j * t->nb[0], sizeof(e));
+            if (e >= 0 && e < (int64_t) seen.size() && !seen[e]) {
+                seen[e] = 1;
+                ++distinct;
+            }
+        }
+    }
+    sum_distinct += (double) distinct;
+    ++n_layer_counts;
+    if (il >= 0 && il < (int) bytes_per_expert.size()) {
+        sum_bytes += distinct * bytes_per_expert[il];
+    }
+}
+
+double expert_counter::bytes_b1() const {
+    double b = 0.0;
+    for (const double per : bytes_per_expert) {
+        b += n_used * per;
+    }
+    return b;
+}
+
 namespace clover_impl {
 
 void free_lctx(clover_context * c) {
@@ -54,6 +112,50 @@ static int check_sched_memory(const clover_context * c, int32_t U, int32_t B, st
     return CLOVER_OK;
 }
 
+// one routed expert's bytes per layer, from the GGUF's tensor infos (each file of a split model):
+// the bytes of blk.<il>.ffn_{gate,up,down,gate_up}_exps over their expert count (ne[2])
+int load_expert_sizes(clover_context * c, std::string & msg) {
+    expert_counter & x = c->experts;
+    model_experts(c->model, x.n_expert, x.n_used);
+    x.bytes_per_expert.assign(llama_model_n_layer(c->model->lm), 0.0);
+    std::vector<std::string> files{ c->model->path };
+    char split_count[16];
+    if (llama_model_meta_val_str(c->model->lm, "split.count", split_count, sizeof(split_count)) > 0 &&
+        atoi(split_count) > 1) {
+        const int n = atoi(split_count);
+        char      prefix[4096], path[4096];
+        if (llama_split_prefix(prefix, sizeof(prefix), c->model->path.c_str(), 0, n) > 0) {
+            files.clear();
+            for (int i = 0; i < n && llama_split_path(path, sizeof(path), prefix, i, n) > 0; ++i) {
+                files.emplace_back(path);
+            }
+        }
+    }
+    for (const std::string & f : files) {
+        ggml_context *   meta = nullptr;
+        gguf_context *   g    = gguf_init_from_file(f.c_str(), { /*.no_alloc =*/ true, /*.ctx =*/ &meta });
+        if (!g) {
+            msg = "expert_stats: cannot read the tensor infos of " + f;
+            return CLOVER_ERR_LOAD;
+        }
+        for (ggml_tensor * t = ggml_get_first_tensor(meta); t; t = ggml_get_next_tensor(meta, t)) {
+            int il = -1, at = 0;
+            if (sscanf(t->name, "blk.%d.%n", &il, &at) != 1 || il < 0 || il >= (int) x.bytes_per_expert.size() ||
+                t->ne[2] <= 0) {
+                continue;
+            }
+            const std::string part = t->name + at;
+            if (part == "ffn_gate_exps.weight" || part == "ffn_up_exps.weight" || part == "ffn_down_exps.weight" ||
+                part == "ffn_gate_up_exps.weight") {
+                x.bytes_per_expert[il] += (double) ggml_nbytes(t) / (double) t->ne[2];
+            }
+        }
+        gguf_free(g);
+        ggml_free(meta);
+    }
+    return CLOVER_OK;
+}
+
 int make_lctx(clover_context * c, int32_t B, std::string & msg) {
     const int32_t U        = ubatch_for(B);
     if (const int rc = check_sched_memory(c, U, B, msg); rc != CLOVER_OK) {
@@ -73,6 +175,10 @@ int make_lctx(clover_context * c, int32_t B, std::string & msg) {
                                                   LLAMA_FLASH_ATTN_TYPE_ENABLED;
     p.no_perf              = true;
     p.embeddings           = false;
+    if (c->expert_stats) {
+        p.cb_eval           = count_experts;
+        p.cb_eval_user_data = c;
+    }
     if (c->kv_f32) {
         p.type_k = GGML_TYPE_F32;
         p.type_v = GGML_TYPE_F32;
@@ -185,6 +291,10 @@ int run_decode(clover_context * c, const char * what, std::string & msg) {
     g_last_log_error.clear();
     const int32_t reused_before = llama_perf_context(c->lctx).n_reused;
     const int rc = llama_decode(c->lctx, c->batch);
+    if (c->experts.in_pass) {
+        ++c->experts.n_passes;
+        c->experts.in_pass = false;
+    }
     c->n_graphs_reused += llama_perf_context(c->lctx).n_reused - reused_before;
     const int lost = rpc_lost(c, what, msg);
     if (lost != CLOVER_OK) {
@@ -197,6 +307,16 @@ int run_decode(clover_context * c, const char * what, std::string & msg) {
 void set_canvas(clover_context * c, int32_t n_canvas) {
     llama_set_canvas(c->lctx, n_canvas, c->B);
     llama_set_expert_coreset(c->lctx, c->coreset); // read for canvases only (spec/model.md, "MoE")
+    if (c->expert_stats) { // the rows of the decode the counter sees (the batch is complete here)
+        expert_counter & x = c->experts;
+        x.in_pass          = n_canvas >= 2;
+        x.n_canvas         = n_canvas;
+        x.n_commit         = c->batch.n_tokens - n_canvas;
+        x.n_out_commit     = (int32_t) std::count_if(c->batch.logits, c->batch.logits + x.n_commit,
+                                                     [](int8_t l) { return l != 0; });
+        // as the graph decides it (models/clover.cpp, coreset_of): a C below k is k, C >= E is off
+        x.coreset = c->coreset > 0 && std::max(c->coreset, x.n_used) < x.n_expert;
+    }
 }
 
 // the logits of batch row i become L_last, the prediction of the next position
@@ -400,6 +520,7 @@ clover_context_params clover_context_default_params(void) {
     p.kv_f32     = 0;
     p.calib_cache = 1;
     p.coreset    = CLOVER_CORESET_MODEL;
+    p.expert_stats = 0;
     return p;
 }
 
@@ -441,8 +562,12 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         c->kv_f32      = cp.kv_f32 != 0;
         c->use_calib_cache = cp.calib_cache != 0;
         c->coreset     = resolve_coreset(model, cp.coreset);
+        c->expert_stats = cp.expert_stats != 0;
         std::string msg;
-        const int rc = make_lctx(c, B, msg);
+        int rc = c->expert_stats ? load_expert_sizes(c, msg) : CLOVER_OK;
+        if (rc == CLOVER_OK) {
+            rc = make_lctx(c, B, msg);
+        }
         if (rc != CLOVER_OK) {
             free_lctx(c);
             delete c;

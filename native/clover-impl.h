@@ -57,6 +57,24 @@ struct clover_model {
     std::string placement;             // where the weights live (placement_key): in the calibration key
 };
 
+// clover_context_params.expert_stats: the routed experts of the block passes, read from llama.cpp's
+// ffn_moe_topk-<il> tensors (build_moe_ffn's selection) by the graph scheduler's eval callback
+struct expert_counter {
+    std::vector<double> bytes_per_expert; // per layer: one routed expert's bytes (gate + up + down); 0 = none
+    int32_t n_expert = 0, n_used = 0;     // the model's experts and experts per token (k)
+    // the decode about to run (set_canvas): a canvas of n_canvas >= 2 rows after n_commit committed
+    // ones, n_out_commit of which give logits; coreset: the canvas routes through the coreset
+    bool    in_pass = false, coreset = false;
+    int32_t n_commit = 0, n_canvas = 0, n_out_commit = 0;
+    // since the last reset (clover_generate)
+    int64_t n_passes = 0, n_layer_counts = 0;
+    double  sum_distinct = 0.0, sum_bytes = 0.0;
+
+    void   reset() { n_passes = n_layer_counts = 0; sum_distinct = sum_bytes = 0.0; }
+    void   count(const struct ggml_tensor * topk); // one MoE layer's selection, during a pass
+    double bytes_b1() const;                       // a B = 1 step's: k experts per layer
+};
+
 struct clover_context {
     clover_model *  model = nullptr;
     llama_context * lctx  = nullptr;
@@ -69,6 +87,8 @@ struct clover_context {
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         coreset     = 0; // the block expert coreset of canvases (0 = off; clover_set_coreset)
+    bool            expert_stats = false; // count the block passes' experts (clover_context_params.expert_stats)
+    expert_counter  experts;
     int32_t         n_committed = 0;
     int64_t         n_graphs_reused = 0; // llama_decode calls that ran the previous graph again (stats)
     std::vector<int32_t> mem_tokens;  // the committed tokens (n_committed of them): prefix reuse
@@ -221,6 +241,10 @@ int check_context_params(const clover_context_params & cp, std::string & msg);
 // from the GGUF's clover.expert_coreset (clover_context_new, clover_set_coreset)
 int     check_coreset(int32_t coreset, std::string & msg);
 int32_t resolve_coreset(const clover_model * m, int32_t coreset);
+// the model's routed experts per layer and per token (its GGUF keys <arch>.expert_count, expert_used_count)
+void model_experts(const clover_model * m, int32_t & n_expert, int32_t & n_used);
+// expert_stats: the sizes the counter needs, from the model's GGUF tensor infos (clover_context_new)
+int load_expert_sizes(clover_context * c, std::string & msg);
 // clover_stats' rates from its counts and times: tokens_per_forward, tokens_per_second (clover_generate,
 // clover_stats_cut)
 void set_rates(clover_stats & s);

@@ -179,30 +179,55 @@ int check_context_params(const clover_context_params & cp, std::string & msg) {
         msg = "flash_attn must be -1, 0 or 1, got " + std::to_string(cp.flash_attn);
         return CLOVER_ERR_INVALID_ARG;
     }
+    if (cp.expert_stats != 0 && cp.expert_stats != 1) {
+        msg = "expert_stats must be 0 or 1, got " + std::to_string(cp.expert_stats);
+        return CLOVER_ERR_INVALID_ARG;
+    }
     return check_coreset(cp.coreset, msg);
 }
 
 int check_coreset(int32_t coreset, std::string & msg) {
-    if (coreset < 0 && coreset != CLOVER_CORESET_MODEL) {
-        msg = "coreset must be >= 0 (0 = off) or " + std::to_string(CLOVER_CORESET_MODEL) +
-              " (the model's default), got " + std::to_string(coreset);
+    if (coreset < 0 && coreset != CLOVER_CORESET_MODEL && coreset != CLOVER_CORESET_AUTO) {
+        msg = "coreset must be >= 0 (0 = off), " + std::to_string(CLOVER_CORESET_MODEL) + " (the model's default) or " +
+              std::to_string(CLOVER_CORESET_AUTO) + " (auto), got " + std::to_string(coreset);
         return CLOVER_ERR_INVALID_ARG;
     }
     return CLOVER_OK;
 }
 
-// CLOVER_CORESET_MODEL -> the GGUF's clover.expert_coreset (0 when absent or not a count >= 0)
-int32_t resolve_coreset(const clover_model * m, int32_t coreset) {
-    if (coreset != CLOVER_CORESET_MODEL) {
-        return coreset;
-    }
+static int32_t meta_int(const clover_model * m, const std::string & key) {
     char buf[32];
-    if (llama_model_meta_val_str(m->lm, "clover.expert_coreset", buf, sizeof(buf)) <= 0) {
+    if (llama_model_meta_val_str(m->lm, key.c_str(), buf, sizeof(buf)) <= 0) {
         return 0;
     }
     char *     end = nullptr;
     const long v   = strtol(buf, &end, 10);
     return end != buf && *end == '\0' && v >= 0 && v <= INT32_MAX ? (int32_t) v : 0;
+}
+
+void model_experts(const clover_model * m, int32_t & n_expert, int32_t & n_used) {
+    char arch[64];
+    if (llama_model_meta_val_str(m->lm, "general.architecture", arch, sizeof(arch)) <= 0) {
+        n_expert = n_used = 0;
+        return;
+    }
+    n_expert = meta_int(m, std::string(arch) + ".expert_count");
+    n_used   = meta_int(m, std::string(arch) + ".expert_used_count");
+}
+
+// CLOVER_CORESET_MODEL -> the GGUF's clover.expert_coreset (0 when absent or not a count >= 0);
+// CLOVER_CORESET_AUTO -> 3 k when below the expert count E, else 0: the smallest C whose pass reads
+// at most 3x a B = 1 step's expert bytes (spec/decoding.md)
+int32_t resolve_coreset(const clover_model * m, int32_t coreset) {
+    if (coreset == CLOVER_CORESET_AUTO) {
+        int32_t n_expert = 0, n_used = 0;
+        model_experts(m, n_expert, n_used);
+        return n_used > 0 && 3 * n_used < n_expert ? 3 * n_used : 0;
+    }
+    if (coreset != CLOVER_CORESET_MODEL) {
+        return coreset;
+    }
+    return meta_int(m, "clover.expert_coreset");
 }
 
 void set_rates(clover_stats & s) {

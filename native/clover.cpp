@@ -579,6 +579,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         decode_run run(ctx, gp, prompt, n_prompt, auto_B, B, ex);
         run.modes = modes;
         run.ds    = plan.ds && B > 1;
+        ctx->experts.reset(); // (after a calibration's passes)
         rc = run.prefill(reuse);
         const int64_t graphs_reused_before = ctx->n_graphs_reused;
         if (rc == CLOVER_OK) {
@@ -591,6 +592,13 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
         if (stats) {
             stats->n_graphs_reused = (int32_t) (ctx->n_graphs_reused - graphs_reused_before);
+            if (ctx->expert_stats) {
+                const expert_counter & x = ctx->experts;
+                stats->n_expert_passes       = (int32_t) x.n_passes;
+                stats->experts_per_pass      = x.n_layer_counts > 0 ? x.sum_distinct / x.n_layer_counts : 0.0;
+                stats->expert_bytes_per_pass = x.n_passes > 0 ? x.sum_bytes / x.n_passes : 0.0;
+                stats->expert_bytes_b1       = x.bytes_b1();
+            }
         }
         if (rc != CLOVER_OK && rc != CLOVER_ERR_CANCELLED) { // the one error exit
             run.finish = CLOVER_FINISH_NONE;

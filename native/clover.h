@@ -49,7 +49,7 @@ extern "C" {
 #endif
 
 /* Raised on every change of a public struct, function or constant. */
-#define CLOVER_API_VERSION 9
+#define CLOVER_API_VERSION 10
 
 /* ---------------------------------------------------------------- status codes */
 enum clover_status {
@@ -174,6 +174,9 @@ CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tok
 /* clover_context_params.coreset: the model file's default block expert coreset (its GGUF key
  * clover.expert_coreset; off when the key is absent) */
 #define CLOVER_CORESET_MODEL (-1)
+/* clover_context_params.coreset: C = 3 x the model's experts per token k (a block pass then reads at
+ * most 3x the routed-expert bytes of a B = 1 step) when that is below its expert count, else off */
+#define CLOVER_CORESET_AUTO (-2)
 
 typedef struct clover_context_params {
     int32_t n_ctx;      /* positions the memory can hold (prompt + generation), >= 3, or 0 = the model's
@@ -189,8 +192,14 @@ typedef struct clover_context_params {
     int32_t coreset;    /* the block expert coreset C of every block pass (spec/model.md "MoE",
                            spec/decoding.md): each MoE layer of a canvas routes among the C experts
                            of highest summed router probability only; committed tokens keep full
-                           routing (draft-self's output never changes). 0 = off, C >= 1, or
-                           CLOVER_CORESET_MODEL (default: the GGUF's clover.expert_coreset) */
+                           routing (draft-self's output never changes). 0 = off, C >= 1,
+                           CLOVER_CORESET_AUTO, or CLOVER_CORESET_MODEL (default: the GGUF's
+                           clover.expert_coreset) */
+    int32_t expert_stats; /* 1 = count the routed experts of every block pass (clover_stats.experts_per_pass,
+                           expert_bytes_per_pass); default 0. Its cost: llama.cpp's graph scheduler
+                           stops after each MoE layer's expert selection of a block pass to read it (a
+                           synchronisation per MoE layer; on a GPU no captured graph), so leave it off
+                           when timing */
 } clover_context_params;
 
 CLOVER_API clover_context_params clover_context_default_params(void);
@@ -198,7 +207,7 @@ CLOVER_API clover_context_params clover_context_default_params(void);
 /* The rules of clover_context_params (clover_context_new checks them first; front ends call this
  * to refuse bad options before loading anything): n_ctx 0 or >= 3; block_size >= 1 and at most n_ctx,
  * or CLOVER_BLOCK_SIZE_TRAIN (at most n_ctx by definition); flash_attn -1, 0 or 1; coreset >= 0 or
- * CLOVER_CORESET_MODEL. CLOVER_OK, or
+ * CLOVER_CORESET_MODEL or CLOVER_CORESET_AUTO; expert_stats 0 or 1. CLOVER_OK, or
  * CLOVER_ERR_INVALID_ARG and the first broken rule in err ("n_ctx must be 0 (the model's training context)
  * or >= 3, got 2"). */
 CLOVER_API int clover_context_params_check(const clover_context_params * params, char * err, size_t err_len);
@@ -487,6 +496,16 @@ typedef struct clover_stats {
                                    same shape: no rebuild; a GPU backend replays its captured graph). Every
                                    pass of a block has one shape; a block's first pass, which carries the
                                    previous block's commit, has another */
+    /* the routed experts of the block passes (canvases of >= 2 rows, draft-self's drafts included), counted
+       with clover_context_params.expert_stats (else 0): */
+    int32_t n_expert_passes;    /* block passes counted */
+    double  experts_per_pass;   /* distinct routed experts per MoE layer of a pass's canvas rows (mean over
+                                   passes and layers); 0 without passes */
+    double  expert_bytes_per_pass; /* bytes of routed-expert weights those experts are (per layer: distinct x
+                                   the bytes of one expert of ffn_gate_exps + ffn_up_exps + ffn_down_exps),
+                                   summed over the layers, mean over passes */
+    double  expert_bytes_b1;    /* the same for a B = 1 step (k experts per layer): the unit of
+                                   expert_bytes_per_pass ("x B = 1") */
 } clover_stats;
 
 /* Block-diffusion generation from `prompt` (n_prompt >= 1 tokens when max_tokens > 0).

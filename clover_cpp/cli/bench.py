@@ -14,8 +14,8 @@ import click
 from ..demo import default_cache_dir, demo_model, machine_load, paired_runs, speed_verdict
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
-from .options import (BLOCK_SIZE, LIBRARY_DEFAULT, check_flags, flag_errors, library_default, model_option,
-                      open_model, runtime_options, use_visual)
+from .options import (BLOCK_SIZE, LIBRARY_DEFAULT, check_flags, coreset_option, expert_stats_option, flag_errors,
+                      library_default, model_option, open_model, runtime_options, use_visual)
 
 DEFAULT_DEMO_PROMPT = 'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):\n'
 
@@ -44,10 +44,12 @@ def _parse_block_sizes(s: str) -> list[Any]:
 @click.option("-r", "--repetitions", type=click.IntRange(min=2), default=3, show_default=True,
               help="Rounds; each round runs every block size once (rotated order), so that the "
                    "comparisons are paired.")
+@coreset_option
+@expert_stats_option
 @runtime_options
 def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: float, max_steps: int,
-          repetitions: int, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str,
-          rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
+          repetitions: int, coreset: Any, expert_stats: bool, threads: int | None, ctx_size: int, n_gpu_layers: int,
+          flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
           verbose: bool) -> None:
     """Tokens/s and tokens per forward pass for each block size, against B = 1 (autoregressive).
 
@@ -59,7 +61,8 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     if 1 not in sizes:
         sizes = [1] + sizes
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, None, verbose, flash_attn, rpc,
-                                   tensor_split, override_tensor) as m:
+                                   tensor_split, override_tensor, expert_stats=expert_stats) as m:
+        m.coreset = coreset
         m.generate(prompt, max_tokens=min(n_predict, 8), block_size="auto", stop_at_eos=False)  # warm-up + curve
         runs = paired_runs(lambda B: m.generate(prompt, max_tokens=n_predict, block_size=B, threshold=threshold,
                                                 max_steps=max_steps, stop_at_eos=False).stats,
@@ -68,13 +71,19 @@ def bench(model: str, prompt: str, block_sizes: str, n_predict: int, threshold: 
     click.echo(f"model {model}, prompt {base[0].n_prompt} tok, -n {n_predict}, threshold {threshold}"
                + (f", max steps {max_steps}" if max_steps else "") + f", {repetitions} paired rounds")
     hdr = f"{'B':>6} {'tok/fwd':>8} {'tok/s (median, min-max)':>26} {'x B=1 (median, min-max)':>26}"
+    if expert_stats:  # (the counting slows the passes: the times are not a measurement then)
+        hdr += f" {'experts/pass':>13} {'bytes x B=1':>12}"
     click.echo(hdr)
     click.echo("-" * len(hdr))
     for B in sizes:
         tps = [s.tokens_per_second for s in runs[B]]
         ratio = [a.tokens_per_second / b.tokens_per_second for a, b in zip(runs[B], base) if b.tokens_per_second]
-        click.echo(f"{B!s:>6} {_median([s.tokens_per_forward for s in runs[B]]):>8.2f} "
-                   f"{_spread(tps, '.1f'):>26} {_spread(ratio, '.2f', 'x'):>26}")
+        row = (f"{B!s:>6} {_median([s.tokens_per_forward for s in runs[B]]):>8.2f} "
+               f"{_spread(tps, '.1f'):>26} {_spread(ratio, '.2f', 'x'):>26}")
+        if expert_stats:
+            row += (f" {_median([s.experts_per_pass for s in runs[B]]):>13.2f}"
+                    f" {_median([s.expert_bytes_ratio for s in runs[B]]):>12.2f}")
+        click.echo(row)
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -13,8 +13,8 @@ import click
 from .group import CONTEXT_SETTINGS, UserError, cli
 from .live import generate_to_terminal
 from .options import (chain_options, chat_template_options, check_flags, constraint_kwargs, constraint_options,
-                      coreset_option, flag_errors, gen_kwargs, model_option, open_model, runtime_options,
-                      sampling_options, until_context_end, use_visual, visual_option)
+                      coreset_option, expert_stats_option, flag_errors, gen_kwargs, model_option, open_model,
+                      runtime_options, sampling_options, until_context_end, use_visual, visual_option)
 
 CHAT_SEPARATOR = "----"
 
@@ -64,6 +64,7 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @click.option("-f", "--file", default=None, metavar="FILE", help="Read the prompt from FILE.")
 @sampling_options
 @coreset_option
+@expert_stats_option
 @runtime_options
 @visual_option
 @click.option("--echo/--no-echo", default=True, show_default=True,
@@ -76,9 +77,9 @@ def _read_prompt(prompt: str | None, file: str | None) -> str:
 @chat_template_options
 def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_size: Any,
         threshold: float, max_steps: int, temperature: float, top_k: int, top_p: float, seed: int, draft_self: str,
-        ignore_eos: bool, reverse_prompt: tuple[str, ...], coreset: Any, threads: int | None, ctx_size: int,
-        n_gpu_layers: int, flash_attn: str, rpc: str | None, tensor_split: list[float] | None, override_tensor: str | None,
-        verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
+        ignore_eos: bool, reverse_prompt: tuple[str, ...], coreset: Any, expert_stats: bool, threads: int | None,
+        ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None, tensor_split: list[float] | None,
+        override_tensor: str | None, verbose: bool, visual: bool | None, echo: bool, no_display_prompt: bool, stats: bool,
         grammar: str | None = None, grammar_file: str | None = None, json_schema: str | None = None,
         json_schema_file: str | None = None, json_object: bool = False, chain: dict | None = None,
         chat_template: str | None = None) -> None:
@@ -94,7 +95,7 @@ def run(model: str, prompt: str | None, file: str | None, n_predict: int, block_
     visual = use_visual(visual)
     turn = [{"role": "user", "content": text}] if chat_template is not None else None
     with flag_errors(), open_model(model, threads, ctx_size, n_gpu_layers, block_size, verbose, flash_attn, rpc,
-                                   tensor_split, override_tensor, chat_template) as m:
+                                   tensor_split, override_tensor, chat_template, expert_stats) as m:
         if n_predict == -1:
             n_prompt = len(m.tokenize(m.format_chat(turn) if turn else text, add_bos=True, special=True))
             kw["max_tokens"] = until_context_end(m, n_prompt, block_size, draft_self)

@@ -76,18 +76,18 @@ BLOCK_SIZE = BlockSizeType()
 
 
 class CoresetType(click.ParamType):
-    """A block expert coreset: an integer (0 = off), "off" or "model"; its range is libclover's."""
-    name = "N|off|model"
+    """A block expert coreset: an integer (0 = off), "off", "auto" or "model"; its range is libclover's."""
+    name = "N|off|auto|model"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        if value is None or isinstance(value, int) or value == "model":
+        if value is None or isinstance(value, int) or value in ("model", "auto"):
             return value
         if value == "off":
             return 0
         try:
             return int(value)
         except ValueError:
-            self.fail(f"{value!r} is not an integer >= 0, 'off' or 'model'", param, ctx)
+            self.fail(f"{value!r} is not an integer >= 0, 'off', 'auto' or 'model'", param, ctx)
 
 
 CORESET = CoresetType()
@@ -97,8 +97,16 @@ def coreset_option(f: Any) -> Any:
     return click.option("--coreset", "coreset", type=CORESET, default="model", show_default=True,
                         help="Block expert coreset C: each MoE layer of a block pass routes among the C experts "
                              "the block's tokens weigh most (fewer expert bytes read per pass); 0 or off = every "
-                             "expert; model = the GGUF's clover.expert_coreset (off when absent). Draft-self's "
-                             "output does not depend on it.")(f)
+                             "expert; auto = 3 x the experts per token when below the expert count (a pass "
+                             "reads at most 3x a B = 1 step's expert bytes); model = the GGUF's "
+                             "clover.expert_coreset (off when absent). Draft-self's output does not depend on it.")(f)
+
+
+def expert_stats_option(f: Any) -> Any:
+    return click.option("--expert-stats", "expert_stats", is_flag=True, default=False,
+                        help="Count the distinct routed experts of each block pass and the expert bytes they "
+                             "are (the stats line). Costs a synchronisation per MoE layer of a pass: not for "
+                             "timing.")(f)
 
 
 def constraint_options(f: Any) -> Any:
@@ -364,7 +372,7 @@ def set_verbose() -> None:
 def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int, block_size: Any,
                verbose: bool, flash_attn: str = "auto", rpc: str | None = None,
                tensor_split: list[float] | None = None, override_tensor: str | None = None,
-               chat_template: str | None = None) -> Any:
+               chat_template: str | None = None, expert_stats: bool = False) -> Any:
     from .. import Clover, CloverError
 
     # libclover checks the file (missing, not a GGUF, wrong architecture, bad metadata) with
@@ -376,7 +384,7 @@ def open_model(path: str, threads: int | None, ctx_size: int, n_gpu_layers: int,
     try:
         return Clover(path, n_ctx=ctx_size, n_threads=threads, n_gpu_layers=n_gpu_layers, block_size=block_size,
                       flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
-                      override_tensor=override_tensor, chat_template=chat_template)
+                      override_tensor=override_tensor, chat_template=chat_template, expert_stats=expert_stats)
     except CloverError as e:
         raise refused(e) from None
 

@@ -282,8 +282,9 @@ class Knobs(SamplerChainFields):
     # true: lossless self-speculative decoding (the output of block_size 1); "auto": with block_size
     # auto the mode too is chosen per block (B = 1, block diffusion or draft-self; clover.mode says which)
     draft_self: Union[bool, Literal["auto"]] = False
-    # the block expert coreset of this request's block passes (None: the served context's; 0 = off)
-    coreset: Union[int, Literal["model"], None] = None
+    # the block expert coreset of this request's block passes (None: the served context's; 0 = off;
+    # "auto": 3 k when below the expert count)
+    coreset: Union[int, Literal["model", "auto"], None] = None
 
     @field_validator("draft_self", mode="before")
     @classmethod

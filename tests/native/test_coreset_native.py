@@ -87,9 +87,9 @@ def test_coreset_rules(model, artifacts):
     eb, el = N.err_buffer()
     cp = L.clover_context_default_params()
     assert cp.coreset == N.CLOVER_CORESET_MODEL
-    cp.coreset = -2
+    cp.coreset = -3
     assert L.clover_context_params_check(ctypes.byref(cp), eb, el) == N.CLOVER_ERR_INVALID_ARG
-    assert eb.value.decode() == "coreset must be >= 0 (0 = off) or -1 (the model's default), got -2"
+    assert eb.value.decode() == "coreset must be >= 0 (0 = off), -1 (the model's default) or -2 (auto), got -3"
     with Ctx(model, 4, n_ctx=64) as ctx:
         assert L.clover_coreset(ctx.p) == 0  # the tiny GGUF has no clover.expert_coreset: off
         assert L.clover_set_coreset(ctx.p, -3, eb, el) == N.CLOVER_ERR_INVALID_ARG
@@ -179,6 +179,6 @@ def test_cli_flag(artifacts):
         r = subprocess.run([str(CLI), "-m", str(artifacts["f32"]), "-p", "hello", "-n", "4", "--block-size", "4",
                             "--coreset", "1"], capture_output=True, text=True, errors="replace", timeout=300)
         assert r.returncode == 0, r.stderr
-        r = subprocess.run([str(CLI), "-m", str(artifacts["f32"]), "-p", "hello", "-n", "4", "--coreset", "-2"],
+        r = subprocess.run([str(CLI), "-m", str(artifacts["f32"]), "-p", "hello", "-n", "4", "--coreset", "-3"],
                            capture_output=True, text=True, errors="replace", timeout=300)
         assert r.returncode != 0 and "coreset must be >= 0" in r.stderr
