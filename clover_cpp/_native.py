@@ -387,6 +387,10 @@ def clover_set_coreset(ctx: int | None, coreset: int, err: Any, err_len: int, /)
 def clover_coreset(ctx: int | None, /) -> int: ...
 
 
+@_c("clover_expert_stats", [clover_context_p, POINTER(clover_stats)], c_int)
+def clover_expert_stats(ctx: int | None, stats: Any, /) -> int: ...
+
+
 @_c("clover_block_pass", [clover_context_p, c_int32_p, c_int32, c_float_p, c_char_buf, c_size_t], c_int)
 def clover_block_pass(ctx: int | None, tokens: Any, n: int, logits_out: Any, err: Any, err_len: int, /) -> int: ...
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _native as N
 from ._args import INT32_MAX, bool_arg, float_arg, int_arg
-from .decoding import Perplexity
+from .decoding import GenerationStats, Perplexity
 from .errors import CloverError, CloverTypeError, CloverValueError, check, lib
 
 
@@ -115,6 +115,18 @@ class ContextPasses:
             st = self._decoder.call(lambda: lib().clover_block_pass(c, arr, len(toks), ptr, err, n))
             check(st, err)
             return out[: len(toks)]
+
+    def expert_stats(self) -> GenerationStats:
+        """The routed experts of the block passes since the count last started (a generate's start
+        or the last call of this; :meth:`block_logits` included): a GenerationStats with
+        n_expert_passes, experts_per_pass, expert_bytes_per_pass and expert_bytes_b1 set; the
+        count starts afresh. Needs ``Clover(expert_stats=True)``."""
+        st = N.clover_stats()
+        with self._op() as c:
+            if lib().clover_expert_stats(c, ctypes.byref(st)) != N.CLOVER_OK:
+                raise CloverError("expert_stats() needs a context made with expert_stats=True")
+        return GenerationStats(n_expert_passes=st.n_expert_passes, experts_per_pass=st.experts_per_pass,
+                               expert_bytes_per_pass=st.expert_bytes_per_pass, expert_bytes_b1=st.expert_bytes_b1)
 
     def perplexity(self, text: str | bytes | Sequence[int], n_ctx: int = 512,
                    n_chunks: int | None = None) -> "Perplexity":

@@ -156,6 +156,14 @@ int load_expert_sizes(clover_context * c, std::string & msg) {
     return CLOVER_OK;
 }
 
+void report_experts(const clover_context * c, clover_stats * stats) {
+    const expert_counter & x = c->experts;
+    stats->n_expert_passes       = (int32_t) x.n_passes;
+    stats->experts_per_pass      = x.n_layer_counts > 0 ? x.sum_distinct / x.n_layer_counts : 0.0;
+    stats->expert_bytes_per_pass = x.n_passes > 0 ? x.sum_bytes / x.n_passes : 0.0;
+    stats->expert_bytes_b1       = x.bytes_b1();
+}
+
 int make_lctx(clover_context * c, int32_t B, std::string & msg) {
     const int32_t U        = ubatch_for(B);
     if (const int rc = check_sched_memory(c, U, B, msg); rc != CLOVER_OK) {
@@ -672,6 +680,15 @@ int clover_commit_logits(clover_context * ctx, const int32_t * tokens, int32_t n
 
 int clover_commit(clover_context * ctx, const int32_t * tokens, int32_t n, char * err, size_t err_len) {
     return clover_commit_logits(ctx, tokens, n, nullptr, err, err_len);
+}
+
+int clover_expert_stats(clover_context * ctx, clover_stats * stats) {
+    if (!ctx || !stats || !ctx->expert_stats) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    report_experts(ctx, stats);
+    ctx->experts.reset();
+    return CLOVER_OK;
 }
 
 int clover_last_logits(const clover_context * ctx, float * logits_out) {

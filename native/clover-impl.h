@@ -245,6 +245,8 @@ int32_t resolve_coreset(const clover_model * m, int32_t coreset);
 void model_experts(const clover_model * m, int32_t & n_expert, int32_t & n_used);
 // expert_stats: the sizes the counter needs, from the model's GGUF tensor infos (clover_context_new)
 int load_expert_sizes(clover_context * c, std::string & msg);
+// the counter's figures into stats (its four expert fields)
+void report_experts(const clover_context * c, clover_stats * stats);
 // clover_stats' rates from its counts and times: tokens_per_forward, tokens_per_second (clover_generate,
 // clover_stats_cut)
 void set_rates(clover_stats & s);

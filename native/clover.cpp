@@ -593,11 +593,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         if (stats) {
             stats->n_graphs_reused = (int32_t) (ctx->n_graphs_reused - graphs_reused_before);
             if (ctx->expert_stats) {
-                const expert_counter & x = ctx->experts;
-                stats->n_expert_passes       = (int32_t) x.n_passes;
-                stats->experts_per_pass      = x.n_layer_counts > 0 ? x.sum_distinct / x.n_layer_counts : 0.0;
-                stats->expert_bytes_per_pass = x.n_passes > 0 ? x.sum_bytes / x.n_passes : 0.0;
-                stats->expert_bytes_b1       = x.bytes_b1();
+                report_experts(ctx, stats);
             }
         }
         if (rc != CLOVER_OK && rc != CLOVER_ERR_CANCELLED) { // the one error exit

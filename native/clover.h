@@ -564,6 +564,13 @@ CLOVER_API int32_t clover_generate_room(const clover_context * ctx, const clover
  * for NULL or n_generated < 0. */
 CLOVER_API int clover_stats_cut(clover_stats * stats, int32_t n_generated);
 
+/* The routed experts of the block passes run since the counter last started (a clover_generate's
+ * start or the last call of this; the low-level clover_block_pass included), on a context with
+ * clover_context_params.expert_stats: fills stats's n_expert_passes, experts_per_pass,
+ * expert_bytes_per_pass and expert_bytes_b1 (the rest untouched), then starts counting afresh.
+ * CLOVER_ERR_INVALID_ARG for NULL or a context without expert_stats. */
+CLOVER_API int clover_expert_stats(clover_context * ctx, clover_stats * stats);
+
 /* ---------------------------------------------------------------- stop strings
  * The output is cut before the first of the stop strings (as llama.cpp's reverse prompt / the
  * `stop` of llama-server), which may span the pieces of text it arrives in: text that could

@@ -142,3 +142,27 @@ def test_server_coreset_auto(tiny_server):
                    timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["clover"]["coreset"] == 6
+
+
+def test_low_level_passes_counted(artifacts, ref, vocab_hi):
+    """Clover.expert_stats(): the block passes since the count last started (block_logits
+    included: every row, so every layer counts the whole canvas), then afresh; refused without
+    expert_stats."""
+    from clover_cpp import Clover, CloverError
+
+    prompt, B = random_prompt(41, 6, vocab_hi), 8
+    canvas = random_prompt(42, B, vocab_hi)
+    with Clover(artifacts["f32"], n_ctx=128, n_threads=2, block_size=B, kv_f32=True, flash_attn=False,
+                expert_stats=True) as m:
+        m.expert_stats()
+        m.block_logits(canvas, commit_before=prompt)
+        s = m.expert_stats()
+        assert m.expert_stats().n_expert_passes == 0
+    mem = ref.new_memory()
+    ref.commit(mem, prompt)
+    _, layers = ref.trace(mem, canvas, B)
+    assert s.n_expert_passes == 1
+    assert s.experts_per_pass == pytest.approx(np.mean([len(np.unique(rec["experts"])) for rec in layers]))
+    with Clover(artifacts["f32"], n_ctx=64, n_threads=1, block_size=4) as m:
+        with pytest.raises(CloverError):
+            m.expert_stats()
