@@ -222,7 +222,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     def new_context(self, **overrides: Any) -> "Clover":
         """Another Clover over the same loaded model, with its own context (memory, block
         size, cost curve), e.g. one per concurrent request. Keyword arguments override this
-        object's n_ctx, n_threads, block_size, flash_attn, kv_f32. The model is freed when
+        object's n_ctx, n_threads, block_size, flash_attn, kv_f32, expert_stats. The model is freed when
         the last of the objects sharing it closes. The new context decodes on a thread of its own,
         so distinct contexts may run in parallel (give them n_threads that add up to at most the
         cores: OpenMP slows down sharply when its threads outnumber them)."""
@@ -234,8 +234,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         with self._model_op():
             ls = self._llama
             return Clover(self.model_path, a.n_ctx, a.n_threads, la.n_gpu_layers, block_size=a.block_size,
-                          flash_attn=a.flash_attn, kv_f32=a.kv_f32, use_mmap=la.use_mmap, use_mlock=la.use_mlock,
-                          rpc_servers=la.rpc_servers, tensor_split=la.tensor_split,
+                          flash_attn=a.flash_attn, kv_f32=a.kv_f32, expert_stats=a.expert_stats, use_mmap=la.use_mmap,
+                          use_mlock=la.use_mlock, rpc_servers=la.rpc_servers, tensor_split=la.tensor_split,
                           override_tensor=la.override_tensor, seed=ls.seed if ls.seed is not None else -1,
                           n_batch=ls.n_batch, n_ubatch=ls.n_ubatch, logits_all=ls.logits_all,
                           embedding=ls.embedding, pooling_type=ls.pooling_type, chat_format=ls.chat_format,

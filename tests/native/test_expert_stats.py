@@ -166,3 +166,19 @@ def test_low_level_passes_counted(artifacts, ref, vocab_hi):
     with Clover(artifacts["f32"], n_ctx=64, n_threads=1, block_size=4) as m:
         with pytest.raises(CloverError):
             m.expert_stats()
+
+
+def test_slice_benchmark_smoke():
+    """benchmarks/coreset_slice.py --smoke: the whole script (build, Q4_K_M, counts, times) on the
+    tiny preset; its table has a row per B, canvas and C, with C = 3 k and k."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "coreset_slice.py"
+    r = subprocess.run([sys.executable, str(script), "--smoke", "--reps", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 8 ") or line.startswith("| 32 ")]
+    assert len(rows) == 2 * 2 * 3 and {row.split("|")[3].strip() for row in rows} == {"off", "6", "2"}
+    assert "SMOKE RUN" in r.stdout
