@@ -34,8 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from clover_testkit.reference import CloverReference  # noqa: E402
-from clover_testkit.reference_math import softmax  # noqa: E402
+from clover_testkit.reference import CloverReference, softmax  # noqa: E402
 
 BYTES_PER_PARAM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_k_m": 4.5 / 8}
 TEXT = ("The river ran past the old mill, where the miller's daughter kept the accounts and "

@@ -18,8 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from clover_testkit.reference import CloverReference
-from clover_testkit.reference_math import rms_norm_1p, softmax
+from clover_testkit.reference import CloverReference, rms_norm_1p, softmax
 
 #: a relative gap between the k-th and (k+1)-th router probabilities below this is a tie in f32
 #: (float32's epsilon is 1.2e-7; the gap of two f32 sums of 64 products moves by a few of them)

@@ -77,7 +77,7 @@ def _ref_generate(ref, prompt, **kw):
 def _near_tie_at_divergence(ref, prompt, ref_steps, nat_steps, B, threshold, max_steps, max_tokens,
                             tol=F32_TOL) -> str | None:
     """If the first step where the two runs differ is a near-tie in the reference, describe it."""
-    from clover_testkit.reference_decode import candidates
+    from clover_testkit.reference import candidates
 
     mask = ref.cfg.mask_token_id
     for i, (rs, ns) in enumerate(zip(ref_steps, nat_steps)):

@@ -36,7 +36,7 @@ def test_seeded_sampling_reproducible(model, vocab_hi):
 
 
 def test_pick_candidate_greedy_matches_reference(ref):
-    from clover_testkit.reference_decode import candidates
+    from clover_testkit.reference import candidates
 
     rng = np.random.default_rng(3)
     V, mask = ref.cfg.vocab_size, ref.cfg.mask_token_id

@@ -9,8 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from clover_testkit.reference import CloverConfig, CloverReference, coreset_select
-from clover_testkit.reference_math import sigmoid, silu, softmax
+from clover_testkit.reference import CloverConfig, CloverReference, coreset_select, sigmoid, silu, softmax
 from clover_testkit.random_model import TINY, make_weights
 
 TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=3)

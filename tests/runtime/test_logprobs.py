@@ -108,7 +108,7 @@ def reference_block_run(ref, monkeypatch, **kw):
     """reference.generate, and for each output token the logits row it was chosen from (the
     reference's candidates are recorded per denoising step and matched to the positions the
     step unmasked)."""
-    import clover_testkit.reference_decode as D
+    import clover_testkit.reference.decode as D
 
     calls, steps = [], []
     orig = D.candidates

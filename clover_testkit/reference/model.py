@@ -1,26 +1,5 @@
-"""Numpy reference implementation of Clover (the oracle for the native code).
-
-Follows /work/shared/clover-architecture.md, spec v2 (spec/model.md: causal commit,
-next-token shift, decode blocks right after the committed text). It is meant to be
-obviously correct, not fast: all math is float64, loops are written out per token and per
-head where that reads more clearly. Only numpy is used.
-
-API::
-
-    cfg = CloverConfig.from_dict(config_json_dict)
-    model = CloverReference(cfg, weights)          # or CloverReference.from_pretrained(folder)
-    mem = model.new_memory()
-    logits = model.commit(mem, tokens)                   # [n, vocab]: causal, writes mem
-    logits = model.block_pass(mem, tokens, block_size)   # [n, vocab]: canvas, mem unchanged
-    logits, layers = model.trace(mem, tokens, block_size)  # block pass + intermediates
-    logits = causal_logits(model, tokens)                # commit on a fresh memory
-    ppl = perplexity(model, tokens)
-    res = generate(model, prompt_tokens, max_tokens=..., block_size=...)
-
-The module is cut by job: the numeric primitives (reference_math), the forward model
-(here: config, memory, commit, block pass, causal logits, perplexity) and the decoding
-loop (reference_decode: generate, its result, the candidate rule ``candidates``); generate,
-its result and ubatch_tokens are importable from here too.
+"""The reference's forward model: the config, the memory, causal commits and block passes
+(float64, spec v2), causal logits and perplexity.
 
 Project decisions (beyond the spec):
 
@@ -85,13 +64,8 @@ from typing import Sequence
 import numpy as np
 
 from clover_convert import mapping
-from clover_testkit.reference_decode import GenerateResult, generate, ubatch_tokens  # noqa: F401
-from clover_testkit.reference_math import (QK_NORM_EPS, bidirectional_conv, block_tau, l2_norm,  # noqa: F401
-                                           rms_norm_1p, rope_neox, sigmoid, silu, softmax, softplus)
-
-__all__ = ["CloverConfig", "CloverReference", "Memory", "generate", "GenerateResult",
-           "causal_logits", "coreset_select", "perplexity", "ubatch_tokens", "bidirectional_conv", "block_tau",
-           "rms_norm_1p"]
+from clover_testkit.reference.primitives import (bidirectional_conv, block_tau, l2_norm, rms_norm_1p, rope_neox,
+                                                 sigmoid, silu, softmax, softplus)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

@@ -1,4 +1,4 @@
-"""The reference's decoding loop (block diffusion over clover_testkit.reference's model).
+"""The reference's decoding loop (block diffusion over the model of clover_testkit.reference.model).
 
 Decoding (``generate``, spec "Decoding"):
 
@@ -51,11 +51,11 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from clover_testkit.reference_math import softmax
+from clover_testkit.reference.primitives import softmax
 
 class CloverReference(Protocol):
-    """What the loop asks of the model (clover_testkit.reference.CloverReference, which imports
-    this module): its config, a fresh memory, causal commits and block passes."""
+    """What the loop asks of the model (clover_testkit.reference.model.CloverReference): its
+    config, a fresh memory, causal commits and block passes."""
 
     cfg: Any
 

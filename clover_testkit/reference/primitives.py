@@ -1,6 +1,6 @@
 """The reference's numeric primitives (float64 numpy, no state): activations, norms, the
-bidirectional conv, NeoX RoPE and the block calibration tau. clover_testkit.reference is the
-model built from them (its module docstring gives the conventions)."""
+bidirectional conv, NeoX RoPE and the block calibration tau. clover_testkit.reference.model is
+the model built from them (its module docstring gives the conventions)."""
 
 from __future__ import annotations
 
