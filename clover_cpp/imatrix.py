@@ -22,7 +22,6 @@ not skipped (a block pass has B rows; the causal commits of a chunk are batched 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import sys
 from dataclasses import dataclass, field
@@ -31,56 +30,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from ._ggml import GGML_TYPE_F32, ggml_backend_sched_eval_callback, set_default_eval_callback, tensor_array
+from ._ggml import lib as ggml_lib
+
 __all__ = ["ImatrixCollector", "collect_imatrix", "write_imatrix", "main"]
 
 DEFAULT_MASK_RATIOS = (1.0, 0.75, 0.5, 0.25)
-_GGML_TYPE_F32 = 0
-_GGML_MAX_DIMS, _GGML_MAX_SRC, _GGML_MAX_OP_PARAMS, _GGML_MAX_NAME = 4, 10, 64, 64
-
-
-class _GGMLTensor(ctypes.Structure):
-    pass
-
-
-_GGMLTensor._fields_ = [  # ggml.h struct ggml_tensor of the pinned tree
-    ("type", ctypes.c_int),
-    ("buffer", ctypes.c_void_p),
-    ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),
-    ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),
-    ("op", ctypes.c_int),
-    ("op_params", ctypes.c_int32 * (_GGML_MAX_OP_PARAMS // 4)),
-    ("flags", ctypes.c_int32),
-    ("src", ctypes.POINTER(_GGMLTensor) * _GGML_MAX_SRC),
-    ("view_src", ctypes.POINTER(_GGMLTensor)),
-    ("view_offs", ctypes.c_size_t),
-    ("data", ctypes.c_void_p),
-    ("name", ctypes.c_char * _GGML_MAX_NAME),
-    ("extra", ctypes.c_void_p),
-    ("padding", ctypes.c_char * 8),
-]
-
-_EVAL_CB = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.POINTER(_GGMLTensor), ctypes.c_bool, ctypes.c_void_p)
-
-
-def _linked() -> ctypes.CDLL:
-    """libllama's and ggml's functions as libclover itself links them: symbols are looked up
-    through libclover's handle (dlsym searches its dependencies), so the callback is installed
-    in the very libllama that creates our contexts, never in another copy found by path."""
-    from ._native import lib
-
-    L = lib()
-    if not hasattr(L, "llama_set_default_eval_callback"):
-        raise RuntimeError("this libllama lacks llama_set_default_eval_callback (patch 0008): rebuild clover-cpp")
-    L.llama_set_default_eval_callback.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    L.llama_set_default_eval_callback.restype = None
-    L.ggml_op_name.argtypes = [ctypes.c_int]
-    L.ggml_op_name.restype = ctypes.c_char_p
-    L.ggml_nbytes.argtypes = [ctypes.POINTER(_GGMLTensor)]
-    L.ggml_nbytes.restype = ctypes.c_size_t
-    L.ggml_backend_tensor_get.argtypes = [ctypes.POINTER(_GGMLTensor), ctypes.c_void_p, ctypes.c_size_t,
-                                         ctypes.c_size_t]
-    L.ggml_backend_tensor_get.restype = None
-    return L
 
 
 def _filter_name(name: str) -> str:
@@ -108,13 +63,12 @@ class ImatrixCollector:
     active: bool = True                   # off: the callback asks for nothing
 
     def install(self) -> None:
-        self._lib = _linked()
         self._op_names: dict[int, bytes] = {}
-        self._cb = _EVAL_CB(self._callback)
-        self._lib.llama_set_default_eval_callback(ctypes.cast(self._cb, ctypes.c_void_p), None)
+        self._cb = ggml_backend_sched_eval_callback(self._callback)
+        set_default_eval_callback(self._cb)
 
     def uninstall(self) -> None:
-        self._lib.llama_set_default_eval_callback(None, None)
+        set_default_eval_callback(None)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -127,18 +81,8 @@ class ImatrixCollector:
     def _op(self, op: int) -> bytes:
         n = self._op_names.get(op)
         if n is None:
-            n = self._op_names[op] = self._lib.ggml_op_name(op) or b""
+            n = self._op_names[op] = ggml_lib().ggml_op_name(op) or b""
         return n
-
-    def _array(self, t: Any) -> np.ndarray:
-        """A tensor's data (f32 or i32) as a numpy array in ggml's index order reversed
-        ([ne3, ne2, ne1, ne0]), copied from its backend (any device, any strides)."""
-        nbytes = self._lib.ggml_nbytes(ctypes.byref(t))
-        buf = np.empty(nbytes, np.uint8)
-        self._lib.ggml_backend_tensor_get(ctypes.byref(t), buf.ctypes.data, 0, nbytes)
-        dt = np.float32 if t.type == _GGML_TYPE_F32 else np.int32
-        return np.lib.stride_tricks.as_strided(buf.view(dt), shape=tuple(t.ne[i] for i in (3, 2, 1, 0)),
-                                               strides=tuple(t.nb[i] for i in (3, 2, 1, 0)))
 
     def _callback(self, tp: Any, ask: bool, _ud: Any) -> bool:
         if not self.active:
@@ -153,15 +97,15 @@ class ImatrixCollector:
             if name not in self.weights or (name == "output.weight" and not self.process_output):
                 return False if ask else True
             src1 = t.src[1].contents
-            if src1.type != _GGML_TYPE_F32:
+            if src1.type != GGML_TYPE_F32:
                 return False if ask else True
             if ask:
                 return True
-            x = self._array(src1).astype(np.float64)  # [ne3, ne2, ne1, ne0]
+            x = tensor_array(src1).astype(np.float64)  # [ne3, ne2, ne1, ne0]
             ne0 = int(src1.ne[0])
             if op == b"MUL_MAT_ID":
                 n_as = int(src0.ne[2])
-                ids = self._array(t.src[2].contents)[0, 0]  # [n_tokens, n_ids]
+                ids = tensor_array(t.src[2].contents)[0, 0]  # [n_tokens, n_ids]
                 e = self.stats.get(name)
                 if e is None:
                     e = self.stats[name] = _Entry(np.zeros((n_as, ne0)), np.zeros(n_as))

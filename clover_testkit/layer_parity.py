@@ -22,7 +22,6 @@ and records the experts each MUL_MAT_ID selected.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import re
@@ -56,20 +55,22 @@ class GraphProbe:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["GraphProbe"]:
-        from clover_cpp.imatrix import _EVAL_CB, _linked
+        from clover_cpp._ggml import ggml_backend_sched_eval_callback, set_default_eval_callback
+        from clover_cpp._ggml import lib as ggml_lib
 
-        self._lib = _linked()
-        self._cb = _EVAL_CB(self._callback)
-        self._lib.llama_set_default_eval_callback(ctypes.cast(self._cb, ctypes.c_void_p), None)
+        self._ggml = ggml_lib()
+        self._cb = ggml_backend_sched_eval_callback(self._callback)
+        set_default_eval_callback(self._cb)
         try:
             yield self
         finally:
-            self._lib.llama_set_default_eval_callback(None, None)
+            set_default_eval_callback(None)
 
-    def _array(self, t: Any) -> np.ndarray:
-        from clover_cpp.imatrix import ImatrixCollector
+    @staticmethod
+    def _array(t: Any) -> np.ndarray:
+        from clover_cpp._ggml import tensor_array
 
-        return np.array(ImatrixCollector._array(self, t))  # (uses self._lib only)
+        return np.array(tensor_array(t))
 
     def _callback(self, tp: Any, ask: bool, _ud: Any) -> bool:
         try:
@@ -78,7 +79,7 @@ class GraphProbe:
             want_ids = False
             if self.experts and t.src[2]:
                 src0 = t.src[0].contents.name.decode("utf-8", "replace")
-                want_ids = "ffn_gate_exps" in src0 and self._lib.ggml_op_name(t.op) == b"MUL_MAT_ID"
+                want_ids = "ffn_gate_exps" in src0 and self._ggml.ggml_op_name(t.op) == b"MUL_MAT_ID"
             if ask:
                 return name in self.names or want_ids
             if name in self.names:
