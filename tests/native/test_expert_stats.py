@@ -182,3 +182,22 @@ def test_slice_benchmark_smoke():
     rows = [line for line in r.stdout.splitlines() if line.startswith("| 8 ") or line.startswith("| 32 ")]
     assert len(rows) == 2 * 2 * 3 and {row.split("|")[3].strip() for row in rows} == {"off", "6", "2"}
     assert "SMOKE RUN" in r.stdout
+
+
+def test_command_lines(artifacts):
+    """--expert-stats and --coreset auto on clover run and clover-cli: the stats lines say the count."""
+    import subprocess
+
+    from clover_testkit.native_handles import CLI, REPO
+
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "clover"), "run", "-m", str(artifacts["f32"]), "-p", "hello",
+                        "-n", "16", "--no-visual", "--block-size", "8", "--coreset", "auto", "--expert-stats"],
+                       capture_output=True, text=True, errors="replace", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "coreset 6" in r.stderr and "experts/pass" in r.stderr and "x B = 1" in r.stderr
+    if CLI.exists():
+        r = subprocess.run([str(CLI), "-m", str(artifacts["f32"]), "-p", "hello", "-n", "16", "--block-size", "8",
+                            "--coreset", "auto", "--expert-stats"], capture_output=True, text=True, errors="replace",
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "distinct routed experts per MoE layer of a block pass" in r.stderr
