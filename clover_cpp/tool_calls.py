@@ -4,16 +4,21 @@ parsed out of its text. :meth:`Clover.create_chat_completion` and ``clover serve
 validates the request with its pydantic types first) both use it.
 
 The request's ``tools`` are rendered by the model's own chat template (its ``tools``
-variable, as Hugging Face's ``apply_chat_template(tools=...)``); the reply's tool-call markup
-is parsed into OpenAI ``tool_calls``. The markup is the Qwen family's, which the release
-checkpoints' template uses::
+variable, as Hugging Face's ``apply_chat_template(tools=...)``); the reply's tool-call markup is
+parsed into OpenAI ``tool_calls`` by llama.cpp's parser (common/chat.cpp, llama-server's, through
+:mod:`clover_cpp.chat_format`) for whichever markup the template asks for: the Qwen family's,
+which the release checkpoints' template uses::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-(and Qwen3.5's XML form, ``<tool_call><function=NAME><parameter=P>value</parameter>
-</function></tool_call>``, is read too). ``tool_choice``: ``"none"`` renders no tools;
+Qwen3-Coder / Qwen3.5's XML (``<tool_call><function=NAME><parameter=P>value</parameter>
+</function></tool_call>``), Llama 3.x's JSON, Mistral's ``[TOOL_CALLS]``, ... A whole reply
+llama.cpp's parser refuses is read once more by :func:`parse_call`, the lenient reader of the
+``<tool_call>`` markup this module had before (it takes what chat.cpp does not and our tests
+pin: arguments as a JSON string, Qwen3.5's XML inside a Hermes-template reply, text after a
+call). ``tool_choice``: ``"none"`` renders no tools;
 ``"auto"`` lets the model choose; ``"required"`` starts the reply with ``<tool_call>`` and a
 grammar makes the rest a call of one of the tools (one or more with ``parallel_tool_calls``);
 a named function starts it with that function's call up to its arguments, which its schema
@@ -22,6 +27,7 @@ constrains. Text outside the markup is the message's content.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -29,11 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .chat_format import ChatFormatError, chat_params, parse_reply
 from .errors import CloverTypeError, CloverValueError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_XML_FN = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
-_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ToolPlan:
     prefill: str                        # text the reply starts with (part of the prompt)
     parallel: bool
     grammar: str | None = None          # GBNF the rest of the reply must follow (a forced call's arguments)
+    chat: dict[str, Any] = field(default_factory=dict)  # chat.cpp's format of the template's calls (parse_reply's)
 
     @property
     def active(self) -> bool:
@@ -71,12 +77,13 @@ def plan(tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, A
     if template is None or "tools" not in template:
         raise CloverValueError("tools: the model's chat template does not render tools", param="tools")
     rendered = [dict(t) for t in tools]
+    chat = _chat_format(template, rendered, choice, parallel)
     if forced is not None:  # the call up to its arguments, which then follow the tool's schema
         prefill = f'{OPEN}\n{{"name": {json.dumps(forced["name"])}, "arguments": '
-        return ToolPlan(rendered, names, prefill, parallel, _arguments_grammar(forced.get("parameters")))
+        return ToolPlan(rendered, names, prefill, parallel, _arguments_grammar(forced.get("parameters")), chat)
     if choice == "required":  # a call of any of the tools (one or more when parallel)
-        return ToolPlan(rendered, names, f"{OPEN}\n", parallel, _calls_grammar(funcs, parallel))
-    return ToolPlan(rendered, names, "", parallel)
+        return ToolPlan(rendered, names, f"{OPEN}\n", parallel, _calls_grammar(funcs, parallel), chat)
+    return ToolPlan(rendered, names, "", parallel, chat=chat)
 
 
 def _function(tool: Any) -> dict[str, Any]:
@@ -180,8 +187,148 @@ def _refs_to(node: Any, prefix: str) -> Any:
     return out
 
 
+def _chat_format(template: str, tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dict[str, Any]:
+    """chat.cpp's format of the template's tool calls: what :func:`chat_format.parse_reply` needs;
+    {} when chat.cpp cannot read the template (its Jinja engine is not jinja2, which renders the
+    prompt): the reply is then read by :func:`parse_call` alone."""
+    try:
+        return dict(_chat_format_cached(template, json.dumps(tools, sort_keys=True), json.dumps(choice), parallel))
+    except ChatFormatError:
+        return {}
+
+
+@functools.lru_cache(maxsize=64)  # (chat.cpp renders the template a few times to tell its format)
+def _chat_format_cached(template: str, tools: str, choice: str, parallel: bool) -> tuple[tuple[str, Any], ...]:
+    p = chat_params(template, tools=json.loads(tools), tool_choice=json.loads(choice), parallel_tool_calls=parallel)
+    return tuple((k, p[k]) for k in ("format", "format_name", "parser", "generation_prompt"))
+
+
+@dataclass
+class ToolStream:
+    """Splits the reply, piece by piece, into content and tool calls, as llama-server does: the
+    text so far parsed by chat.cpp's parser (partial) at each piece, and the change since the last
+    parse sent on. Events: ("content", text) and ("call", (index, delta)), a call's first delta
+    its id, type, name and the start of its arguments, the next ones more of its arguments."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: dict[str, Any] = field(default_factory=lambda: {"content": "", "calls": []})
+    ids: list[str] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)  # the whole reply's calls (after finish)
+    content: str = ""
+    lead: str = ""  # what the parser reads as content in the generation prompt (Qwen3.5's "<think>\n")
+
+    def __post_init__(self) -> None:
+        try:
+            self.lead = self._parse("", partial=True)["content"]
+        except ChatFormatError:
+            self.lead = ""
+
+    def feed(self, piece: str) -> list[tuple[str, Any]]:
+        self.text += piece
+        try:
+            return self._diff(self._parse(self.text, partial=True))
+        except ChatFormatError:  # (no reading yet: the next piece's, or the whole reply's)
+            return []
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The last events; then :meth:`message` is the whole reply's."""
+        msg = self._whole()
+        out = self._diff(msg)
+        self.content, self.calls = msg["content"], msg["tool_calls"]
+        return out
+
+    def message(self) -> tuple[str | None, list[dict[str, Any]]]:
+        """The whole reply's content (None when it is only calls) and calls."""
+        if self.calls:
+            return (self.content.strip() or None), self.calls
+        return self.content, []
+
+    def _parse(self, text: str, partial: bool) -> dict[str, Any]:
+        """chat.cpp's reading of the reply so far: {"content", "tool_calls" (OpenAI's)}."""
+        if not self.plan.chat:
+            raise ChatFormatError("no chat.cpp format for this template")
+        msg = parse_reply(self.plan.chat, self.plan.prefill + text, partial=partial)
+        content = msg["content"]
+        if self.lead and content.startswith(self.lead):
+            content = content[len(self.lead):]
+        calls = [c for c in msg["tool_calls"] if c["name"] in self.plan.names]
+        if not self.plan.parallel:
+            calls = calls[:1]
+        for i, c in enumerate(calls):  # a call keeps the id it was first sent with
+            if i == len(self.ids):
+                self.ids.append(c["id"] or f"call_{secrets.token_hex(12)}")
+        return {"content": content, "tool_calls": [
+            {"id": self.ids[i], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for i, c in enumerate(calls)]}
+
+    def _whole(self) -> dict[str, Any]:
+        """The whole reply's reading; one chat.cpp refuses, or whose call's arguments are no JSON
+        object, read by :meth:`_hermes` (where a call cut off by the budget stays text)."""
+        try:
+            msg = self._parse(self.text, partial=False)
+        except ChatFormatError:
+            return self._hermes(self.plan.prefill + self.text)
+        for c in msg["tool_calls"]:
+            try:
+                ok = isinstance(json.loads(c["function"]["arguments"]), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                return self._hermes(self.plan.prefill + self.text)
+        return msg
+
+    def _hermes(self, text: str) -> dict[str, Any]:
+        """A reply chat.cpp's parser refuses, read as the Qwen family's ``<tool_call>`` markup the
+        way our templates' models write it and chat.cpp does not take (arguments as a JSON string,
+        ``"parameters"`` for ``"arguments"``, Qwen3.5's XML form inside it, text after a call); a
+        body that is no call stays text."""
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while (i := text.find(OPEN)) >= 0:
+            content.append(text[:i])
+            j = text.find(CLOSE, i)
+            body, end = (text[i + len(OPEN):j], j + len(CLOSE)) if j >= 0 else (text[i + len(OPEN):], len(text))
+            call = parse_call(body, self.plan.names)
+            if call is None:
+                content.append(text[i:end])
+            elif self.plan.parallel or not calls:
+                if len(calls) == len(self.ids):
+                    self.ids.append(call["id"])
+                calls.append({**call, "id": self.ids[len(calls)]})
+            text = text[end:]
+        content.append(text)
+        return {"content": "".join(content), "tool_calls": calls}
+
+    def _diff(self, msg: dict[str, Any]) -> list[tuple[str, Any]]:
+        """The events from what was sent to msg (only what extends it: a reading that takes back
+        text already sent sends nothing until it extends it again)."""
+        out: list[tuple[str, Any]] = []
+        old = self.sent["content"]
+        if msg["content"].startswith(old) and len(msg["content"]) > len(old):
+            out.append(("content", msg["content"][len(old):]))
+            self.sent["content"] = msg["content"]
+        sent_calls = self.sent["calls"]
+        for i, call in enumerate(msg["tool_calls"]):
+            args = call["function"]["arguments"]
+            if i == len(sent_calls):
+                if not args:  # (its name alone could still change: llama-server waits for its arguments too)
+                    break
+                out.append(("call", (i, call)))
+                sent_calls.append(args)
+            elif args.startswith(sent_calls[i]) and len(args) > len(sent_calls[i]):
+                out.append(("call", (i, {"function": {"arguments": args[len(sent_calls[i]):]}})))
+                sent_calls[i] = args
+        return out
+
+
+_XML_FN = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
 def parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
-    """One tool call's OpenAI form from the text between the tags (None: not a call)."""
+    """One tool call's OpenAI form from the text between the ``<tool_call>`` tags, as
+    :meth:`ToolStream._hermes` reads it (None: not a call)."""
     body = body.strip()
     name: Any
     if body.startswith("{"):
@@ -215,87 +362,13 @@ def parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
-def _holdback(text: str, tag: str) -> int:
-    """How many characters at the end of text could start ``tag`` (kept until more comes)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
-@dataclass
-class ToolStream:
-    """Splits the reply, piece by piece, into content and tool calls."""
-
-    plan: ToolPlan
-    buf: str = ""
-    in_call: bool = False
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    content: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.buf = self.plan.prefill
-
-    def feed(self, piece: str) -> list[tuple[str, Any]]:
-        """Events: ("content", text) and ("call", (index, call))."""
-        self.buf += piece
-        out: list[tuple[str, Any]] = []
-        while True:
-            if not self.in_call:
-                i = self.buf.find(OPEN)
-                if i < 0:
-                    keep = _holdback(self.buf, OPEN)
-                    text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-                    self._content(text, out)
-                    return out
-                self._content(self.buf[:i], out)
-                self.buf, self.in_call = self.buf[i + len(OPEN):], True
-            else:
-                j = self.buf.find(CLOSE)
-                if j < 0:
-                    return out
-                self._close(self.buf[:j], out)
-                self.buf, self.in_call = self.buf[j + len(CLOSE):], False
-
-    def finish(self) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        if self.in_call and parse_call(self.buf, self.plan.names) is None:
-            self._content(OPEN + self.buf, out)  # cut off inside a call (the budget): text, no closing tag made up
-        elif self.in_call:  # a whole call, and the end-of-turn token came before its closing tag
-            self._close(self.buf, out)
-        else:
-            self._content(self.buf, out)
-        self.buf, self.in_call = "", False
-        return out
-
-    def _content(self, text: str, out: list[tuple[str, Any]]) -> None:
-        if text:
-            self.content.append(text)
-            out.append(("content", text))
-
-    def _close(self, body: str, out: list[tuple[str, Any]]) -> None:
-        call = parse_call(body, self.plan.names)
-        if call is None:  # not a call after all: the text stays content
-            self._content(f"{OPEN}{body}{CLOSE}", out)
-        elif self.plan.parallel or not self.calls:
-            self.calls.append(call)
-            out.append(("call", (len(self.calls) - 1, call)))
-
-    def message(self) -> tuple[str | None, list[dict[str, Any]]]:
-        """The whole reply's content (None when it is only calls) and calls."""
-        text = "".join(self.content)
-        if self.calls:
-            return (text.strip() or None), self.calls
-        return text, []
-
-
 def reply_message(text: str, tp: ToolPlan | None) -> dict[str, Any]:
     """A whole reply's assistant message, its calls parsed out of the text (OpenAI's
     ``tool_calls``; the finish reason: openai_reply.finish_reason(r, tool_calls=...))."""
     if tp is None or not tp.active:
         return {"role": "assistant", "content": text}
     ts = ToolStream(tp)
-    ts.feed(text)
+    ts.text = text
     ts.finish()
     content, calls = ts.message()
     if not calls:

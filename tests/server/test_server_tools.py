@@ -57,6 +57,17 @@ def _say(model: ScriptedClover, text: str) -> None:
     model.script = lambda prompt: text
 
 
+def _streamed_calls(chunks) -> list[tuple[int, str, str]]:
+    """The streamed calls (index, name, arguments), each call's deltas joined: its first names it,
+    the next ones carry more of its arguments (as llama-server streams them)."""
+    calls: dict[int, list[str]] = {}
+    for d in (tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []):
+        name, args = calls.setdefault(d.index, ["", ""])
+        assert not (name and d.function.name), "a call named twice"
+        calls[d.index] = [name or d.function.name or "", args + (d.function.arguments or "")]
+    return [(i, name, args) for i, (name, args) in sorted(calls.items())]
+
+
 def test_tools_are_rendered_by_the_template(scripted, real) -> None:
     s, _ = scripted
     r = httpx.post(s.url + "/apply-template", json={"messages": ASK, "tools": [WEATHER]}).json()["prompt"]
@@ -82,8 +93,7 @@ def test_tool_calls_whole_and_streamed(scripted) -> None:
     chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], stream=True))
     content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert content.strip() == "Let me check." and "<" not in content
-    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
+    assert [(i, name, json.loads(args)) for i, name, args in _streamed_calls(chunks)] == \
         [(0, "get_weather", {"city": "Paris"})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -204,8 +214,8 @@ def test_a_forced_call_of_the_real_model_follows_the_tools_schema(real) -> None:
                                       temperature=0)
         chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice,
                                                 max_tokens=200, temperature=0, stream=True))
-        (d,) = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-        assert json.loads(d.function.arguments) == json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        ((_, _, args),) = _streamed_calls(chunks)
+        assert json.loads(args) == json.loads(r.choices[0].message.tool_calls[0].function.arguments)
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             c.chat.completions.create(model="x", messages=ASK, tools=[CITY], tool_choice=choice, max_tokens=20,
                                       response_format={"type": "json_object"})
@@ -255,12 +265,12 @@ def test_required_with_several_tools_is_a_call_of_one_of_them(real, tools) -> No
         chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
                                                 max_tokens=160, temperature=1.0, seed=1, parallel_tool_calls=False,
                                                 stream=True))
-        (d,) = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        ((_, name, args),) = _streamed_calls(chunks)
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         whole = c.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice="required",
                                           max_tokens=160, temperature=1.0, seed=1, parallel_tool_calls=False)
         (call,) = _valid_calls(whole)
-        assert (d.function.name, json.loads(d.function.arguments)) == \
+        assert (name, json.loads(args)) == \
             (call.function.name, json.loads(call.function.arguments))
     finally:
         s.stop()

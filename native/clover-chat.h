@@ -1,0 +1,38 @@
+/* clover-chat.h - llama.cpp's chat formats (common/chat.cpp, what llama-server runs) in libclover:
+ * which tool-call markup a chat template uses, and a generated reply parsed into an OpenAI message.
+ *
+ * JSON in, JSON out. Each function returns a clover_status (clover.h); on CLOVER_OK *out points at
+ * NUL-terminated JSON that stays valid until the next call of either function on the same thread;
+ * otherwise err (if not NULL) holds a one-line message. No C++ exception crosses these functions. */
+#ifndef CLOVER_CHAT_H
+#define CLOVER_CHAT_H
+
+#include "clover.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* request_json: {"template": Jinja source (required), "bos_token": "", "eos_token": "",
+ *   "messages": OpenAI messages (default: one empty user turn), "tools": OpenAI tools,
+ *   "tool_choice": "auto" | "required" | "none" | {"type": "function", "function": {"name": N}} (named: that
+ *   tool alone, required), "parallel_tool_calls": false, "reasoning_format": "none" (or "auto", "deepseek"),
+ *   "enable_thinking": true}.
+ * *out: {"format": int, "format_name", "parser" (the serialized PEG parser clover_chat_parse takes),
+ *   "generation_prompt", "prompt" (llama.cpp's rendering), "grammar", "grammar_lazy",
+ *   "grammar_triggers": [{"type": "token" | "word" | "pattern" | "pattern_full", "value"}],
+ *   "preserved_tokens": [...], "additional_stops": [...]}. */
+CLOVER_API int clover_chat_params(const char * request_json, const char ** out, char * err, size_t err_len);
+
+/* request_json: {"format", "parser", "generation_prompt" as clover_chat_params gave them, "text": the
+ * generated reply (without the generation prompt), "is_partial": false}. *out: {"role": "assistant",
+ * "content", "reasoning_content", "tool_calls": [{"name", "arguments" (JSON text), "id"}]}; a partial
+ * text gives the calls parsed so far (the last one's arguments may be cut off). A whole text that does
+ * not match the format: CLOVER_ERR_INVALID_ARG. */
+CLOVER_API int clover_chat_parse(const char * request_json, const char ** out, char * err, size_t err_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CLOVER_CHAT_H */

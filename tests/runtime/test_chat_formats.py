@@ -1,0 +1,149 @@
+"""Tool-call parsing by llama.cpp's common/chat.cpp through libclover (native/clover-chat.h,
+clover_cpp.chat_format): the markup each model family's template makes its model write - Hermes /
+Qwen JSON, Qwen3-Coder and Qwen3.5's XML, Llama 3.x's JSON, Mistral's [TOOL_CALLS] - parsed into
+OpenAI tool calls, whole and partial, and what ToolStream streams of it. No generation: the
+replies are written here, the templates are llama.cpp's own (models/templates) and ours."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clover_testkit.chat_templates import QWEN_TOOLS_TEMPLATE
+
+pytestmark = pytest.mark.needs_libclover
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "models" / "templates"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                          "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+ARGS = {"city": "Paris", "days": 2}
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+# (template, a reply calling get_weather(city="Paris", days=2) in the template's markup)
+FORMATS = {
+    "ours (Qwen/Hermes JSON)": (QWEN_TOOLS_TEMPLATE,
+                                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'),
+    "Hermes 2 Pro": ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+                     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'),
+    "Qwen3-Coder XML": ("Qwen3-Coder.jinja", XML_CALL),
+    "Qwen3.5 XML": ("Qwen3.5-4B.jinja", XML_CALL),
+    "Llama 3.1 JSON": ("meta-llama-Llama-3.1-8B-Instruct.jinja",
+                       '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    "Llama 3.2 JSON": ("meta-llama-Llama-3.2-3B-Instruct.jinja",
+                       '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    "Mistral [TOOL_CALLS]": ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                             '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, '
+                             '"id": "abcDEF123"}]'),
+}
+
+
+def _template(name_or_source: str) -> str:
+    if "{" in name_or_source:
+        return name_or_source
+    path = TEMPLATES / name_or_source
+    if not path.is_file():
+        pytest.skip(f"llama.cpp's {name_or_source} is not in this checkout")
+    return path.read_text()
+
+
+@pytest.fixture(params=list(FORMATS), ids=list(FORMATS))
+def fmt(request):
+    tmpl, reply = FORMATS[request.param]
+    return _template(tmpl), reply
+
+
+def test_a_reply_in_the_templates_markup_is_a_call(fmt) -> None:
+    from clover_cpp.chat_format import chat_params, parse_reply
+
+    tmpl, reply = fmt
+    p = chat_params(tmpl, messages=ASK, tools=[WEATHER, TIME])
+    assert p["parser"] and p["format_name"].startswith("peg")
+    msg = parse_reply(p, reply)
+    (call,) = msg["tool_calls"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == ARGS
+    assert msg["content"].strip() in ("", "<think>")  # (Qwen3.5's generation prompt opens a think block)
+
+
+def test_a_partial_reply_never_gives_a_broken_call(fmt) -> None:
+    """Every cut of the reply parses (partial): a call whose arguments are cut off has arguments
+    that are the start of the whole call's, never another name; the whole reply's arguments
+    extend every partial reading's."""
+    from clover_cpp.chat_format import chat_params, parse_reply
+
+    tmpl, reply = fmt
+    p = chat_params(tmpl, messages=ASK, tools=[WEATHER, TIME])
+    whole = parse_reply(p, reply)["tool_calls"][0]["arguments"]
+    for cut in range(len(reply)):
+        calls = parse_reply(p, reply[:cut], partial=True)["tool_calls"]
+        assert len(calls) <= 1, (cut, calls)
+        for c in calls:
+            assert c["name"] == "get_weather" and whole.startswith(c["arguments"]), (cut, c)
+
+
+def test_a_whole_reply_off_the_format_is_refused_one_line() -> None:
+    from clover_cpp.chat_format import ChatFormatError, chat_params, parse_reply
+
+    p = chat_params(QWEN_TOOLS_TEMPLATE, tools=[WEATHER])
+    with pytest.raises(ChatFormatError, match="does not match") as e:
+        parse_reply(p, '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>')
+    assert "\n" not in str(e.value)
+    assert parse_reply(p, "just text") == {"role": "assistant", "content": "just text",
+                                           "reasoning_content": "", "tool_calls": []}
+
+
+@pytest.mark.parametrize("request_json, words", [
+    (b"{not json", "not valid JSON"),
+    (b'{"messages": []}', "template"),
+    (b'{"template": "{{ x", "tools": []}', ""),
+    (b'{"template": "x", "tool_choice": "sometimes"}', "tool_choice"),
+    (b'{"template": "x", "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": []}', "nope"),
+])
+def test_bad_requests_are_one_line_errors(request_json, words) -> None:
+    """The C functions catch everything: a bad request is CLOVER_ERR_INVALID_ARG with one line."""
+    import ctypes
+
+    from clover_cpp import _native as N
+    from clover_cpp.chat_format import _fn
+
+    err, err_len = N.err_buffer()
+    out = ctypes.c_char_p()
+    status = _fn("clover_chat_params")(request_json, ctypes.byref(out), err, err_len)
+    assert status == N.CLOVER_ERR_INVALID_ARG and out.value is None
+    msg = err.value.decode()
+    assert msg and "\n" not in msg and words in msg
+    assert _fn("clover_chat_parse")(b'{"text": "x", "format": 99}', ctypes.byref(out), err, err_len) \
+        == N.CLOVER_ERR_INVALID_ARG
+    assert _fn("clover_chat_parse")(None, ctypes.byref(out), err, err_len) == N.CLOVER_ERR_INVALID_ARG
+
+
+@pytest.mark.parametrize("name", ["Qwen3-Coder XML", "Qwen3.5 XML", "Llama 3.1 JSON", "Mistral [TOOL_CALLS]",
+                                  "ours (Qwen/Hermes JSON)"])
+def test_tool_stream_deltas_join_to_the_whole_call(name) -> None:
+    """ToolStream, fed the reply a few characters at a time (as a model streams it), sends the
+    call as llama-server does (its id, name and the start of its arguments, then more of them),
+    and the deltas joined are the whole reply's call (reply_message)."""
+    from clover_cpp import tool_calls
+
+    tmpl, reply = FORMATS[name]
+    tp = tool_calls.plan([WEATHER, TIME], "auto", False, _template(tmpl))
+    ts = tool_calls.ToolStream(tp)
+    events = [ev for i in range(0, len(reply), 3) for ev in ts.feed(reply[i:i + 3])] + ts.finish()
+    content = "".join(v for kind, v in events if kind == "content")
+    deltas = [v for kind, v in events if kind == "call"]
+    assert {i for i, _ in deltas} == {0} and len(deltas) > 1  # streamed, not in one piece
+    first = deltas[0][1]
+    assert first["type"] == "function" and first["id"].startswith(("call_", "abc"))
+    assert first["function"]["name"] == "get_weather"
+    assert all("name" not in d["function"] and "id" not in d for _, d in deltas[1:])
+    joined = "".join(d["function"]["arguments"] for _, d in deltas)
+    assert json.loads(joined) == ARGS
+    content_whole, (call,) = ts.message()
+    assert call["id"] == first["id"] and call["function"]["arguments"] == joined
+    assert content.strip() == (content_whole or "")
+    msg = tool_calls.reply_message(reply, tp)
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == ARGS

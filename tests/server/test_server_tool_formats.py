@@ -1,0 +1,75 @@
+"""`clover serve` with a model whose template uses another tool-call markup than ours: a tiny
+GGUF carrying llama.cpp's Qwen3-Coder template (the XML form Qwen3.5-MoE's GGUFs write), a
+scripted reply in that markup, read by llama.cpp's chat.cpp parser into tool_calls - whole, and
+streamed as llama-server streams them (the call's name first, then its arguments piece by piece),
+the deltas joined giving the whole call - with the official openai client."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clover_testkit.server_harness import InProcessServer, ScriptedClover
+
+pytestmark = pytest.mark.needs_libclover
+
+openai = pytest.importorskip("openai", reason="the test extra installs openai")
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "models" / "templates" / "Qwen3-Coder.jinja"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                          "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+REPLY = ("I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+         "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_artifacts, tmp_path_factory):
+    if not TEMPLATE.is_file():
+        pytest.skip("llama.cpp's Qwen3-Coder template is not in this checkout")
+    from clover_testkit import fuzz
+
+    from clover_cpp import Clover
+
+    gguf = fuzz.rewrite_gguf(tiny_artifacts["f32"], tmp_path_factory.mktemp("xml") / "tiny-xml-tools.gguf",
+                             kv={"tokenizer.chat_template": TEMPLATE.read_text()})
+    with Clover(gguf, n_ctx=2048, n_threads=1) as real:
+        model = ScriptedClover(real, lambda prompt: REPLY)
+        s = InProcessServer(model)
+        yield s, model
+        s.stop()
+
+
+def test_an_xml_call_whole_and_streamed(scripted) -> None:
+    s, model = scripted
+    c = s.client()
+    r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
+    assert "<tools>" in model.prompts[-1] and "get_weather" in model.prompts[-1]  # the template rendered them
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "I will look."
+    (call,) = msg.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+    chunks = list(c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], stream=True))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content.strip() == "I will look." and "<" not in content
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert len(deltas) > 1 and {d.index for d in deltas} == {0}
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Paris", "days": 2}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_text_in_no_markup_stays_content(scripted) -> None:
+    s, model = scripted
+    model.script = lambda prompt: "It is sunny in Paris."
+    try:
+        r = s.client().chat.completions.create(model="x", messages=ASK, tools=[WEATHER])
+    finally:
+        model.script = lambda prompt: REPLY
+    assert r.choices[0].message.content == "It is sunny in Paris." and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
