@@ -1,6 +1,6 @@
-"""Constrained decoding's cost: the JSON schema of tests/runtime/test_grammar.py over its 10 prompts
-(greedy, up to 200 tokens each) at block size 1 and with draft-self (B = 4, 8, 16), and the same
-prompts unconstrained (64 tokens), on one thread.
+"""Constrained decoding's cost: the JSON schema over the 10 prompts that tests/runtime/test_grammar.py
+decodes (clover_testkit.schema_prompts), greedy, up to 200 tokens each, at block size 1 and with
+draft-self (B = 4, 8, 16), and the same prompts unconstrained (64 tokens), on one thread.
 
     .venv/bin/python benchmarks/grammar.py MODEL.gguf [THREADS]
 
@@ -9,15 +9,12 @@ draft-self, verifications and accepted / drafted tokens.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
-
-from test_grammar import PROMPTS, RF_SCHEMA  # noqa: E402
-
-from clover_cpp import Clover  # noqa: E402
+from clover_cpp import Clover, CloverError
+from clover_testkit.schema_prompts import PROMPTS, RF_SCHEMA
 
 
 def run(m: Clover, label: str, max_tokens: int, **kw) -> None:
@@ -36,10 +33,15 @@ def run(m: Clover, label: str, max_tokens: int, **kw) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    threads = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    with Clover(sys.argv[1], n_ctx=1024, n_threads=threads, block_size=8) as m:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", metavar="MODEL.gguf")
+    ap.add_argument("threads", metavar="THREADS", type=int, nargs="?", default=1)
+    a = ap.parse_args()
+    try:
+        m = Clover(a.model, n_ctx=1024, n_threads=a.threads, block_size=8)
+    except CloverError as e:
+        sys.exit(f"grammar.py: {e}")
+    with m:
         m.generate("x", max_tokens=4)  # warm-up
         run(m, "schema, B = 1", 200, block_size=1, response_format=RF_SCHEMA)
         for B in (4, 8, 16):

@@ -21,25 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from clover_testkit.schema_prompts import PROMPTS, RF_SCHEMA, SCHEMA
+
 pytestmark = pytest.mark.needs_libclover
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "build" / "bin" / "clover-cli"
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer"},
-        "ok": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "ok"],
-    "additionalProperties": False,
-}
-RF_SCHEMA = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
-PROMPTS = ["def main():", "The user record is", "import os\n", '{"name":', "Once upon a time",
-           "class Config:", "# settings\n", "return {", "Hello", "x = 1\n"]
 DIGITS = r'root ::= [0-9]{1,8}'
 
 
