@@ -78,6 +78,8 @@ def plan(tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, A
         raise CloverValueError("tools: the model's chat template does not render tools", param="tools")
     rendered = [dict(t) for t in tools]
     chat = _chat_format(template, rendered, choice, parallel)
+    if (forced is not None or choice == "required") and (grammar := _foreign_grammar(chat, forced or funcs[0])):
+        return ToolPlan(rendered, names, "", parallel, grammar, chat)  # llama.cpp's grammar of the template's markup
     if forced is not None:  # the call up to its arguments, which then follow the tool's schema
         prefill = f'{OPEN}\n{{"name": {json.dumps(forced["name"])}, "arguments": '
         return ToolPlan(rendered, names, prefill, parallel, _arguments_grammar(forced.get("parameters")), chat)
@@ -200,7 +202,27 @@ def _chat_format(template: str, tools: list[dict[str, Any]], choice: Any, parall
 @functools.lru_cache(maxsize=64)  # (chat.cpp renders the template a few times to tell its format)
 def _chat_format_cached(template: str, tools: str, choice: str, parallel: bool) -> tuple[tuple[str, Any], ...]:
     p = chat_params(template, tools=json.loads(tools), tool_choice=json.loads(choice), parallel_tool_calls=parallel)
-    return tuple((k, p[k]) for k in ("format", "format_name", "parser", "generation_prompt"))
+    return tuple((k, p[k]) for k in ("format", "format_name", "parser", "generation_prompt", "grammar", "grammar_lazy"))
+
+
+def _foreign_grammar(chat: dict[str, Any], func: dict[str, Any]) -> str | None:
+    """For a forced call under a template whose parser does not read our ``<tool_call>`` JSON
+    markup (Qwen3-Coder's XML, Llama 3.x, Mistral, ...): llama.cpp's grammar of the template's
+    own markup, without the generation prompt it starts with (the prompt already holds it;
+    llama-server feeds it to the grammar first). None: our markup's prefill and grammar do."""
+    if not chat or chat.get("grammar_lazy") or not chat.get("grammar"):
+        return None
+    ours = f'{OPEN}\n{{"name": {json.dumps(func["name"])}, "arguments": {{}}}}\n{CLOSE}'
+    try:  # (partial: a reply off the format is no error, and no warning on stderr)
+        if parse_reply(chat, ours, partial=True)["tool_calls"]:
+            return None
+    except ChatFormatError:
+        pass
+    lead = f"root ::= {json.dumps(chat['generation_prompt'], ensure_ascii=False)} " if chat["generation_prompt"] else ""
+    grammar = chat["grammar"]
+    if lead and f"\n{lead}" not in f"\n{grammar}":
+        return None  # (a grammar of another shape: not one to cut the prompt out of)
+    return grammar.replace(lead, "root ::= ", 1) if lead else grammar
 
 
 @dataclass

@@ -20,6 +20,7 @@ TEMPLATE = Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
                                           "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 REPLY = ("I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
          "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
@@ -73,3 +74,31 @@ def test_text_in_no_markup_stays_content(scripted) -> None:
         model.script = lambda prompt: REPLY
     assert r.choices[0].message.content == "It is sunny in Paris." and r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_required_and_named_follow_the_templates_own_markup(scripted) -> None:
+    """tool_choice "required" / a named function under the XML template: no prefill of our JSON
+    form; llama.cpp's grammar of the template's markup instead (clover_chat_params' grammar, its
+    generation prompt cut off; like llama-server's, it lets text come before the call, so the
+    tiny model, which never learnt tools, is only shown to decode under it), and the XML call the
+    model writes is read back."""
+    from clover_cpp import tool_calls
+
+    s, model = scripted
+    c = s.client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        tp = tool_calls.plan([WEATHER, TIME], choice, False, TEMPLATE.read_text())
+        assert tp.prefill == "" and tp.grammar and "<|im_start|>" not in tp.grammar.split("root ::=")[1].split("\n")[0]
+        r = c.chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice)
+        assert model.prompts[-1].endswith("<|im_start|>assistant\n")
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    real = InProcessServer(model._real.new_context())
+    try:
+        for choice in ("required", named):
+            r = real.client().chat.completions.create(model="x", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                                      max_tokens=40, temperature=1.0, seed=0)
+            assert r.choices[0].finish_reason in ("tool_calls", "length")
+    finally:
+        real.stop()
