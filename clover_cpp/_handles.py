@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _native as N
 from ._args import INT32_MAX, MAX_THREADS, bool_arg, float_arg, int32_arg, int_arg, tristate_arg
-from .errors import CloverError, CloverTypeError, CloverValueError, check, lib
+from .errors import CloverError, CloverTypeError, CloverValueError, check
 
 
 #: the Python spelling of "B chosen per block" (clover.h: CLOVER_BLOCK_SIZE_AUTO); None means it too
@@ -92,7 +92,7 @@ class ContextArgs:
         if problem is not None:
             # the argument to blame: the first whose default changes the verdict (block_size before
             # n_ctx: "block size must be in [1, n_ctx]" is the block size's)
-            default = lib().clover_context_default_params()
+            default = N.clover_context_default_params()
             for f in ("block_size", "flash_attn", "n_ctx"):
                 trial = type(cp).from_buffer_copy(cp)
                 setattr(trial, f, getattr(default, f))
@@ -105,7 +105,7 @@ class ContextArgs:
 def context_params(n_ctx: int, n_threads: int | None, block_size: int | None, flash_attn: int,
                    kv_f32: bool) -> N.clover_context_params:
     """clover_context_params of checked arguments (block_size None = CLOVER_BLOCK_SIZE_TRAIN)."""
-    cp = lib().clover_context_default_params()
+    cp = N.clover_context_default_params()
     cp.n_ctx = n_ctx
     cp.n_threads = n_threads if n_threads is not None else 0
     cp.block_size = block_size if block_size is not None else N.CLOVER_BLOCK_SIZE_TRAIN
@@ -133,18 +133,16 @@ class ModelRef:
         self.users = 1
         self.active = 0
         self.cond = threading.Condition()
-        L = lib()
-        self.n_vocab = int(L.clover_n_vocab(handle))
-        self.mask = int(L.clover_mask_token(handle))
-        self.eos = int(L.clover_eos_token(handle))
-        self.bos = int(L.clover_bos_token(handle))
-        self.train_block = int(L.clover_train_block_size(handle))
-        self.n_ctx_train = int(L.clover_n_ctx_train(handle))
+        self.n_vocab = int(N.clover_n_vocab(handle))
+        self.mask = int(N.clover_mask_token(handle))
+        self.eos = int(N.clover_eos_token(handle))
+        self.bos = int(N.clover_bos_token(handle))
+        self.train_block = int(N.clover_train_block_size(handle))
+        self.n_ctx_train = int(N.clover_n_ctx_train(handle))
 
     @classmethod
     def load(cls, path: Path, a: LoadArgs) -> "ModelRef":
-        L = lib()
-        mp = L.clover_model_default_params()
+        mp = N.clover_model_default_params()
         mp.n_gpu_layers = a.n_gpu_layers
         if a.use_mmap is not None:
             mp.use_mmap = 1 if a.use_mmap else 0
@@ -157,7 +155,7 @@ class ModelRef:
         mp.tensor_split = split
         mp.n_tensor_split = len(a.tensor_split)
         err, n = N.err_buffer()
-        m = L.clover_model_load(os.fsencode(path), ctypes.byref(mp), err, n)
+        m = N.clover_model_load(os.fsencode(path), ctypes.byref(mp), err, n)
         if not m:
             check(N.CLOVER_ERR_LOAD, err)
         return cls(m)
@@ -189,7 +187,7 @@ class ModelRef:
                 while self.active > 0:  # a tokenize (say) in another thread: it ends first
                     self.cond.wait(0.25)
                 if N._lib is not None:
-                    N._lib.clover_model_free(self.handle)
+                    N.clover_model_free(self.handle)
                 self.handle = None
 
 
@@ -197,9 +195,8 @@ def new_context(model: int, a: ContextArgs) -> int:
     """A clover_context over ``model`` (NULL never returned: a failure raises)."""
     cp = context_params(*a.checked())
     cp.expert_stats = 1 if a.expert_stats else 0
-    L = lib()
     err, n = N.err_buffer()
-    c = L.clover_context_new(model, ctypes.byref(cp), err, n)
+    c = N.clover_context_new(model, ctypes.byref(cp), err, n)
     if not c:
         check(N.CLOVER_ERR_LOAD, err)
     return int(c)
@@ -294,40 +291,36 @@ def _negotiate(what: str, cap: int, call: Any) -> Any:
 
 
 def tokenize(m: int, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
-    L = lib()
-
     def call(cap: int) -> Any:
         buf, n_out = (ctypes.c_int32 * cap)(), ctypes.c_int32(0)
-        st = L.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special), ctypes.byref(n_out))
+        st = N.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special), ctypes.byref(n_out))
         return st, n_out.value, lambda k: list(buf[:k])
     return _negotiate("tokenize", len(data) + 16, call)
 
 
 def detokenize(m: int, toks: list[int], special: bool) -> bytes:
-    L, arr = lib(), N.as_int32_array(toks)
+    arr = N.as_int32_array(toks)
 
     def call(cap: int) -> Any:
         buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
-        st = L.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
+        st = N.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
         return st, n_out.value, lambda k: buf.raw[:k]
     return _negotiate("detokenize", 8 * len(toks) + 16, call)
 
 
 def token_to_piece(m: int, token: int, special: bool) -> bytes:
-    L = lib()
-
     def call(cap: int) -> Any:
         buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
-        st = L.clover_token_to_piece(m, token, buf, cap, int(special), ctypes.byref(n_out))
+        st = N.clover_token_to_piece(m, token, buf, cap, int(special), ctypes.byref(n_out))
         return st, n_out.value, lambda k: buf.raw[:k]  # (clover.h: CLOVER_OK, the count in n_out)
     return _negotiate("token_to_piece", 64, call)
 
 
 def metadata(m: int, key: bytes) -> str | None:
-    L, size = lib(), 256
+    size = 256
     while True:
         buf = ctypes.create_string_buffer(size)
-        n = L.clover_model_meta(m, key, buf, size)
+        n = N.clover_model_meta(m, key, buf, size)
         if n < 0:
             return None
         if n < size:
@@ -346,8 +339,7 @@ def metadata_keys(path: Path) -> list[str]:
 
 def committed_tokens(c: int) -> list[int]:
     """The tokens the context's memory holds (clover_committed_tokens)."""
-    L = lib()
-    n = int(L.clover_committed_tokens(c, None, 0))
+    n = int(N.clover_committed_tokens(c, None, 0))
     buf = (ctypes.c_int32 * max(n, 1))()
-    n = min(n, int(L.clover_committed_tokens(c, buf, n)))
+    n = min(n, int(N.clover_committed_tokens(c, buf, n)))
     return list(buf[:n])

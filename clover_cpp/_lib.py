@@ -125,10 +125,10 @@ def import_llama_cpp() -> ModuleType:
         try:  # make libclover install its callback first, then remember it
             from . import _native
 
-            _native.lib().clover_model_default_params()
+            _native.clover_model_default_params()
             from .errors import current_verbosity
 
-            _native.lib().clover_set_verbosity(current_verbosity())
+            _native.clover_set_verbosity(current_verbosity())
             saved = get_log_callback()
         except Exception:  # noqa: BLE001 - libclover is optional for llama_cpp users
             saved = None

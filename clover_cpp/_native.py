@@ -602,7 +602,7 @@ def generate_params_problem(gp: clover_generate_params) -> str | None:
     """libclover's rules for generate parameters (clover_generate_params_check, the one owner of
     the ranges): None when gp keeps all of them, else the one-line message of the first broken one."""
     err, n = err_buffer(256)
-    if lib().clover_generate_params_check(ctypes.byref(gp), err, n) == CLOVER_OK:
+    if clover_generate_params_check(ctypes.byref(gp), err, n) == CLOVER_OK:
         return None
     return err.value.decode("utf-8", "replace")
 
@@ -611,7 +611,7 @@ def context_params_problem(cp: clover_context_params) -> str | None:
     """libclover's rules for context parameters (clover_context_params_check): None when cp keeps
     all of them, else the one-line message of the first broken one."""
     err, n = err_buffer(256)
-    if lib().clover_context_params_check(ctypes.byref(cp), err, n) == CLOVER_OK:
+    if clover_context_params_check(ctypes.byref(cp), err, n) == CLOVER_OK:
         return None
     return err.value.decode("utf-8", "replace")
 

@@ -250,10 +250,10 @@ class LlamaCompat:
         then continues exactly as it would have without the calls in between (greedy: the same
         tokens; none of the saved tokens is read again)."""
         with self._op() as c:
-            L, (err, n) = N.lib(), N.err_buffer()
-            size = int(L.clover_state_size(c))
+            err, n = N.err_buffer()
+            size = int(N.clover_state_size(c))
             buf, written = ctypes.create_string_buffer(size), ctypes.c_size_t(0)
-            check(self._decoder.call(lambda: L.clover_state_save(c, buf, size, ctypes.byref(written), err, n)), err,
+            check(self._decoder.call(lambda: N.clover_state_save(c, buf, size, ctypes.byref(written), err, n)), err,
                   "save_state")
             data = buf.raw[:written.value]
             toks = self.committed_tokens
@@ -275,8 +275,8 @@ class LlamaCompat:
         seed = int_arg("seed", state.seed, -1, LLAMA_DEFAULT_SEED)
         data = bytes(data)
         with self._op() as c:
-            L, (err, n) = N.lib(), N.err_buffer()
-            rc = self._decoder.call(lambda: L.clover_state_load(c, data, len(data), err, n))
+            err, n = N.err_buffer()
+            rc = self._decoder.call(lambda: N.clover_state_load(c, data, len(data), err, n))
             if rc != N.CLOVER_OK:
                 raise CloverValueError(f"load_state: {err.value.decode('utf-8', 'replace')}"[:400], param="state")
             self._last = None  # (a chat's next turn re-reads its prompt's tokens: they are in the memory)

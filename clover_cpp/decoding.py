@@ -22,7 +22,7 @@ import numpy as np
 from . import _native as N
 from ._args import INT32_MAX, bool_arg, float_arg, int32_arg, int_arg, strings_arg, tristate_arg
 from ._handles import BLOCK_SIZE_AUTO, is_auto
-from .errors import CloverTypeError, CloverValueError, check, lib
+from .errors import CloverTypeError, CloverValueError, check
 from .output import OutputFollower
 
 if TYPE_CHECKING:
@@ -208,12 +208,12 @@ def room(ctx: int, n_prompt: int, gp: N.clover_generate_params | None = None) ->
     prompt tokens may ask for, 0 when none fits: libclover's one "does it fit" rule
     (clover_generate_room: the rest of n_ctx, in whole blocks of the B the call starts with;
     auto and draft-self need no whole blocks)."""
-    return int(lib().clover_generate_room(ctx, None if gp is None else ctypes.byref(gp), n_prompt))
+    return int(N.clover_generate_room(ctx, None if gp is None else ctypes.byref(gp), n_prompt))
 
 
 def room_params(block_size: int | str | None, draft_self: int) -> N.clover_generate_params:
     """The defaults with this block size and draft-self (what :func:`room` depends on)."""
-    gp = lib().clover_generate_default_params()
+    gp = N.clover_generate_default_params()
     gp.block_size, gp.draft_self = native_block_size(block_size), draft_self
     return gp
 
@@ -369,7 +369,7 @@ class GenParams:
     def native(self, keep: list[Any]) -> N.clover_generate_params:
         """These values as clover_generate_params (``keep`` holds what its pointers point to;
         no callbacks and no output buffers yet)."""
-        gp = lib().clover_generate_default_params()
+        gp = N.clover_generate_default_params()
         gp.block_size = native_block_size(self.block_size)
         gp.threshold, gp.max_steps, gp.temperature = self.threshold, self.max_steps, self.temperature
         gp.top_k, gp.top_p, gp.seed, gp.max_tokens = self.top_k, self.top_p, self.seed, self.max_tokens
@@ -398,7 +398,7 @@ class GenParams:
             return
         # the keyword to blame (CloverError.param): the first whose default value changes the
         # verdict (libclover reports the first broken rule; no parsing of its message)
-        default = lib().clover_generate_default_params()
+        default = N.clover_generate_default_params()
         for name, fields in _PARAM_FIELDS.items():
             trial = type(gp).from_buffer_copy(gp)
             for f in fields:
@@ -535,7 +535,7 @@ class Generation:
     def _coreset(self) -> int:
         """The context's block expert coreset now, the one this call runs with (a "model"
         setting is already the GGUF's C there); libclover's clover_stats has no field for it."""
-        return max(0, int(lib().clover_coreset(self.ctx)))
+        return max(0, int(N.clover_coreset(self.ctx)))
 
     def run(self) -> GenerationResult:
         p, n_prompt = self.p, len(self.prompt)
@@ -543,7 +543,7 @@ class Generation:
             return GenerationResult(text="", tokens=[], stats=GenerationStats(n_prompt=n_prompt,
                                                                              finish_reason="cancelled", seed=p.seed,
                                                                              coreset=self._coreset()))
-        L, keep = lib(), []
+        keep: list[Any] = []
         gp = self._native_params(keep)
         cap, n_top = max(p.max_tokens, 1), p.logprobs
         if n_top is not None:  # logprobs: clover.h, clover_generate_params
@@ -556,9 +556,9 @@ class Generation:
         arr = N.as_int32_array(self.prompt)
         self.ran = True
         with self.native():
-            rc = L.clover_generate(self.ctx, arr, n_prompt, ctypes.byref(gp), out, cap, ctypes.byref(n_out),
+            rc = N.clover_generate(self.ctx, arr, n_prompt, ctypes.byref(gp), out, cap, ctypes.byref(n_out),
                                    ctypes.byref(st), err, n)
-        B = int(st.block_size) or int(L.clover_block_size(self.ctx))
+        B = int(st.block_size) or int(N.clover_block_size(self.ctx))
         if self.exc is not None:
             raise self.exc
         if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):
@@ -568,7 +568,7 @@ class Generation:
         self.out.close()
         if self.out.hit:  # a stop string: the output ends at the token that completed it
             tokens = self.out.tokens
-            check(lib().clover_stats_cut(ctypes.byref(st), len(tokens)), None, "clover_stats_cut")
+            check(N.clover_stats_cut(ctypes.byref(st), len(tokens)), None, "clover_stats_cut")
         stats = GenerationStats._from_native(st, B)
         stats.seed = p.seed
         stats.coreset = self._coreset()

@@ -81,14 +81,16 @@ def set_verbosity(level: int) -> None:
     """llama.cpp / ggml logging: 0 = silent (default), 1 = warnings and errors, 2 = everything."""
     global _verbosity
     _verbosity = int(level)
-    lib().clover_set_verbosity(_verbosity)
+    lib()
+    N.clover_set_verbosity(_verbosity)
 
 
 def show_notices(on: bool = True) -> None:
     """libclover's notice of a slow step before the first token (measuring the cost curve of
     block size auto, once per process) on stderr: the command lines show it; a library shows it
     only at verbosity 1 and up."""
-    lib().clover_set_notices(int(on))
+    lib()
+    N.clover_set_notices(int(on))
 
 
 def check(status: int, err: Any, what: str = "") -> None:
@@ -97,5 +99,5 @@ def check(status: int, err: Any, what: str = "") -> None:
     if status != N.CLOVER_OK:
         msg = err.value.decode("utf-8", "replace") if err is not None and err.value else ""
         if not msg:
-            msg = (lib().clover_status_str(status) or b"error").decode()
+            msg = (N.clover_status_str(status) or b"error").decode()
         raise CloverError(f"{what}: {msg}" if what and not msg.startswith(what) else msg, status)

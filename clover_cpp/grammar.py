@@ -36,14 +36,14 @@ def json_schema_grammar(schema: Mapping[str, Any] | bool | str) -> str:
         raise GrammarError(f"JSON schema: not JSON ({e})") from None
     data = text.encode("utf-8", "surrogatepass")
     try:
-        L = N.lib()
+        N.lib()  # (loaded here: a missing library is this call's error)
     except N.CloverLibraryNotFound as e:
         raise GrammarError(f"a JSON schema needs libclover: {e}") from None
     err, err_len = N.err_buffer()
     cap = 4 * len(data) + 4096
     for _ in range(2):
         buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
-        status = L.clover_json_schema_to_grammar(data, buf, cap, ctypes.byref(n_out), err, err_len)
+        status = N.clover_json_schema_to_grammar(data, buf, cap, ctypes.byref(n_out), err, err_len)
         if status == N.CLOVER_ERR_BUFFER_TOO_SMALL:
             cap = n_out.value + 1
             continue

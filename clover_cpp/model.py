@@ -80,10 +80,10 @@ def coreset_value(value: Any) -> int:
         raise CloverValueError(f"coreset must be an integer >= 0, None, 'auto' or 'model', got {value!r}",
                                N.CLOVER_ERR_INVALID_ARG, param="coreset")
     v = int32_arg("coreset", value)
-    cp = lib().clover_context_default_params()
+    cp = N.clover_context_default_params()
     cp.coreset = v
     err, n = N.err_buffer()
-    if lib().clover_context_params_check(ctypes.byref(cp), err, n) != N.CLOVER_OK:
+    if N.clover_context_params_check(ctypes.byref(cp), err, n) != N.CLOVER_OK:
         raise CloverValueError(err.value.decode(), N.CLOVER_ERR_INVALID_ARG, param="coreset")
     return v
 
@@ -136,6 +136,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  coreset: int | str | None = "model", expert_stats: bool = False, _model: H.ModelRef | None = None,
                  **llama_kwargs: Any) -> None:
         # (_model: new_context's, a loaded model this object shares instead of loading one)
+        lib()  # (a missing libclover: a CloverError, before anything else)
         self._model: int | None = None
         self._shared: H.ModelRef | None = None
         self._ctx: int | None = None
@@ -167,7 +168,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
 
     def _apply_coreset(self, c: int, value: int) -> None:
         err, n = N.err_buffer()
-        check(lib().clover_set_coreset(c, value, err, n), err)
+        check(N.clover_set_coreset(c, value, err, n), err)
 
     @property
     def coreset(self) -> int:
@@ -177,7 +178,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         changes. Set it to N, None or 0 (off), "auto" (3 k when below the expert count: a pass reads
         at most 3x a B = 1 step's expert bytes) or "model" (the GGUF's clover.expert_coreset)."""
         with self._op() as c:
-            return int(lib().clover_coreset(c))
+            return int(N.clover_coreset(c))
 
     @coreset.setter
     def coreset(self, value: int | str | None) -> None:
@@ -196,7 +197,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             raise
         B = self._ctx_args.checked()[2]
         self._default_block_size: int | str = B if B is not None else H.BLOCK_SIZE_AUTO
-        self._n_ctx = int(lib().clover_n_ctx(c))
+        self._n_ctx = int(N.clover_n_ctx(c))
         self._ctx = c
         if self._coreset_arg != N.CLOVER_CORESET_MODEL:  # (the context's default is the model's)
             self._apply_coreset(c, self._coreset_arg)
@@ -258,12 +259,11 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             if getattr(self, "_embed_llama", None) is not None:
                 self._embed_llama.close()
                 self._embed_llama = None
-            L = N._lib
             if self._ctx:
                 if getattr(self, "_own_decoder", False):
                     self._decoder.stop()
-                if L is not None:
-                    L.clover_context_free(self._ctx)
+                if N._lib is not None:  # (not at interpreter exit after the library went)
+                    N.clover_context_free(self._ctx)
                 self._ctx = None
             if self._model:
                 self._model = None
@@ -411,7 +411,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     @property
     def n_committed(self) -> int:
         with self._op() as c:
-            return int(lib().clover_n_committed(c))
+            return int(N.clover_n_committed(c))
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -425,14 +425,14 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     def block_size(self) -> int:
         """The context's block size B. Setting it recreates the llama.cpp context (memory cleared)."""
         with self._op() as c:
-            return int(lib().clover_block_size(c))
+            return int(N.clover_block_size(c))
 
     @block_size.setter
     def block_size(self, value: int) -> None:
         value = int_arg("block_size", value, 1, self.n_ctx())
         with self._op() as c:
             err, n = N.err_buffer()
-            check(self._decoder.call(lambda: lib().clover_set_block_size(c, value, err, n)), err)
+            check(self._decoder.call(lambda: N.clover_set_block_size(c, value, err, n)), err)
 
     def room(self, n_prompt: int, block_size: int | str | None = "default", draft_self: bool | str | None = False) -> int:
         """The largest ``max_tokens`` a generation after ``n_prompt`` prompt tokens may ask for
@@ -456,7 +456,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     def set_n_threads(self, n_threads: int) -> None:
         n_threads = int_arg("n_threads", n_threads, 1, MAX_THREADS)
         with self._op() as c:
-            check(lib().clover_set_n_threads(c, n_threads), None)
+            check(N.clover_set_n_threads(c, n_threads), None)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -628,6 +628,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         a :class:`CloverValueError` / :class:`CloverTypeError` with libclover's message, ``param``
         the keyword refused. What needs the model waits for generate(): token ids, the room in
         the context, the block size's bound (n_ctx)."""
+        lib()  # (a missing libclover: a CloverError)
         sig = inspect.signature(Clover.generate).parameters
         a = {k: p.default for k, p in sig.items() if k not in ("self", "prompt")}
         for k in kwargs:
@@ -660,7 +661,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             if coreset is None:
                 return self._run(toks, p, chat_text, on_step, on_block, push, cancel, on_draft)
             c = self._c()
-            kept = int(lib().clover_coreset(c))
+            kept = int(N.clover_coreset(c))
             self._apply_coreset(c, coreset)
             try:
                 return self._run(toks, p, chat_text, on_step, on_block, push, cancel, on_draft)

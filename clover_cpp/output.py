@@ -14,6 +14,7 @@ import ctypes
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from . import _native as N
 from .errors import CloverError, lib
 
 #: push(piece, tokens) -> True to cancel (streams: the reader has gone); ``tokens``: the output
@@ -25,10 +26,10 @@ class _StopStrings:
     """libclover's stop-string matcher (clover_stop_matcher_*): text in, final text out."""
 
     def __init__(self, stops: list[str]) -> None:
-        self._L = lib()
+        lib()  # (loaded here at the latest: a missing library is a CloverError)
         # (C strings: a stop string holding a NUL character is left out, it never matches)
         enc = [x.encode("utf-8", "surrogatepass") for x in stops if "\0" not in x]
-        self._h = self._L.clover_stop_matcher_new((ctypes.c_char_p * max(len(enc), 1))(*enc), len(enc))
+        self._h = N.clover_stop_matcher_new((ctypes.c_char_p * max(len(enc), 1))(*enc), len(enc))
         if not self._h:
             raise CloverError("stop strings: clover_stop_matcher_new failed")
         self.hit = False
@@ -40,18 +41,18 @@ class _StopStrings:
 
     def feed(self, text: str) -> str:
         data, n = text.encode("utf-8", "surrogatepass"), ctypes.c_int32(0)
-        out = self._out(self._L.clover_stop_matcher_feed(self._h, data, len(data), ctypes.byref(n)), n)
-        self.hit = bool(self._L.clover_stop_matcher_hit(self._h))
+        out = self._out(N.clover_stop_matcher_feed(self._h, data, len(data), ctypes.byref(n)), n)
+        self.hit = bool(N.clover_stop_matcher_hit(self._h))
         return out
 
     def flush(self) -> str:
         n = ctypes.c_int32(0)
-        return self._out(self._L.clover_stop_matcher_flush(self._h, ctypes.byref(n)), n)
+        return self._out(N.clover_stop_matcher_flush(self._h, ctypes.byref(n)), n)
 
     def close(self) -> None:
         h, self._h = getattr(self, "_h", None), None
         if h:
-            self._L.clover_stop_matcher_free(h)
+            N.clover_stop_matcher_free(h)
 
     def __del__(self) -> None:
         self.close()

@@ -13,7 +13,7 @@ import numpy as np
 from . import _native as N
 from ._args import INT32_MAX, bool_arg, float_arg, int_arg
 from .decoding import GenerationStats, Perplexity
-from .errors import CloverError, CloverTypeError, CloverValueError, check, lib
+from .errors import CloverError, CloverTypeError, CloverValueError, check
 
 
 class ContextPasses:
@@ -34,10 +34,10 @@ class ContextPasses:
         commit fused with a pass)}. Clears the memory."""
         fused = bool_arg("fused", fused)
         with self._op() as c:
-            L, err, n = lib(), *N.err_buffer()
+            err, n = N.err_buffer()
             sizes, cnt = (ctypes.c_int32 * 32)(), ctypes.c_int32(0)
             ms, msf = (ctypes.c_double * 32)(), (ctypes.c_double * 32)()
-            check(self._decoder.call(lambda: L.clover_calibrate(c, sizes, ms, msf, 32, ctypes.byref(cnt), err, n)),
+            check(self._decoder.call(lambda: N.clover_calibrate(c, sizes, ms, msf, 32, ctypes.byref(cnt), err, n)),
                    err)
             k = min(cnt.value, 32)
             if fused:
@@ -67,13 +67,13 @@ class ContextPasses:
             sizes = N.as_int32_array([b for b, _ in items])
             ms = (ctypes.c_double * len(items))(*[v for _, v in items])
             msf = None if msf_items is None else (ctypes.c_double * len(items))(*msf_items)
-            check(lib().clover_set_cost_curve(c, sizes, ms, msf, len(items), err, n), err)
+            check(N.clover_set_cost_curve(c, sizes, ms, msf, len(items), err, n), err)
 
     # -- low level passes
     def reset(self) -> None:
         """Clear the memory (no committed tokens)."""
         with self._op() as c:
-            check(lib().clover_reset(c), None, "reset")
+            check(N.clover_reset(c), None, "reset")
 
     def commit(self, tokens: Sequence[int], logits: bool = False) -> np.ndarray | None:
         """Commit tokens (n >= 1) causally at the end of the memory. With ``logits``, returns the
@@ -86,14 +86,14 @@ class ContextPasses:
             arr = N.as_int32_array(toks)
             out = np.empty((max(len(toks), 1), self.n_vocab()), dtype=np.float32) if logits else None
             ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if out is not None else None
-            check(self._decoder.call(lambda: lib().clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
+            check(self._decoder.call(lambda: N.clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
             return out[: len(toks)] if out is not None else None
 
     def last_logits(self) -> np.ndarray:
         """The logits [n_vocab] of the last committed position: the prediction of the next one."""
         with self._op() as c:
             out = np.empty(self.n_vocab(), dtype=np.float32)
-            if lib().clover_last_logits(c, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
+            if N.clover_last_logits(c, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
                 raise CloverError("nothing is committed")
             return out
 
@@ -112,7 +112,7 @@ class ContextPasses:
             out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
             err, n = N.err_buffer()
             arr, ptr = N.as_int32_array(toks), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            st = self._decoder.call(lambda: lib().clover_block_pass(c, arr, len(toks), ptr, err, n))
+            st = self._decoder.call(lambda: N.clover_block_pass(c, arr, len(toks), ptr, err, n))
             check(st, err)
             return out[: len(toks)]
 
@@ -123,7 +123,7 @@ class ContextPasses:
         count starts afresh. Needs ``Clover(expert_stats=True)``."""
         st = N.clover_stats()
         with self._op() as c:
-            if lib().clover_expert_stats(c, ctypes.byref(st)) != N.CLOVER_OK:
+            if N.clover_expert_stats(c, ctypes.byref(st)) != N.CLOVER_OK:
                 raise CloverError("expert_stats() needs a context made with expert_stats=True")
         return GenerationStats(n_expert_passes=st.n_expert_passes, experts_per_pass=st.experts_per_pass,
                                expert_bytes_per_pass=st.expert_bytes_per_pass, expert_bytes_b1=st.expert_bytes_b1)

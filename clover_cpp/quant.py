@@ -239,12 +239,11 @@ def loader_refuses(path: str) -> str | None:
     checks): its one-line reason when it refuses the file, else None."""
     from . import _native as N
 
-    L = N.lib()
-    mp = L.clover_model_default_params()
+    mp = N.clover_model_default_params()
     mp.use_mmap = 1
     err, n = N.err_buffer()
-    m = L.clover_model_load(os.fsencode(path), ctypes.byref(mp), err, n)
+    m = N.clover_model_load(os.fsencode(path), ctypes.byref(mp), err, n)
     if not m:
         return " ".join((err.value or b"load failed").decode("utf-8", "replace").split())
-    L.clover_model_free(m)
+    N.clover_model_free(m)
     return None
