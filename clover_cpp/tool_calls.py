@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat_format import ChatFormatError, chat_params, parse_reply
+from .chat_format import REASONING_FORMATS, ChatFormatError, ChatParser, chat_params, parse_reply
 from .errors import CloverTypeError, CloverValueError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -56,28 +56,39 @@ class ToolPlan:
     def active(self) -> bool:
         return self.tools is not None
 
+    @property
+    def parses(self) -> bool:
+        """The reply is read by chat.cpp's parser (tool calls, or only the thinking when reasoning
+        is asked for and the request has no tools)."""
+        return self.active or bool(self.chat)
+
 
 def plan(tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, Any] | None, parallel: bool,
-         template: str | None) -> ToolPlan:
+         template: str | None, reasoning_format: str = "none") -> ToolPlan:
     """The plan of OpenAI's ``tools`` (``{"type": "function", "function": {"name", "parameters",
     ...}}``), ``tool_choice`` ("none", "auto", "required" or ``{"type": "function", "function":
     {"name": N}}``) and ``parallel_tool_calls`` under the chat ``template`` in use (None: ChatML,
-    which renders no tools). Bad input: CloverValueError naming the argument."""
-    if not tools:
-        if choice not in (None, "none", "auto"):
-            raise CloverValueError("tool_choice names a tool but the request has no tools", param="tool_choice")
-        return ToolPlan(None, set(), "", parallel)
-    funcs = [_function(t) for t in tools]
+    which renders no tools). ``reasoning_format`` (llama-server's: "none", "auto", "deepseek",
+    "deepseek-legacy"): other than "none", the reply's thinking goes to ``reasoning_content``
+    (with or without tools). Bad input: CloverValueError naming the argument."""
+    if reasoning_format not in REASONING_FORMATS:
+        raise CloverValueError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
+                               f"got {reasoning_format!r}"[:300], param="reasoning_format")
+    if not tools and choice not in (None, "none", "auto"):
+        raise CloverValueError("tool_choice names a tool but the request has no tools", param="tool_choice")
+    funcs = [_function(t) for t in tools or []]
     names = {f["name"] for f in funcs}
     if len(names) != len(funcs):
         raise CloverValueError("tools: two tools share a name", param="tools")
-    if choice == "none":
-        return ToolPlan(None, set(), "", parallel)
+    if not tools or choice == "none":  # (the reply read for its thinking alone, when asked for)
+        thinking = _chat_format(template, [], None, parallel, reasoning_format) \
+            if template is not None and reasoning_format != "none" else {}
+        return ToolPlan(None, set(), "", parallel, chat=thinking)
     forced = _forced(choice, funcs)
     if template is None or "tools" not in template:
         raise CloverValueError("tools: the model's chat template does not render tools", param="tools")
     rendered = [dict(t) for t in tools]
-    chat = _chat_format(template, rendered, choice, parallel)
+    chat = _chat_format(template, rendered, choice, parallel, reasoning_format)
     if (forced is not None or choice == "required") and (grammar := _foreign_grammar(chat, forced or funcs[0])):
         return ToolPlan(rendered, names, "", parallel, grammar, chat)  # llama.cpp's grammar of the template's markup
     if forced is not None:  # the call up to its arguments, which then follow the tool's schema
@@ -189,19 +200,23 @@ def _refs_to(node: Any, prefix: str) -> Any:
     return out
 
 
-def _chat_format(template: str, tools: list[dict[str, Any]], choice: Any, parallel: bool) -> dict[str, Any]:
+def _chat_format(template: str, tools: list[dict[str, Any]], choice: Any, parallel: bool,
+                 reasoning_format: str = "none") -> dict[str, Any]:
     """chat.cpp's format of the template's tool calls: what :func:`chat_format.parse_reply` needs;
     {} when chat.cpp cannot read the template (its Jinja engine is not jinja2, which renders the
     prompt): the reply is then read by :func:`parse_call` alone."""
     try:
-        return dict(_chat_format_cached(template, json.dumps(tools, sort_keys=True), json.dumps(choice), parallel))
+        return dict(_chat_format_cached(template, json.dumps(tools, sort_keys=True), json.dumps(choice), parallel,
+                                        reasoning_format))
     except ChatFormatError:
         return {}
 
 
 @functools.lru_cache(maxsize=64)  # (chat.cpp renders the template a few times to tell its format)
-def _chat_format_cached(template: str, tools: str, choice: str, parallel: bool) -> tuple[tuple[str, Any], ...]:
-    p = chat_params(template, tools=json.loads(tools), tool_choice=json.loads(choice), parallel_tool_calls=parallel)
+def _chat_format_cached(template: str, tools: str, choice: str, parallel: bool,
+                        reasoning_format: str) -> tuple[tuple[str, Any], ...]:
+    p = chat_params(template, tools=json.loads(tools), tool_choice=json.loads(choice), parallel_tool_calls=parallel,
+                    reasoning_format=reasoning_format)
     return tuple((k, p[k]) for k in ("format", "format_name", "parser", "generation_prompt", "grammar", "grammar_lazy"))
 
 
@@ -227,21 +242,26 @@ def _foreign_grammar(chat: dict[str, Any], func: dict[str, Any]) -> str | None:
 
 @dataclass
 class ToolStream:
-    """Splits the reply, piece by piece, into content and tool calls, as llama-server does: the
-    text so far parsed by chat.cpp's parser (partial) at each piece, and the change since the last
-    parse sent on. Events: ("content", text) and ("call", (index, delta)), a call's first delta
-    its id, type, name and the start of its arguments, the next ones more of its arguments."""
+    """Splits the reply, piece by piece, into content, thinking and tool calls, as llama-server
+    does (task_result_state::update_chat_msg): the whole text so far parsed again by chat.cpp's
+    parser (partial) at each piece, and the change since the last parse sent on. The parser is
+    loaded once per reply (chat_format.ChatParser). Events: ("content", text), ("reasoning", text)
+    (only when the plan asks for reasoning_format) and ("call", (index, delta)), a call's first
+    delta its id, type, name and the start of its arguments, the next ones more of its arguments."""
 
     plan: ToolPlan
     text: str = ""
-    sent: dict[str, Any] = field(default_factory=lambda: {"content": "", "calls": []})
+    sent: dict[str, Any] = field(default_factory=lambda: {"content": "", "reasoning": "", "calls": []})
     ids: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)  # the whole reply's calls (after finish)
     content: str = ""
+    reasoning: str = ""  # the whole reply's reasoning_content (after finish)
     lead: str = ""  # what the parser reads as content in the generation prompt (Qwen3.5's "<think>\n")
+    parser: ChatParser | None = None
 
     def __post_init__(self) -> None:
         try:
+            self.parser = ChatParser(self.plan.chat) if self.plan.chat else None
             self.lead = self._parse("", partial=True)["content"]
         except ChatFormatError:
             self.lead = ""
@@ -257,7 +277,9 @@ class ToolStream:
         """The last events; then :meth:`message` is the whole reply's."""
         msg = self._whole()
         out = self._diff(msg)
-        self.content, self.calls = msg["content"], msg["tool_calls"]
+        self.content, self.calls, self.reasoning = msg["content"], msg["tool_calls"], msg["reasoning_content"]
+        if self.parser is not None:
+            self.parser.close()
         return out
 
     def message(self) -> tuple[str | None, list[dict[str, Any]]]:
@@ -268,9 +290,9 @@ class ToolStream:
 
     def _parse(self, text: str, partial: bool) -> dict[str, Any]:
         """chat.cpp's reading of the reply so far: {"content", "tool_calls" (OpenAI's)}."""
-        if not self.plan.chat:
+        if self.parser is None:
             raise ChatFormatError("no chat.cpp format for this template")
-        msg = parse_reply(self.plan.chat, self.plan.prefill + text, partial=partial)
+        msg = self.parser.parse(self.plan.prefill + text, partial=partial)
         content = msg["content"]
         if self.lead and content.startswith(self.lead):
             content = content[len(self.lead):]
@@ -280,7 +302,7 @@ class ToolStream:
         for i, c in enumerate(calls):  # a call keeps the id it was first sent with
             if i == len(self.ids):
                 self.ids.append(c["id"] or f"call_{secrets.token_hex(12)}")
-        return {"content": content, "tool_calls": [
+        return {"content": content, "reasoning_content": msg["reasoning_content"], "tool_calls": [
             {"id": self.ids[i], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for i, c in enumerate(calls)]}
 
@@ -320,16 +342,17 @@ class ToolStream:
                 calls.append({**call, "id": self.ids[len(calls)]})
             text = text[end:]
         content.append(text)
-        return {"content": "".join(content), "tool_calls": calls}
+        return {"content": "".join(content), "reasoning_content": "", "tool_calls": calls}
 
     def _diff(self, msg: dict[str, Any]) -> list[tuple[str, Any]]:
         """The events from what was sent to msg (only what extends it: a reading that takes back
         text already sent sends nothing until it extends it again)."""
         out: list[tuple[str, Any]] = []
-        old = self.sent["content"]
-        if msg["content"].startswith(old) and len(msg["content"]) > len(old):
-            out.append(("content", msg["content"][len(old):]))
-            self.sent["content"] = msg["content"]
+        for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
+            old, new = self.sent[kind], msg[key]
+            if new.startswith(old) and len(new) > len(old):
+                out.append((kind, new[len(old):]))
+                self.sent[kind] = new
         sent_calls = self.sent["calls"]
         for i, call in enumerate(msg["tool_calls"]):
             args = call["function"]["arguments"]
@@ -386,13 +409,17 @@ def parse_call(body: str, names: set[str]) -> dict[str, Any] | None:
 
 def reply_message(text: str, tp: ToolPlan | None) -> dict[str, Any]:
     """A whole reply's assistant message, its calls parsed out of the text (OpenAI's
-    ``tool_calls``; the finish reason: openai_reply.finish_reason(r, tool_calls=...))."""
-    if tp is None or not tp.active:
+    ``tool_calls``; the finish reason: openai_reply.finish_reason(r, tool_calls=...)) and its
+    thinking in ``reasoning_content`` when the plan asks for it (as llama-server's message)."""
+    if tp is None or not tp.parses:
         return {"role": "assistant", "content": text}
     ts = ToolStream(tp)
     ts.text = text
     ts.finish()
     content, calls = ts.message()
-    if not calls:
-        return {"role": "assistant", "content": content}
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if ts.reasoning:
+        msg["reasoning_content"] = ts.reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg

@@ -8,6 +8,7 @@
 
 #include "chat.h"
 #include "json.h"
+#include "log.h"
 
 #include <stdexcept>
 #include <string>
@@ -101,10 +102,7 @@ json params_json(const json & req) {
     return out;
 }
 
-json parse_json(const json & req) {
-    if (!req.is_object() || !req.contains("text") || !req.at("text").is_string()) {
-        throw std::invalid_argument("the request needs \"text\", the generated reply");
-    }
+common_chat_parser_params parser_params(const json & req) {
     const int format = field<int>(req, "format", (int) COMMON_CHAT_FORMAT_CONTENT_ONLY);
     if (format < 0 || format >= (int) COMMON_CHAT_FORMAT_COUNT) {
         throw std::invalid_argument("format " + std::to_string(format) + " is not one of chat.cpp's");
@@ -116,8 +114,11 @@ json parse_json(const json & req) {
     if (!parser.empty()) {
         pp.parser.load(parser);
     }
-    const common_chat_msg msg = common_chat_parse(req.at("text").get<std::string>(), field<bool>(req, "is_partial", false), pp);
+    return pp;
+}
 
+json message_json(const std::string & text, bool is_partial, const common_chat_parser_params & pp) {
+    const common_chat_msg msg = common_chat_parse(text, is_partial, pp);
     json calls = json::array();
     for (const auto & c : msg.tool_calls) {
         calls.push_back(json::object({ { "name", c.name }, { "arguments", c.arguments }, { "id", c.id } }));
@@ -130,6 +131,23 @@ json parse_json(const json & req) {
     return out;
 }
 
+json parse_json(const json & req) {
+    if (!req.is_object() || !req.contains("text") || !req.at("text").is_string()) {
+        throw std::invalid_argument("the request needs \"text\", the generated reply");
+    }
+    return message_json(req.at("text").get<std::string>(), field<bool>(req, "is_partial", false), parser_params(req));
+}
+
+// chat.cpp logs through common/log's logger (stderr), not llama_log_set's callback: its lines show
+// at libclover's debug verbosity only (a refused reply is our error status; the caller reads it
+// another way). Written only when the verbosity changes (the threshold is a plain int).
+void quiet_common_log() {
+    const int thold = clover_impl::g_verbosity.load() >= 2 ? LOG_LEVEL_DEBUG : LOG_LEVEL_OUTPUT - 1;
+    if (common_log_get_verbosity_thold() != thold) {
+        common_log_set_verbosity_thold(thold);
+    }
+}
+
 // the request parsed, f's answer dumped into g_out; every exception a one-line CLOVER_ERR_INVALID_ARG
 // (what chat.cpp throws is about its input: the template, the messages, a reply off the format)
 template <typename F>
@@ -137,6 +155,7 @@ int json_call(const char * request_json, const char ** out, char * err, size_t e
     using namespace clover_impl;
     return guarded(err, err_len, [&]() -> int {
         clear_err(err, err_len);
+        quiet_common_log();
         if (out) {
             *out = nullptr;
         }
@@ -148,7 +167,7 @@ int json_call(const char * request_json, const char ** out, char * err, size_t e
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "the request is not valid JSON");
         }
         try {
-            g_out = f(req).dump();
+            g_out = f(req).dump_safe();
         } catch (const std::bad_alloc &) {
             throw;
         } catch (const std::exception & e) {
@@ -167,4 +186,52 @@ int clover_chat_params(const char * request_json, const char ** out, char * err,
 
 int clover_chat_parse(const char * request_json, const char ** out, char * err, size_t err_len) {
     return json_call(request_json, out, err, err_len, parse_json);
+}
+
+struct clover_chat_parser {
+    common_chat_parser_params params;
+    std::string               out;  // the last parse (clover-chat.h: valid until the next call)
+};
+
+int clover_chat_parser_new(const char * params_json, clover_chat_parser ** out, char * err, size_t err_len) {
+    if (out) {
+        *out = nullptr;
+    }
+    const char * ignored = nullptr;
+    return json_call(params_json, &ignored, err, err_len, [&](const json & req) {
+        if (!out) {
+            throw std::invalid_argument("out is NULL");
+        }
+        *out = new clover_chat_parser{ parser_params(req), "" };
+        return json::object();
+    });
+}
+
+int clover_chat_parser_parse(clover_chat_parser * parser, const char * text, int is_partial, const char ** out,
+                             char * err, size_t err_len) {
+    using namespace clover_impl;
+    return guarded(err, err_len, [&]() -> int {
+        clear_err(err, err_len);
+        quiet_common_log();
+        if (out) {
+            *out = nullptr;
+        }
+        if (!parser || !text || !out) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "parser, text or out is NULL");
+        }
+        try {
+            parser->out = message_json(text, is_partial != 0, parser->params)
+                              .dump_safe();
+        } catch (const std::bad_alloc &) {
+            throw;
+        } catch (const std::exception & e) {
+            return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, one_line(e.what()));
+        }
+        *out = parser->out.c_str();
+        return CLOVER_OK;
+    });
+}
+
+void clover_chat_parser_free(clover_chat_parser * parser) {
+    delete parser;
 }

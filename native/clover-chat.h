@@ -3,7 +3,9 @@
  *
  * JSON in, JSON out. Each function returns a clover_status (clover.h); on CLOVER_OK *out points at
  * NUL-terminated JSON that stays valid until the next call of either function on the same thread;
- * otherwise err (if not NULL) holds a one-line message. No C++ exception crosses these functions. */
+ * otherwise err (if not NULL) holds a one-line message. No C++ exception crosses these functions.
+ * chat.cpp's own log lines (a reply off the format: "unparsed ... output") are shown only at
+ * clover_set_verbosity 2 (debug): a refused reply is an error status, not a warning on stderr. */
 #ifndef CLOVER_CHAT_H
 #define CLOVER_CHAT_H
 
@@ -30,6 +32,17 @@ CLOVER_API int clover_chat_params(const char * request_json, const char ** out, 
  * text gives the calls parsed so far (the last one's arguments may be cut off). A whole text that does
  * not match the format: CLOVER_ERR_INVALID_ARG. */
 CLOVER_API int clover_chat_parse(const char * request_json, const char ** out, char * err, size_t err_len);
+
+/* A reply's parser loaded once (clover_chat_parse loads the serialized parser at every call): a
+ * streamed reply is parsed again whole at each piece, as llama-server does, from the one handle.
+ * params_json: {"format", "parser", "generation_prompt"} as clover_chat_params gave them. */
+typedef struct clover_chat_parser clover_chat_parser;
+CLOVER_API int clover_chat_parser_new(const char * params_json, clover_chat_parser ** out, char * err, size_t err_len);
+/* text (the reply so far, NUL-terminated UTF-8) parsed as clover_chat_parse does; *out valid until the
+ * next call on the same parser or its free. */
+CLOVER_API int clover_chat_parser_parse(clover_chat_parser * parser, const char * text, int is_partial,
+                                        const char ** out, char * err, size_t err_len);
+CLOVER_API void clover_chat_parser_free(clover_chat_parser * parser);
 
 #ifdef __cplusplus
 }

@@ -147,3 +147,121 @@ def test_tool_stream_deltas_join_to_the_whole_call(name) -> None:
     assert content.strip() == (content_whole or "")
     msg = tool_calls.reply_message(reply, tp)
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == ARGS
+
+
+def test_a_long_streamed_reply_loads_the_parser_once(monkeypatch) -> None:
+    """A streamed reply is parsed again whole at each piece (as llama-server does), from a parser
+    loaded once per reply (clover_chat_parser_new), never from its serialized form per piece: a
+    20k-character reply in 8-character pieces stays well under seconds (a generous bound: the
+    serialized parser reloaded per piece made it quadratic)."""
+    import time
+
+    from clover_cpp import chat_format, tool_calls
+
+    tp = tool_calls.plan([WEATHER, TIME], "auto", False, _template("Qwen3-Coder.jinja"))
+    loads = {"handle": 0, "serialized": 0}
+    real_init, real_call = chat_format.ChatParser.__init__, chat_format._call
+
+    def counted_init(self, params):
+        loads["handle"] += 1
+        real_init(self, params)
+
+    def counted_call(name, request):
+        loads["serialized"] += name == "clover_chat_parse"
+        return real_call(name, request)
+
+    monkeypatch.setattr(chat_format.ChatParser, "__init__", counted_init)
+    monkeypatch.setattr(chat_format, "_call", counted_call)
+    reply = "word " * 4000 + XML_CALL
+    start = time.monotonic()
+    ts = tool_calls.ToolStream(tp)
+    events = [ev for i in range(0, len(reply), 8) for ev in ts.feed(reply[i:i + 8])] + ts.finish()
+    assert time.monotonic() - start < 5.0
+    assert loads == {"handle": 1, "serialized": 0}
+    assert "".join(v for kind, v in events if kind == "content").strip() == ("word " * 4000).strip()
+    assert json.loads(ts.message()[1][0]["function"]["arguments"]) == ARGS
+
+
+def test_the_parser_handle_refuses_bad_input_in_one_line() -> None:
+    import ctypes
+
+    from clover_cpp import _native as N
+    from clover_cpp.chat_format import ChatFormatError, ChatParser, _bound
+
+    with pytest.raises(ChatFormatError, match="not one of chat.cpp's"):
+        ChatParser({"format": 99, "parser": "", "generation_prompt": ""})
+    new = _bound("clover_chat_parser_new", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
+                                            ctypes.c_size_t], ctypes.c_int)
+    err, err_len = N.err_buffer()
+    handle = ctypes.c_void_p()
+    assert new(b"{not json", ctypes.byref(handle), err, err_len) == N.CLOVER_ERR_INVALID_ARG and not handle
+    parser = ChatParser({"format": 0, "parser": "", "generation_prompt": ""})
+    assert parser.parse("plain")["content"] == "plain"
+    parser.close()
+    with pytest.raises(ChatFormatError, match="closed"):
+        parser.parse("plain")
+
+
+def test_a_refused_reply_prints_nothing() -> None:
+    """chat.cpp logs a reply off its format ("unparsed ... output") through common/log, on
+    stderr; libclover shows it at debug verbosity only: a reply read by our fallback is quiet."""
+    import subprocess
+    import sys
+
+    script = f"""
+from clover_cpp import tool_calls
+from clover_testkit.chat_templates import QWEN_TOOLS_TEMPLATE
+tp = tool_calls.plan([{WEATHER!r}], "auto", False, QWEN_TOOLS_TEMPLATE)
+reply = '<tool_call>\\n{{"name": "get_weather", "arguments": "{{\\\\"city\\\\": \\\\"Paris\\\\"}}"}}\\n</tool_call> more'
+msg = tool_calls.reply_message(reply, tp)
+assert msg["tool_calls"][0]["function"]["name"] == "get_weather", msg
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert r.stderr == ""
+
+
+THINK_REPLY = "<think>\nThe user wants Paris.\n</think>\n\n"
+
+
+@pytest.mark.parametrize("reasoning_format", ["deepseek", "auto"])
+def test_reasoning_content_from_a_qwen3_reply(reasoning_format) -> None:
+    """reasoning_format as llama-server's: other than "none", a Qwen3 reply's <think> block is
+    the message's reasoning_content (the C functions, reply_message, ToolStream's deltas); "none"
+    leaves it in the content."""
+    from clover_cpp import tool_calls
+    from clover_cpp.chat_format import chat_params, parse_reply
+
+    tmpl = _template("Qwen-Qwen3-0.6B.jinja")
+    plain = THINK_REPLY + "It is sunny."
+    msg = parse_reply(chat_params(tmpl, messages=ASK, reasoning_format=reasoning_format), plain)
+    assert msg["reasoning_content"].strip() == "The user wants Paris." and msg["content"] == "It is sunny."
+    assert parse_reply(chat_params(tmpl, messages=ASK), plain)["content"] == plain  # ("none")
+
+    tp = tool_calls.plan(None, None, False, tmpl, reasoning_format)
+    assert tool_calls.reply_message(plain, tp) == {"role": "assistant", "content": "It is sunny.",
+                                                   "reasoning_content": msg["reasoning_content"]}
+    assert tool_calls.reply_message(plain, tool_calls.plan(None, None, False, tmpl)) == \
+        {"role": "assistant", "content": plain}
+
+    reply = THINK_REPLY + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    tp = tool_calls.plan([WEATHER, TIME], "auto", False, tmpl, reasoning_format)
+    ts = tool_calls.ToolStream(tp)
+    events = [ev for i in range(0, len(reply), 3) for ev in ts.feed(reply[i:i + 3])] + ts.finish()
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "reasoning")
+    assert "".join(v for kind, v in events if kind == "reasoning").strip() == "The user wants Paris."
+    assert "".join(d["function"]["arguments"] for kind, (_, d) in
+                   ((k, v) for k, v in events if k == "call")) == ts.message()[1][0]["function"]["arguments"]
+    whole = tool_calls.reply_message(reply, tp)
+    assert whole["reasoning_content"].strip() == "The user wants Paris." and whole["content"] is None
+    assert json.loads(whole["tool_calls"][0]["function"]["arguments"]) == ARGS
+
+
+def test_an_unknown_reasoning_format_is_refused() -> None:
+    from clover_cpp import tool_calls
+    from clover_cpp.errors import CloverValueError
+
+    with pytest.raises(CloverValueError, match="reasoning_format"):
+        tool_calls.plan(None, None, False, QWEN_TOOLS_TEMPLATE, "sometimes")
