@@ -112,12 +112,16 @@ def inspect(model: str, all_tensors: bool, as_json: bool) -> None:
 @click.option("--ssl-key-file", default=None, metavar="FILE", help="PEM private key: serve HTTPS (with --ssl-cert-file).")
 @click.option("--ssl-cert-file", default=None, metavar="FILE", help="PEM certificate: serve HTTPS (with --ssl-key-file).")
 @click.option("--access-log", is_flag=True, help="A line per request on stdout (uvicorn's access log; also with --verbose).")
+@click.option("--reasoning-format", type=click.Choice(["none", "auto", "deepseek", "deepseek-legacy"]),
+              default="deepseek", show_default=True,
+              help="As llama-server's: other than none, a chat reply's thinking (<think>...</think>) goes to "
+                   "message.reasoning_content; a request's reasoning_format overrides it.")
 @runtime_options
 @chat_template_options
 def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_key: str | None, max_body: int,
           max_messages: int, body_timeout: float, max_block_size: int, stuck_timeout: float, alias: str | None,
           embeddings: bool, ssl_key_file: str | None, ssl_cert_file: str | None, access_log: bool,
-          threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
+          reasoning_format: str, threads: int | None, ctx_size: int, n_gpu_layers: int, flash_attn: str, rpc: str | None,
           tensor_split: list[float] | None, override_tensor: str | None, verbose: bool,
           chat_template: str | None = None) -> None:
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
@@ -144,6 +148,6 @@ def serve(model: str, host: str, port: int, parallel: int, queue_size: int, api_
                flash_attn=flash_attn, rpc_servers=rpc, tensor_split=tensor_split,
                override_tensor=override_tensor, model_name=alias, access_log=access_log, on_ready=banner,
                chat_template=chat_template, embeddings=embeddings, ssl_key_file=ssl_key_file,
-               ssl_cert_file=ssl_cert_file,
+               ssl_cert_file=ssl_cert_file, reasoning_format=reasoning_format,
                limits=Limits(max_body_bytes=max_body, max_messages=max_messages, body_timeout=body_timeout,
                              max_block_size=max_block_size, stuck_after=stuck_timeout))

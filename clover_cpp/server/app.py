@@ -58,9 +58,12 @@ class PublicPage:
 
 
 def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max_queue: int = 64,
-               model_name: str | None = None, limits: Limits | None = None, embeddings: bool = False) -> Any:
+               model_name: str | None = None, limits: Limits | None = None, embeddings: bool = False,
+               reasoning_format: str = "deepseek") -> Any:
     """The ASGI app serving ``model`` (which the app then owns) with ``parallel`` contexts;
-    ``embeddings``: /v1/embeddings too (``model`` made with embedding=True)."""
+    ``embeddings``: /v1/embeddings too (``model`` made with embedding=True); ``reasoning_format``:
+    a chat's default (llama-server's --reasoning-format and its default): other than "none", the
+    reply's thinking goes to ``reasoning_content``."""
     limits = limits or Limits()
     name = model_name or model.metadata.get("general.name") or model.model_path.stem
     created = int(time.time())
@@ -226,7 +229,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
         if len(req.messages) > limits.max_messages:
             raise APIError(400, f"messages: at most {limits.max_messages} per request (--max-messages), "
                                 f"got {len(req.messages)}", param="messages")
-        tp = plan(req.tools, req.tool_choice, req.parallel_tool_calls, template)
+        thinking = getattr(req, "reasoning_format", None) or reasoning_format  # (apply-template: the default)
+        tp = plan(req.tools, req.tool_choice, req.parallel_tool_calls, template, thinking)
         msgs = [m.for_template() for m in req.messages]
         kw = {"tools": tp.tools} if tp.active else {}
         try:
@@ -267,6 +271,8 @@ def create_app(model: Clover, parallel: int = 1, api_key: str | None = None, max
             kind, v = ev
             if kind == "content":  # (with its own tokens' logprobs)
                 return choice(c, {"content": str(v)}, logprobs=reply.chat_logprobs(v, token_bytes))
+            if kind == "reasoning":  # (llama-server's delta field)
+                return choice(c, {"reasoning_content": v})
             if kind == "call":
                 i, call = v
                 return choice(c, {"tool_calls": [{"index": i, **call}]})

@@ -493,7 +493,7 @@ class OneGeneration:
     async def events(self) -> AsyncIterator[dict[str, str]]:
         """This choice's server-sent events up to its end (the caller sends its last chunk)."""
         job, c = self.run.job, self.choice
-        self.ts = ToolStream(job.tools) if job.tools is not None and job.tools.active else None
+        self.ts = ToolStream(job.tools) if job.tools is not None and job.tools.parses else None
         # each content chunk carries the logprobs of the tokens streamed since the last one that
         # carried any (a tool stream may hold text back); those left at the end: a chunk of their own
         owed: list[StreamPiece] = []

@@ -188,7 +188,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
           override_tensor: str | None = None, limits: Limits | None = None, model_name: str | None = None,
           access_log: bool = False, on_ready: Callable[[str], None] | None = None,
           chat_template: str | None = None, ssl_key_file: str | None = None,
-          ssl_cert_file: str | None = None, embeddings: bool = False) -> None:
+          ssl_cert_file: str | None = None, embeddings: bool = False, reasoning_format: str = "deepseek") -> None:
     """Bind the port, load the model and serve it until interrupted. ``model_name``: the model's
     id in the API (llama-server's --alias; default: the file's general.name, else its stem);
     ``access_log``: uvicorn's line per request (on stdout); ``on_ready(url)`` runs once the port
@@ -196,7 +196,8 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
     the template chats render instead of the GGUF's (Clover's), rendered once before serving so
     that one that fails stops the start with its error; ``ssl_key_file`` and ``ssl_cert_file``:
     serve HTTPS (llama-server's --ssl-key-file / --ssl-cert-file); ``embeddings``: serve
-    /v1/embeddings (llama-server's --embeddings; a second, embedding context of the model)."""
+    /v1/embeddings (llama-server's --embeddings; a second, embedding context of the model);
+    ``reasoning_format``: the chats' default (llama-server's --reasoning-format, create_app's)."""
     check_api_key(api_key)  # before the model loads: an empty key would turn auth off
     check_tls(ssl_key_file, ssl_cert_file)
     if embeddings:  # the embedding context is llama-cpp-python's: missing, say so now, not at the first request
@@ -217,7 +218,7 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
             if chat_template is not None:
                 model.format_chat([{"role": "user", "content": "hi"}])
             _run(sock, model, parallel, api_key, max_queue, log_level, limits, model_name, access_log, on_ready,
-                 ssl_key_file, ssl_cert_file, embeddings)
+                 ssl_key_file, ssl_cert_file, embeddings, reasoning_format)
         finally:
             model.close()
 
@@ -225,11 +226,11 @@ def serve(model_path: str, host: str = "127.0.0.1", port: int = 8080, parallel: 
 def _run(sock: socket.socket, model: Clover, parallel: int, api_key: str | None, max_queue: int, log_level: str,
          limits: Limits | None, model_name: str | None, access_log: bool,
          on_ready: Callable[[str], None] | None, ssl_key_file: str | None = None,
-         ssl_cert_file: str | None = None, embeddings: bool = False) -> None:
+         ssl_cert_file: str | None = None, embeddings: bool = False, reasoning_format: str = "deepseek") -> None:
     limits = limits or Limits()  # a prompt of token ids may be as long as the context (and the body counts 2 per id)
     limits = replace(limits, max_json_values=max(limits.max_json_values, 2 * model.n_ctx() + 4096))
     app = create_app(model, parallel=parallel, api_key=api_key, max_queue=max_queue, model_name=model_name,
-                     limits=limits, embeddings=embeddings)
+                     limits=limits, embeddings=embeddings, reasoning_format=reasoning_format)
     fastapi_app = app.app
 
     def on_exit() -> None:  # cancel every generation at its next step: shutdown need not wait for them

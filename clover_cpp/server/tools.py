@@ -13,11 +13,11 @@ __all__ = ["ToolPlan", "ToolStream", "plan", "reply_message"]
 
 
 def plan(tools: list[Tool] | None, choice: str | NamedChoice | None, parallel: bool,
-         template: str | None) -> ToolPlan:
+         template: str | None, reasoning_format: str = "none") -> ToolPlan:
     """The request's tool plan (see :func:`clover_cpp.tool_calls.plan`); bad input: a 400."""
     dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     named = choice.model_dump() if isinstance(choice, NamedChoice) else choice
     try:
-        return runtime_plan(dicts, named, parallel, template)
+        return runtime_plan(dicts, named, parallel, template, reasoning_format)
     except CloverError as e:
         raise APIError(400, e.message, param=e.param) from None

@@ -408,6 +408,8 @@ class ChatRequest(Knobs):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
     parallel_tool_calls: bool = True
+    # llama-server's: the reply's thinking in reasoning_content (None: the server's --reasoning-format)
+    reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None  # (its range: libclover's CLOVER_MAX_TOP_LOGPROBS)
 

@@ -102,3 +102,60 @@ def test_required_and_named_follow_the_templates_own_markup(scripted) -> None:
             assert r.choices[0].finish_reason in ("tool_calls", "length")
     finally:
         real.stop()
+
+
+QWEN3 = TEMPLATE.parent / "Qwen-Qwen3-0.6B.jinja"
+THINKING = "<think>\nThe user wants Paris.\n</think>\n\nIt is sunny."
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny_artifacts, tmp_path_factory):
+    if not QWEN3.is_file():
+        pytest.skip("llama.cpp's Qwen3 template is not in this checkout")
+    from clover_testkit import fuzz
+
+    from clover_cpp import Clover
+
+    gguf = fuzz.rewrite_gguf(tiny_artifacts["f32"], tmp_path_factory.mktemp("think") / "tiny-qwen3.gguf",
+                             kv={"tokenizer.chat_template": QWEN3.read_text()})
+    with Clover(gguf, n_ctx=2048, n_threads=1) as real:
+        model = ScriptedClover(real, lambda prompt: THINKING)
+        s = InProcessServer(model)
+        yield s, model
+        s.stop()
+
+
+def test_reasoning_content_whole_and_streamed(thinker) -> None:
+    """As llama-server (its default --reasoning-format deepseek): a Qwen3 reply's <think> block
+    is the message's reasoning_content, streamed as reasoning_content deltas before the content;
+    the request's reasoning_format "none" leaves it in the content; an unknown one is a 400."""
+    c = thinker[0].client()
+    msg = c.chat.completions.create(model="x", messages=ASK).choices[0].message
+    assert msg.content == "It is sunny." and msg.model_extra["reasoning_content"].strip() == "The user wants Paris."
+
+    chunks = list(c.chat.completions.create(model="x", messages=ASK, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert thought.strip() == "The user wants Paris."
+    assert "".join(d.content or "" for d in deltas) == "It is sunny."
+
+    plain = c.chat.completions.create(model="x", messages=ASK, extra_body={"reasoning_format": "none"})
+    assert plain.choices[0].message.content == THINKING
+    with pytest.raises(openai.BadRequestError, match="reasoning_format"):
+        c.chat.completions.create(model="x", messages=ASK, extra_body={"reasoning_format": "sometimes"})
+
+
+def test_the_servers_reasoning_format_is_the_default(thinker) -> None:
+    """create_app's reasoning_format (clover serve --reasoning-format) is what a request without
+    one gets; the flag takes llama-server's values only."""
+    import subprocess
+    import sys
+
+    s = InProcessServer(thinker[1], reasoning_format="none")
+    try:
+        assert s.client().chat.completions.create(model="x", messages=ASK).choices[0].message.content == THINKING
+    finally:
+        s.stop()
+    r = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "serve", "--reasoning-format", "sometimes", "x.gguf"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--reasoning-format" in r.stderr and "Traceback" not in r.stderr
