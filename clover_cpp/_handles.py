@@ -1,8 +1,10 @@
 """Who owns what in libclover: the loaded model (:class:`ModelRef`, shared by the Clover objects
-of :meth:`Clover.new_context`, freed with its last user), one object's turn on its context
+of :meth:`Clover.new_context`, freed with its last user), a context (:class:`ContextRef`: its
+pointer, its error buffers and the hop onto its decode thread), one object's turn on its context
 (:class:`Gate`), the model's and context's creation from checked arguments (:class:`LoadArgs`,
 :class:`ContextArgs`), and the calls that negotiate an output buffer size with libclover
-(tokenize, detokenize, token_to_piece, metadata)."""
+(tokenize, detokenize, token_to_piece, metadata). The runtime's helpers take these objects; the
+raw pointers are read from them at the ctypes calls only."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import ctypes
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -167,12 +169,11 @@ class ModelRef:
             self.users += 1
             return self.handle
 
-    def enter(self) -> int:
+    def enter(self) -> None:
         with self.cond:
             if self.handle is None:
                 raise CloverError("the model is closed")
             self.active += 1
-            return self.handle
 
     def leave(self) -> None:
         with self.cond:
@@ -191,15 +192,57 @@ class ModelRef:
                 self.handle = None
 
 
-def new_context(model: int, a: ContextArgs) -> int:
-    """A clover_context over ``model`` (NULL never returned: a failure raises)."""
-    cp = context_params(*a.checked())
-    cp.expert_stats = 1 if a.expert_stats else 0
-    err, n = N.err_buffer()
-    c = N.clover_context_new(model, ctypes.byref(cp), err, n)
-    if not c:
-        check(N.CLOVER_ERR_LOAD, err)
-    return int(c)
+class DecodeHop(Protocol):
+    """The thread a context's long calls run on (decoding.DecodeThread)."""
+
+    def call(self, fn: Callable[[], Any], cancel: threading.Event | None = None) -> Any: ...
+
+    def stop(self) -> None: ...
+
+
+class ContextRef:
+    """A clover_context: the pointer, the error buffer of each checked call and the decode
+    thread its long calls hop onto (``own_thread``: one of its own, stopped with it, else the
+    process's shared one)."""
+
+    def __init__(self, ptr: int, decoder: DecodeHop, own_thread: bool) -> None:
+        self.ptr: int | None = ptr
+        self.decoder = decoder
+        self.own_thread = own_thread
+
+    @classmethod
+    def new(cls, model: ModelRef, a: ContextArgs, decoder: DecodeHop, own_thread: bool) -> "ContextRef":
+        """A context over ``model`` (a failure raises, after stopping a thread of its own)."""
+        try:
+            cp = context_params(*a.checked())
+            cp.expert_stats = 1 if a.expert_stats else 0
+            err, n = N.err_buffer()
+            c = N.clover_context_new(model.handle, ctypes.byref(cp), err, n)
+            if not c:
+                check(N.CLOVER_ERR_LOAD, err)
+        except BaseException:
+            if own_thread:
+                decoder.stop()
+            raise
+        return cls(int(c), decoder, own_thread)
+
+    def call(self, fn: Callable[[], Any], cancel: threading.Event | None = None) -> Any:
+        """fn() on the decode thread (llama.cpp's threads stay on one OS thread per context)."""
+        return self.decoder.call(fn, cancel)
+
+    def checked(self, f: Callable[..., int], *args: Any, hop: bool = False, what: str = "") -> None:
+        """f(ptr, *args, err, err_len), a clover.h call ending with an error buffer, on the decode
+        thread when ``hop``; a status other than CLOVER_OK raises its CloverError."""
+        err, n = N.err_buffer()
+        status = self.call(lambda: f(self.ptr, *args, err, n)) if hop else f(self.ptr, *args, err, n)
+        check(status, err, what)
+
+    def free(self) -> None:
+        if self.own_thread:
+            self.decoder.stop()
+        if self.ptr and N._lib is not None:  # (not at interpreter exit after the library went)
+            N.clover_context_free(self.ptr)
+        self.ptr = None
 
 
 class Decoding(Protocol):
@@ -290,37 +333,38 @@ def _negotiate(what: str, cap: int, call: Any) -> Any:
     raise CloverError(f"{what}: buffer size negotiation failed", N.CLOVER_ERR_INTERNAL)
 
 
-def tokenize(m: int, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
+def tokenize(model: ModelRef, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
     def call(cap: int) -> Any:
         buf, n_out = (ctypes.c_int32 * cap)(), ctypes.c_int32(0)
-        st = N.clover_tokenize(m, data, len(data), buf, cap, int(add_special), int(parse_special), ctypes.byref(n_out))
+        st = N.clover_tokenize(model.handle, data, len(data), buf, cap, int(add_special), int(parse_special),
+                               ctypes.byref(n_out))
         return st, n_out.value, lambda k: list(buf[:k])
     return _negotiate("tokenize", len(data) + 16, call)
 
 
-def detokenize(m: int, toks: list[int], special: bool) -> bytes:
+def detokenize(model: ModelRef, toks: list[int], special: bool) -> bytes:
     arr = N.as_int32_array(toks)
 
     def call(cap: int) -> Any:
         buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
-        st = N.clover_detokenize(m, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
+        st = N.clover_detokenize(model.handle, arr, len(toks), buf, cap, 0, int(special), ctypes.byref(n_out))
         return st, n_out.value, lambda k: buf.raw[:k]
     return _negotiate("detokenize", 8 * len(toks) + 16, call)
 
 
-def token_to_piece(m: int, token: int, special: bool) -> bytes:
+def token_to_piece(model: ModelRef, token: int, special: bool) -> bytes:
     def call(cap: int) -> Any:
         buf, n_out = ctypes.create_string_buffer(cap), ctypes.c_int32(0)
-        st = N.clover_token_to_piece(m, token, buf, cap, int(special), ctypes.byref(n_out))
+        st = N.clover_token_to_piece(model.handle, token, buf, cap, int(special), ctypes.byref(n_out))
         return st, n_out.value, lambda k: buf.raw[:k]  # (clover.h: CLOVER_OK, the count in n_out)
     return _negotiate("token_to_piece", 64, call)
 
 
-def metadata(m: int, key: bytes) -> str | None:
+def metadata(model: ModelRef, key: bytes) -> str | None:
     size = 256
     while True:
         buf = ctypes.create_string_buffer(size)
-        n = N.clover_model_meta(m, key, buf, size)
+        n = N.clover_model_meta(model.handle, key, buf, size)
         if n < 0:
             return None
         if n < size:
@@ -337,9 +381,9 @@ def metadata_keys(path: Path) -> list[str]:
             if not k.startswith("GGUF.") and f.types and f.types[0] != GGUFValueType.ARRAY]
 
 
-def committed_tokens(c: int) -> list[int]:
+def committed_tokens(ctx: ContextRef) -> list[int]:
     """The tokens the context's memory holds (clover_committed_tokens)."""
-    n = int(N.clover_committed_tokens(c, None, 0))
+    n = int(N.clover_committed_tokens(ctx.ptr, None, 0))
     buf = (ctypes.c_int32 * max(n, 1))()
-    n = min(n, int(N.clover_committed_tokens(c, buf, n)))
+    n = min(n, int(N.clover_committed_tokens(ctx.ptr, buf, n)))
     return list(buf[:n])

@@ -17,7 +17,7 @@ from . import _native as N
 from . import openai_reply as reply
 from . import tool_calls
 from ._args import INT32_MAX, bool_arg, int_arg, strings_arg
-from .errors import CloverError, CloverTypeError, CloverValueError, check
+from .errors import CloverError, CloverTypeError, CloverValueError
 from .openai_reply import PromptLogprobs
 
 if TYPE_CHECKING:
@@ -187,7 +187,6 @@ class LlamaCompat:
     _load_args: Any
     committed_tokens: Any
     last_logits: Any
-    _decoder: Any
     cache: Any = None  # set_cache's
     # llama-cpp-python's Llama._is_recurrent / _is_hybrid: clover and qwen35moe both keep a
     # recurrent state beside their attention layers' KV cache
@@ -250,11 +249,9 @@ class LlamaCompat:
         then continues exactly as it would have without the calls in between (greedy: the same
         tokens; none of the saved tokens is read again)."""
         with self._op() as c:
-            err, n = N.err_buffer()
-            size = int(N.clover_state_size(c))
+            size = int(N.clover_state_size(c.ptr))
             buf, written = ctypes.create_string_buffer(size), ctypes.c_size_t(0)
-            check(self._decoder.call(lambda: N.clover_state_save(c, buf, size, ctypes.byref(written), err, n)), err,
-                  "save_state")
+            c.checked(N.clover_state_save, buf, size, ctypes.byref(written), hop=True, what="save_state")
             data = buf.raw[:written.value]
             toks = self.committed_tokens
             scores = self.last_logits()[None, :] if toks else np.empty((0, self.n_vocab()), np.float32)
@@ -276,7 +273,7 @@ class LlamaCompat:
         data = bytes(data)
         with self._op() as c:
             err, n = N.err_buffer()
-            rc = self._decoder.call(lambda: N.clover_state_load(c, data, len(data), err, n))
+            rc = c.call(lambda: N.clover_state_load(c.ptr, data, len(data), err, n))
             if rc != N.CLOVER_OK:
                 raise CloverValueError(f"load_state: {err.value.decode('utf-8', 'replace')}"[:400], param="state")
             self._last = None  # (a chat's next turn re-reads its prompt's tokens: they are in the memory)

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _native as N
 from ._args import INT32_MAX, bool_arg, float_arg, int32_arg, int_arg, strings_arg, tristate_arg
-from ._handles import BLOCK_SIZE_AUTO, is_auto
+from ._handles import BLOCK_SIZE_AUTO, ContextRef, is_auto
 from .errors import CloverTypeError, CloverValueError, check
 from .output import OutputFollower
 
@@ -203,12 +203,12 @@ def native_block_size(block_size: int | str | None) -> int:
     return N.CLOVER_BLOCK_SIZE_AUTO if is_auto(block_size) else int(block_size)  # type: ignore[arg-type]
 
 
-def room(ctx: int, n_prompt: int, gp: N.clover_generate_params | None = None) -> int:
+def room(ctx: ContextRef, n_prompt: int, gp: N.clover_generate_params | None = None) -> int:
     """The largest max_tokens a generation with ``gp`` (None = the defaults) after n_prompt
     prompt tokens may ask for, 0 when none fits: libclover's one "does it fit" rule
     (clover_generate_room: the rest of n_ctx, in whole blocks of the B the call starts with;
     auto and draft-self need no whole blocks)."""
-    return int(N.clover_generate_room(ctx, None if gp is None else ctypes.byref(gp), n_prompt))
+    return int(N.clover_generate_room(ctx.ptr, None if gp is None else ctypes.byref(gp), n_prompt))
 
 
 def room_params(block_size: int | str | None, draft_self: int) -> N.clover_generate_params:
@@ -440,7 +440,7 @@ class Generation:
     block that is new; with logprobs, after every block (libclover writes a block's logprobs when
     it commits it, before the block callback)."""
 
-    def __init__(self, ctx: int, prompt: list[int], p: GenParams, *, mask: int, eos: int,
+    def __init__(self, ctx: ContextRef, prompt: list[int], p: GenParams, *, mask: int, eos: int,
                  detokenize: Callable[[list[int]], bytes], on_step: StepCallback | None = None,
                  on_block: BlockCallback | None = None, push: Callable[[str, list[int]], bool] | None = None,
                  cancel: threading.Event | None = None,
@@ -535,7 +535,7 @@ class Generation:
     def _coreset(self) -> int:
         """The context's block expert coreset now, the one this call runs with (a "model"
         setting is already the GGUF's C there); libclover's clover_stats has no field for it."""
-        return max(0, int(N.clover_coreset(self.ctx)))
+        return max(0, int(N.clover_coreset(self.ctx.ptr)))
 
     def run(self) -> GenerationResult:
         p, n_prompt = self.p, len(self.prompt)
@@ -556,9 +556,9 @@ class Generation:
         arr = N.as_int32_array(self.prompt)
         self.ran = True
         with self.native():
-            rc = N.clover_generate(self.ctx, arr, n_prompt, ctypes.byref(gp), out, cap, ctypes.byref(n_out),
+            rc = N.clover_generate(self.ctx.ptr, arr, n_prompt, ctypes.byref(gp), out, cap, ctypes.byref(n_out),
                                    ctypes.byref(st), err, n)
-        B = int(st.block_size) or int(N.clover_block_size(self.ctx))
+        B = int(st.block_size) or int(N.clover_block_size(self.ctx.ptr))
         if self.exc is not None:
             raise self.exc
         if rc not in (N.CLOVER_OK, N.CLOVER_ERR_CANCELLED):

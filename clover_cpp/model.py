@@ -139,7 +139,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         lib()  # (a missing libclover: a CloverError, before anything else)
         self._model: int | None = None
         self._shared: H.ModelRef | None = None
-        self._ctx: int | None = None
+        self._ctx: H.ContextRef | None = None
         self._owner: int | None = None  # the thread in this object's native decode loop (callbacks)
         self._gate = H.Gate()
         self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
@@ -166,9 +166,8 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             self._shared, self._model = _model, _model.acquire()
         self._make_context(own_thread=_model is not None)
 
-    def _apply_coreset(self, c: int, value: int) -> None:
-        err, n = N.err_buffer()
-        check(N.clover_set_coreset(c, value, err, n), err)
+    def _apply_coreset(self, c: H.ContextRef, value: int) -> None:
+        c.checked(N.clover_set_coreset, value)
 
     @property
     def coreset(self) -> int:
@@ -178,7 +177,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         changes. Set it to N, None or 0 (off), "auto" (3 k when below the expert count: a pass reads
         at most 3x a B = 1 step's expert bytes) or "model" (the GGUF's clover.expert_coreset)."""
         with self._op() as c:
-            return int(N.clover_coreset(c))
+            return int(N.clover_coreset(c.ptr))
 
     @coreset.setter
     def coreset(self, value: int | str | None) -> None:
@@ -190,19 +189,18 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         """This object's decoding context, from self._ctx_args, over its loaded model."""
         assert self._model is not None and self._shared is not None
         try:
-            c = H.new_context(self._model, self._ctx_args)
+            c = H.ContextRef.new(self._shared, self._ctx_args, DecodeThread() if own_thread else shared_decoder(),
+                                 own_thread)
         except BaseException:
             self._model = None
             self._shared.release()
             raise
         B = self._ctx_args.checked()[2]
         self._default_block_size: int | str = B if B is not None else H.BLOCK_SIZE_AUTO
-        self._n_ctx = int(N.clover_n_ctx(c))
+        self._n_ctx = int(N.clover_n_ctx(c.ptr))
         self._ctx = c
         if self._coreset_arg != N.CLOVER_CORESET_MODEL:  # (the context's default is the model's)
             self._apply_coreset(c, self._coreset_arg)
-        self._own_decoder = own_thread
-        self._decoder = DecodeThread() if own_thread else shared_decoder()
         self._eot_cache: list[int] | None = None
         self._last: ChatExchange | None = None
 
@@ -260,10 +258,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                 self._embed_llama.close()
                 self._embed_llama = None
             if self._ctx:
-                if getattr(self, "_own_decoder", False):
-                    self._decoder.stop()
-                if N._lib is not None:  # (not at interpreter exit after the library went)
-                    N.clover_context_free(self._ctx)
+                self._ctx.free()
                 self._ctx = None
             if self._model:
                 self._model = None
@@ -302,14 +297,14 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             raise CloverError("the model is closed")
         return self._model
 
-    def _c(self) -> int:
+    def _c(self) -> H.ContextRef:
         self._m()
         self._not_in_callback()
         assert self._ctx is not None
         return self._ctx
 
     @contextlib.contextmanager
-    def _op(self) -> Iterator[int]:
+    def _op(self) -> Iterator[H.ContextRef]:
         """A call that uses the context: waits its turn (see the class doc); yields the context."""
         self._not_in_callback()
         self._gate.enter()
@@ -319,17 +314,17 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             self._gate.leave()
 
     @contextlib.contextmanager
-    def _model_op(self) -> Iterator[int]:
+    def _model_op(self) -> Iterator[H.ModelRef]:
         """A call that uses the model only (tokenizer, metadata): no turn to wait for, but the
         model is not freed under it."""
         shared = self._shared
         if shared is None or self._model is None:
             raise CloverError("the model is closed")
-        h = shared.enter()
+        shared.enter()
         try:
             if self._model is None:
                 raise CloverError("the model is closed")
-            yield h
+            yield shared
         finally:
             shared.leave()
 
@@ -411,7 +406,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     @property
     def n_committed(self) -> int:
         with self._op() as c:
-            return int(N.clover_n_committed(c))
+            return int(N.clover_n_committed(c.ptr))
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -425,14 +420,13 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     def block_size(self) -> int:
         """The context's block size B. Setting it recreates the llama.cpp context (memory cleared)."""
         with self._op() as c:
-            return int(N.clover_block_size(c))
+            return int(N.clover_block_size(c.ptr))
 
     @block_size.setter
     def block_size(self, value: int) -> None:
         value = int_arg("block_size", value, 1, self.n_ctx())
         with self._op() as c:
-            err, n = N.err_buffer()
-            check(self._decoder.call(lambda: N.clover_set_block_size(c, value, err, n)), err)
+            c.checked(N.clover_set_block_size, value, hop=True)
 
     def room(self, n_prompt: int, block_size: int | str | None = "default", draft_self: bool | str | None = False) -> int:
         """The largest ``max_tokens`` a generation after ``n_prompt`` prompt tokens may ask for
@@ -456,7 +450,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
     def set_n_threads(self, n_threads: int) -> None:
         n_threads = int_arg("n_threads", n_threads, 1, MAX_THREADS)
         with self._op() as c:
-            check(N.clover_set_n_threads(c, n_threads), None)
+            check(N.clover_set_n_threads(c.ptr, n_threads), None)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -661,7 +655,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             if coreset is None:
                 return self._run(toks, p, chat_text, on_step, on_block, push, cancel, on_draft)
             c = self._c()
-            kept = int(N.clover_coreset(c))
+            kept = int(N.clover_coreset(c.ptr))
             self._apply_coreset(c, coreset)
             try:
                 return self._run(toks, p, chat_text, on_step, on_block, push, cancel, on_draft)
@@ -675,18 +669,19 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                 self._check_room(c, len(toks), p)
                 cancel = threading.Event()
                 self._gate.cancel = cancel
-                return self._decoder.call(lambda: run(None, cancel), cancel)
+                return c.call(lambda: run(None, cancel), cancel)
         self._gate.enter()  # the stream holds the turn until its decoding ends
         try:
-            self._check_room(self._c(), len(toks), p)
-            s = GenerationStream(run, self._decoder, self._gate)
+            c = self._c()
+            self._check_room(c, len(toks), p)
+            s = GenerationStream(run, c.decoder, self._gate)
         except BaseException:
             self._gate.leave()
             raise
         self._streams.add(s)
         return s
 
-    def _check_room(self, c: int, n_prompt: int, p: GenParams) -> None:
+    def _check_room(self, c: H.ContextRef, n_prompt: int, p: GenParams) -> None:
         """The prompt + max_tokens fit the context (before an output buffer of max_tokens)."""
         keep: list[Any] = []
         room = D.room(c, n_prompt, p.native(keep))

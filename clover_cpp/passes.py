@@ -21,7 +21,6 @@ class ContextPasses:
     thread)."""
 
     _op: Any
-    _decoder: Any
     _tokens: Any
     tokenize: Any
     n_vocab: Any
@@ -34,11 +33,9 @@ class ContextPasses:
         commit fused with a pass)}. Clears the memory."""
         fused = bool_arg("fused", fused)
         with self._op() as c:
-            err, n = N.err_buffer()
             sizes, cnt = (ctypes.c_int32 * 32)(), ctypes.c_int32(0)
             ms, msf = (ctypes.c_double * 32)(), (ctypes.c_double * 32)()
-            check(self._decoder.call(lambda: N.clover_calibrate(c, sizes, ms, msf, 32, ctypes.byref(cnt), err, n)),
-                   err)
+            c.checked(N.clover_calibrate, sizes, ms, msf, 32, ctypes.byref(cnt), hop=True)
             k = min(cnt.value, 32)
             if fused:
                 return {int(sizes[i]): (float(ms[i]), float(msf[i])) for i in range(k)}
@@ -63,17 +60,16 @@ class ContextPasses:
                                        f"got {sorted(fk)}")
             msf_items = [fk[b] for b, _ in items]
         with self._op() as c:
-            err, n = N.err_buffer()
             sizes = N.as_int32_array([b for b, _ in items])
             ms = (ctypes.c_double * len(items))(*[v for _, v in items])
             msf = None if msf_items is None else (ctypes.c_double * len(items))(*msf_items)
-            check(N.clover_set_cost_curve(c, sizes, ms, msf, len(items), err, n), err)
+            c.checked(N.clover_set_cost_curve, sizes, ms, msf, len(items))
 
     # -- low level passes
     def reset(self) -> None:
         """Clear the memory (no committed tokens)."""
         with self._op() as c:
-            check(N.clover_reset(c), None, "reset")
+            check(N.clover_reset(c.ptr), None, "reset")
 
     def commit(self, tokens: Sequence[int], logits: bool = False) -> np.ndarray | None:
         """Commit tokens (n >= 1) causally at the end of the memory. With ``logits``, returns the
@@ -82,18 +78,17 @@ class ContextPasses:
         toks = self._tokens(tokens)
         logits = bool_arg("logits", logits)
         with self._op() as c:
-            err, n = N.err_buffer()
             arr = N.as_int32_array(toks)
             out = np.empty((max(len(toks), 1), self.n_vocab()), dtype=np.float32) if logits else None
             ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if out is not None else None
-            check(self._decoder.call(lambda: N.clover_commit_logits(c, arr, len(toks), ptr, err, n)), err)
+            c.checked(N.clover_commit_logits, arr, len(toks), ptr, hop=True)
             return out[: len(toks)] if out is not None else None
 
     def last_logits(self) -> np.ndarray:
         """The logits [n_vocab] of the last committed position: the prediction of the next one."""
         with self._op() as c:
             out = np.empty(self.n_vocab(), dtype=np.float32)
-            if N.clover_last_logits(c, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
+            if N.clover_last_logits(c.ptr, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))) != 0:
                 raise CloverError("nothing is committed")
             return out
 
@@ -110,10 +105,8 @@ class ContextPasses:
                     self.commit(before)
             nv = self.n_vocab()
             out = np.empty((max(len(toks), 1), nv), dtype=np.float32)
-            err, n = N.err_buffer()
             arr, ptr = N.as_int32_array(toks), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            st = self._decoder.call(lambda: N.clover_block_pass(c, arr, len(toks), ptr, err, n))
-            check(st, err)
+            c.checked(N.clover_block_pass, arr, len(toks), ptr, hop=True)
             return out[: len(toks)]
 
     def expert_stats(self) -> GenerationStats:
@@ -123,7 +116,7 @@ class ContextPasses:
         count starts afresh. Needs ``Clover(expert_stats=True)``."""
         st = N.clover_stats()
         with self._op() as c:
-            if N.clover_expert_stats(c, ctypes.byref(st)) != N.CLOVER_OK:
+            if N.clover_expert_stats(c.ptr, ctypes.byref(st)) != N.CLOVER_OK:
                 raise CloverError("expert_stats() needs a context made with expert_stats=True")
         return GenerationStats(n_expert_passes=st.n_expert_passes, experts_per_pass=st.experts_per_pass,
                                expert_bytes_per_pass=st.expert_bytes_per_pass, expert_bytes_b1=st.expert_bytes_b1)
