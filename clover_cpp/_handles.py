@@ -162,12 +162,11 @@ class ModelRef:
             check(N.CLOVER_ERR_LOAD, err)
         return cls(m)
 
-    def acquire(self) -> int:
+    def acquire(self) -> None:
         with self.cond:
             if self.handle is None:
                 raise CloverError("the model is closed")
             self.users += 1
-            return self.handle
 
     def enter(self) -> None:
         with self.cond:

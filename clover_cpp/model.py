@@ -137,7 +137,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
                  **llama_kwargs: Any) -> None:
         # (_model: new_context's, a loaded model this object shares instead of loading one)
         lib()  # (a missing libclover: a CloverError, before anything else)
-        self._model: int | None = None
+        self._model: H.ModelRef | None = None  # (_shared while this object uses it)
         self._shared: H.ModelRef | None = None
         self._ctx: H.ContextRef | None = None
         self._owner: int | None = None  # the thread in this object's native decode loop (callbacks)
@@ -161,9 +161,10 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             if self.verbose:
                 set_verbosity(max(current_verbosity(), 1))
             self._shared = H.ModelRef.load(self.model_path, self._load_args)
-            self._model = self._shared.handle
+            self._model = self._shared
         else:
-            self._shared, self._model = _model, _model.acquire()
+            _model.acquire()
+            self._shared = self._model = _model
         self._make_context(own_thread=_model is not None)
 
     def _apply_coreset(self, c: H.ContextRef, value: int) -> None:
@@ -213,7 +214,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         self._gate.enter()
         try:
             self._shared = H.ModelRef.load(self.model_path, self._load_args)
-            self._model = self._shared.handle
+            self._model = self._shared
             self._make_context()
         finally:
             self._gate.leave()
@@ -292,7 +293,7 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
             state = f"block_size={self.block_size}, n_ctx={self._n_ctx}"
         return f"Clover({str(self.model_path)!r}, {state})"
 
-    def _m(self) -> int:
+    def _m(self) -> H.ModelRef:
         if self._model is None or self._ctx is None:
             raise CloverError("the model is closed")
         return self._model
