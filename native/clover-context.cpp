@@ -568,7 +568,7 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         c->n_threads   = default_threads(cp.n_threads);
         c->flash_attn  = cp.flash_attn;
         c->kv_f32      = cp.kv_f32 != 0;
-        c->use_calib_cache = cp.calib_cache != 0;
+        c->planner.use_cache = cp.calib_cache != 0;
         c->coreset     = resolve_coreset(model, cp.coreset);
         c->expert_stats = cp.expert_stats != 0;
         std::string msg;

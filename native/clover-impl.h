@@ -5,7 +5,8 @@
 //   clover-context.cpp   the llama.cpp context and the committed-memory protocol (seq 0/1/2)
 //   clover-sampling.cpp  candidates and confidences, unmask selection, draft acceptance
 //   clover-extras.cpp    grammar-constrained decoding and log-probabilities (gen_extras)
-//   clover-planner.cpp   block size auto: the cost curve, its disk cache, the per-block pick
+//   clover-planner.cpp   block size auto: the cost curve and the per-block pick (clover_planner)
+//   clover-calibration-cache.cpp  the cost curve kept on disk, its key
 //   clover.cpp           the decode loop (clover_generate)
 //   clover-params.cpp    generate's parameter rules: defaults, ranges, block_size values, room
 //   clover-stop.cpp      stop strings (clover_stop_matcher)
@@ -14,6 +15,7 @@
 #pragma once
 
 #include "clover.h"
+#include "clover-planner.h"
 
 #include "gguf.h"
 #include "llama.h"
@@ -94,26 +96,7 @@ struct clover_context {
     std::vector<int32_t> mem_tokens;  // the committed tokens (n_committed of them): prefix reuse
     std::vector<float>   last_logits; // L_last: the logits of the last committed token (empty: none)
     llama_seq_id    mem_seq     = 0; // the sequence that holds the memory (1 is the spare, see fused_commit_pass)
-    // block_size = auto: the cost of a block pass per candidate B (ms; measured by
-    // clover_calibrate or set by clover_set_cost_curve) and the running tokens per pass
-    // (EMA over finished decode blocks; < 0 = not seen yet), per candidate and overall
-    std::vector<int32_t> auto_sizes;
-    std::vector<double>  auto_ms;       // a block pass of B tokens
-    std::vector<double>  auto_ms_fused; // a commit of B tokens fused with the next block's first pass
-    std::vector<double>  auto_tpf;
-    double               auto_tpf_any = -1.0;
-    // draft-self's running acceptance (decayed sums over verifications): drafted positions after
-    // the first that were compared (tried) and kept (acc), per candidate B and over all B
-    std::vector<double>  ds_acc, ds_tried;
-    double               ds_acc_any = 0.0, ds_tried_any = 0.0;
-    // measured ms per generated token (wall, EMA over finished blocks but a generation's first),
-    // per candidate B, of block diffusion (B = 1: autoregressive) and of draft-self; < 0 = not
-    // seen. With a measured cost curve (not a set one) auto never stays in a mode measured
-    // slower than B = 1 (and runs one B = 1 block to measure B = 1 when it has to).
-    std::vector<double>  meas_ms, ds_meas_ms;
-    bool                 curve_set = false; // the cost curve came from clover_set_cost_curve (taken as is)
-    int32_t              use_calib_cache = 1;
-    int32_t              last_calibration = 0; // 0 none, 1 measured, 2 from the disk cache (per generate)
+    clover_impl::clover_planner planner; // block_size = auto (clover-planner.h)
 };
 
 namespace clover_impl {
@@ -196,36 +179,7 @@ bool ubatch_fits(const clover_context * c, int32_t B); // a commit of B fused wi
 int set_block_size_impl(clover_context * c, int32_t B, std::string & msg);
 int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg);
 
-// ---- block size auto (clover-planner.cpp)
-int calibrate_cached(clover_context * c, std::string & msg);
-int auto_index(const clover_context * c, int32_t B);
-bool auto_fits(const clover_context * c, int32_t B, int32_t n_committed, int32_t n_left);
-// what block_size = auto may choose besides B = 1 (autoregressive): block diffusion at B > 1,
-// draft-self at B > 1 (whose drafts take draft_steps passes; 0 = the threshold rule)
-struct auto_modes {
-    bool    diffusion   = true;
-    bool    draft_self  = false;
-    int32_t draft_steps = 1;
-};
-struct auto_plan {
-    int32_t B  = 0; // 0 = none fits
-    bool    ds = false;
-    bool operator==(const auto_plan & o) const { return B == o.B && ds == o.ds; }
-    bool operator!=(const auto_plan & o) const { return !(*this == o); }
-};
-void auto_reset_running(clover_context * c);
-auto_plan auto_pick(const clover_context * c, int32_t n_committed, int32_t n_left, const auto_modes & modes);
-double auto_plan_ms(const clover_context * c, const auto_plan & p, int32_t draft_steps);
-bool auto_ds_may_pay(const clover_context * c, int32_t draft_steps);
-bool auto_ds_canvas_pays(const clover_context * c, int32_t B, int32_t n);
-void auto_observe(clover_context * c, int32_t B, int32_t n_tokens, int32_t n_passes);
-void auto_observe_ds(clover_context * c, int32_t B, int32_t accepted, int32_t tried);
-void auto_observe_ms(clover_context * c, const auto_plan & p, double ms_per_token);
-bool auto_measured_slower_than_ar(const clover_context * c, const auto_plan & p);
-double auto_ms_of(const clover_context * c, int32_t B);
-// the backend set of a load (RPC servers and their devices, offloaded layers, split, overrides),
-// so that a cost curve measured on one placement is never reused for another
-std::string placement_key(const clover_model_params & mp, const std::vector<ggml_backend_dev_t> & devices);
+// ---- timing (clover-planner.cpp)
 double ms_since(std::chrono::steady_clock::time_point t0);
 
 // ---- the rules of clover_generate's parameters (clover-params.cpp)

@@ -2,6 +2,7 @@
 // metadata and the tokenizer calls.
 
 #include "clover-impl.h"
+#include "clover-calibration-cache.h"
 
 #include <map>
 #include <regex>

@@ -2,6 +2,7 @@
 // decode loop. The other parts are listed in clover-impl.h.
 
 #include "clover-impl.h"
+#include "clover-calibration-cache.h"
 
 using namespace clover_impl;
 
@@ -97,28 +98,29 @@ struct decode_run {
         const int32_t   n_left = gp.max_tokens - (int32_t) gen.size();
         const int32_t   at     = ctx->n_committed + (int32_t) pending.size();
         const auto_plan cur{ B, ds && B > 1 };
-        auto_plan       next = auto_pick(ctx, at, n_left, modes);
+        auto_plan       next = ctx->planner.pick(ctx->n_ctx, at, n_left, modes);
         int32_t         probe = 0; // draft-self's probe: the largest candidate <= 8 that fits
         for (int32_t b = 2; b <= 8 && n_left >= 2; b *= 2) {
-            if (auto_index(ctx, b) >= 0 && auto_fits(ctx, b, at, n_left)) {
+            if (ctx->planner.index(b) >= 0 && auto_fits(ctx->n_ctx, b, at, n_left)) {
                 probe = b;
             }
         }
-        if (next.B == 1 && modes.diffusion && ctx->auto_tpf_any < 0 && auto_index(ctx, 2) >= 0 &&
-            auto_fits(ctx, 2, at, n_left)) {
+        if (next.B == 1 && modes.diffusion && ctx->planner.tpf_any < 0 && ctx->planner.index(2) >= 0 &&
+            auto_fits(ctx->n_ctx, 2, at, n_left)) {
             next = auto_plan{ 2, false };
-        } else if (modes.draft_self && ctx->ds_tried_any <= 0.0 && probe > 1 &&
-                   auto_ds_may_pay(ctx, modes.draft_steps)) {
+        } else if (modes.draft_self && ctx->planner.ds_tried_any <= 0.0 && probe > 1 &&
+                   ctx->planner.ds_may_pay(modes.draft_steps)) {
             next = auto_plan{ probe, true };
-        } else if (next.B > 0 && next != cur && auto_fits(ctx, B, at, n_left)) {
-            const double ms_cur = auto_plan_ms(ctx, cur, modes.draft_steps);
-            const bool   cur_ok = B == 1 || (ms_cur <= auto_plan_ms(ctx, auto_plan{ 1, false }, modes.draft_steps) &&
-                                           !auto_measured_slower_than_ar(ctx, cur));
-            if (cur_ok && !(auto_plan_ms(ctx, next, modes.draft_steps) < 0.9 * ms_cur)) {
+        } else if (next.B > 0 && next != cur && auto_fits(ctx->n_ctx, B, at, n_left)) {
+            const clover_planner & pl     = ctx->planner;
+            const double           ms_cur = pl.plan_ms(cur, modes.draft_steps);
+            const bool             cur_ok = B == 1 || (ms_cur <= pl.plan_ms(auto_plan{ 1, false }, modes.draft_steps) &&
+                                                     !pl.measured_slower_than_ar(cur));
+            if (cur_ok && !(pl.plan_ms(next, modes.draft_steps) < 0.9 * ms_cur)) {
                 next = cur; // not worth a switch (and B still fits)
             }
         }
-        if (auto_measured_slower_than_ar(ctx, next)) { // measured: B = 1 is faster here and now
+        if (ctx->planner.measured_slower_than_ar(next)) { // measured: B = 1 is faster here and now
             next = auto_plan{ 1, false };
         }
         if (next.B <= 0 || next == cur) {
@@ -310,7 +312,7 @@ struct decode_run {
                 }
                 if (masked.empty()) {
                     if (!ds) {
-                        auto_observe(ctx, B, n_cand, std::max(1, n_steps - passes));
+                        ctx->planner.observe(B, n_cand, std::max(1, n_steps - passes));
                     }
                     block_out.assign(canvas.begin(), canvas.begin() + n_cand);
                     ex.block_from_canvas(n_cand);
@@ -320,7 +322,7 @@ struct decode_run {
             // the wall time per token of this block (its forwards carry the previous block's commit;
             // the first block's have none, so it is left out)
             if (auto_B && n_blocks > 1 && !block_out.empty() && (!ds || ds_block)) {
-                auto_observe_ms(ctx, auto_plan{ B, ds && B > 1 }, ms_since(t_block) / (double) block_out.size());
+                ctx->planner.observe_ms(auto_plan{ B, ds && B > 1 }, ms_since(t_block) / (double) block_out.size());
             }
             if (cancelled || ended || (int32_t) gen.size() >= gp.max_tokens) {
                 finish = cancelled ? CLOVER_FINISH_CANCELLED : ended ? ended : CLOVER_FINISH_MAX_TOKENS;
@@ -388,7 +390,7 @@ struct decode_run {
         const int32_t left_after = gp.max_tokens - (int32_t) gen.size() - n;
         const int32_t nb         = std::min(B, ctx->n_ctx - (P + n));
         const int32_t nc         = left_after >= 2 && nb >= std::min(B, left_after) && n + nb <= ctx->U &&
-                                   auto_ds_canvas_pays(ctx, B, n)
+                                   ctx->planner.ds_canvas_pays(B, n)
                                        ? nb
                                        : 0;
         last_before.swap(ctx->last_logits); // (back on a rejection; a kept draft sets a new one)
@@ -441,7 +443,7 @@ struct decode_run {
         }
         n_accepted += k;
         // the acceptance of the positions after the first (the first is the autoregressive token)
-        auto_observe_ds(ctx, B, k < n ? std::max(0, k - 1) : n - 1, k < n ? k : n - 1);
+        ctx->planner.observe_ds(B, k < n ? std::max(0, k - 1) : n - 1, k < n ? k : n - 1);
         if (k == n) { // all kept: the commit stands, L_last predicts the next block's position 0
             llama_memory_seq_rm(mem, other, -1, -1);
             if (nc > 0) { // the canvas's cells go (see fused_commit_pass)
@@ -486,7 +488,7 @@ struct decode_run {
             stats->finish_reason      = finish;
             stats->t_prefill_ms       = t_prefill;
             stats->t_decode_ms        = ms_since(t_start) - t_prefill;
-            stats->calibration        = ctx->last_calibration;
+            stats->calibration        = ctx->planner.last_calibration;
             stats->n_verifications    = n_verifications;
             stats->n_drafted          = n_drafted;
             stats->n_accepted         = n_accepted;
@@ -544,20 +546,20 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         }
         // prefix reuse: when the prompt starts with the committed tokens, they stay committed
         // (the memory is the same for every B) and only the rest of the prompt is committed
-        ctx->last_calibration = 0;
+        ctx->planner.last_calibration = 0;
         const int32_t nc     = ctx->n_committed;
         const bool    prefix = gp.reuse_prefix && ctx->lctx && nc > 0 && nc <= n_prompt &&
                             (int32_t) ctx->mem_tokens.size() == nc &&
                             std::equal(ctx->mem_tokens.begin(), ctx->mem_tokens.end(), prompt);
         auto_plan plan{ B, gp.draft_self == 1 };
         if (auto_B) {
-            if (ctx->auto_sizes.empty()) {
+            if (ctx->planner.sizes.empty()) {
                 rc = calibrate_cached(ctx, msg);
                 if (rc != CLOVER_OK) {
                     return set_err(err, err_len, rc, "block-size calibration: " + msg);
                 }
             }
-            plan = auto_pick(ctx, n_prompt, gp.max_tokens, modes); // blocks start right after the prompt
+            plan = ctx->planner.pick(ctx->n_ctx, n_prompt, gp.max_tokens, modes); // blocks start right after the prompt
             B    = plan.B;
         }
         const int32_t reuse = prefix ? nc : 0;
