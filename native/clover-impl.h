@@ -7,7 +7,7 @@
 //   clover-extras.cpp    grammar-constrained decoding and log-probabilities (gen_extras)
 //   clover-planner.cpp   block size auto: the cost curve and the per-block pick (clover_planner)
 //   clover-calibration-cache.cpp  the cost curve kept on disk, its key
-//   clover.cpp           the decode loop (clover_generate)
+//   clover-generate.cpp  the decode loop (clover_generate)
 //   clover-params.cpp    generate's parameter rules: defaults, ranges, block_size values, room
 //   clover-stop.cpp      stop strings (clover_stop_matcher)
 //   clover-abi.cpp       clover_api_version, clover_abi_query (what bindings check at load)

@@ -1,4 +1,4 @@
-// clover.cpp - block-diffusion decoding of Clover models on llama.cpp (see clover.h): the
+// clover-generate.cpp - block-diffusion decoding of Clover models on llama.cpp (see clover.h): the
 // decode loop. The other parts are listed in clover-impl.h.
 
 #include "clover-impl.h"
