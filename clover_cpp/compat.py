@@ -548,18 +548,24 @@ class LlamaCompat:
                                logits_processor: Any = None, grammar: Any = None,
                                logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
                                top_logprobs: int | None = None, parallel_tool_calls: bool = True,
-                               **gen_kwargs: Any) -> Any:
+                               reasoning_format: str = "none", **gen_kwargs: Any) -> Any:
         """llama-cpp-python's ``Llama.create_chat_completion``: the messages rendered with the
         model's chat template (:meth:`chat`), the same arguments and defaults (temperature 0.2,
         top_p 0.95, top_k 40, max_tokens None = until the end of the turn or of the context), and
         an OpenAI-shaped ``chat.completion`` dict, or with ``stream=True`` an iterator of
         ``chat.completion.chunk`` dicts (first delta: the role; last: ``finish_reason``).
         ``tools`` (OpenAI's) are rendered by the chat template (a template that renders none:
-        CloverValueError naming ``tools``) and the reply's ``<tool_call>`` markup becomes the
-        message's ``tool_calls`` (finish_reason "tool_calls"); ``tool_choice`` "none", "auto",
+        CloverValueError naming ``tools``) and the reply's tool-call markup, in whichever of
+        llama.cpp's chat formats the template uses, is read by chat.cpp's parser (a reply it refuses:
+        by our ``<tool_call>`` reader) into the message's ``tool_calls`` (finish_reason
+        "tool_calls"); ``tool_choice`` "none", "auto",
         "required" or a named function (the last two start the reply with a call whose arguments a
         grammar holds to the tool's schema, as ``clover serve``: :mod:`clover_cpp.tool_calls`);
         ``parallel_tool_calls`` (OpenAI's, not llama-cpp-python's): more than one call.
+        ``reasoning_format`` (llama-server's: "none", "auto", "deepseek", "deepseek-legacy"; not
+        llama-cpp-python's, so "none" by default, which leaves the reply as the model wrote it):
+        other than "none", the thinking goes to ``message.reasoning_content`` (streamed:
+        ``delta.reasoning_content``), with or without tools.
         The legacy ``functions`` / ``function_call`` are refused; the sampler arguments are
         llama.cpp's sampler chain, the rest as :meth:`create_completion` says."""
         where = "create_chat_completion"
@@ -575,7 +581,7 @@ class LlamaCompat:
         kw.update(_chain_kwargs(min_p, typical_p, frequency_penalty, presence_penalty, repeat_penalty, mirostat_mode,
                                 mirostat_tau, mirostat_eta, logit_bias))
         tp = tool_calls.plan(tools, tool_choice, bool_arg("parallel_tool_calls", parallel_tool_calls),
-                             self.chat_template)
+                             self.chat_template, reasoning_format)
         if tp.grammar is not None:
             if kw.get("grammar") is not None or kw.get("response_format") is not None:
                 raise CloverValueError(f"{where}: tool_choice forces a call: grammar and response_format cannot "
@@ -586,12 +592,13 @@ class LlamaCompat:
         head = reply.head("chat.completion", model if isinstance(model, str) else str(self.model_path))
         if kw["stream"]:
             s = self.generate_chat(prompt, **kw, **gen_kwargs)
-            calls = tool_calls.ToolStream(tp) if tp.active else None
+            calls = tool_calls.ToolStream(tp) if tp.parses else None
 
             def deltas(piece: Any) -> Iterator[dict[str, Any]]:
-                """A piece's deltas: its text, or with tools the content and calls parsed out of it."""
+                """A piece's deltas: its text, or when parsed (tools, reasoning) the content, thinking
+                and calls read out of the reply so far."""
                 lp = reply.chat_logprobs(piece, self.token_to_piece) if piece is not None else None
-                if calls is None:  # (no tools: the end adds nothing)
+                if calls is None:  # (nothing parsed: the end adds nothing)
                     if piece is not None:
                         yield reply.delta_choice(0, {"content": str(piece)}, lp)
                     return
@@ -599,6 +606,8 @@ class LlamaCompat:
                     if kind == "content":  # (the piece's logprobs with its first content)
                         yield reply.delta_choice(0, {"content": v}, lp)
                         lp = None
+                    elif kind == "reasoning":  # (llama-server's delta field)
+                        yield reply.delta_choice(0, {"reasoning_content": v})
                     else:
                         i, call = v
                         yield reply.delta_choice(0, {"tool_calls": [{"index": i, **call}]})

@@ -99,6 +99,12 @@ class ScriptedStream:
         if self.result is None:
             self.result = self._result
 
+    def __enter__(self) -> "ScriptedStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
 
 class ScriptedClover:
     """A real Clover (tokenizer, template, properties) whose generate() writes ``script(prompt
