@@ -505,6 +505,28 @@ def clover_select_unmask(conf: Any, n_masked: int, threshold: float, max_steps: 
                          /) -> int: ...
 
 
+# clover-chat.h: llama.cpp's chat formats (common/chat.cpp), JSON in and out (clover_cpp.chat_format)
+@_c("clover_chat_params", [c_char_p, POINTER(c_char_p), c_char_buf, c_size_t], c_int)
+def clover_chat_params(request_json: bytes, out: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_chat_parse", [c_char_p, POINTER(c_char_p), c_char_buf, c_size_t], c_int)
+def clover_chat_parse(request_json: bytes, out: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_chat_parser_new", [c_char_p, POINTER(c_void_p), c_char_buf, c_size_t], c_int)
+def clover_chat_parser_new(params_json: bytes, out: Any, err: Any, err_len: int, /) -> int: ...
+
+
+@_c("clover_chat_parser_parse", [c_void_p, c_char_p, c_int, POINTER(c_char_p), c_char_buf, c_size_t], c_int)
+def clover_chat_parser_parse(parser: Any, text: bytes, is_partial: int, out: Any, err: Any, err_len: int,
+                             /) -> int: ...
+
+
+@_c("clover_chat_parser_free", [c_void_p], None)
+def clover_chat_parser_free(parser: Any, /) -> None: ...
+
+
 def _declare(L: ctypes.CDLL) -> ctypes.CDLL:
     """Set every recorded signature on the library's functions (AttributeError: one is missing)."""
     for name, (argtypes, restype) in _DECLS.items():

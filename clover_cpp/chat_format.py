@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 from collections.abc import Mapping
-from ctypes import POINTER, c_char_p, c_int, c_size_t, c_void_p
+from ctypes import c_char_p, c_void_p
 from typing import Any
 
 from . import _native as N
@@ -29,24 +29,18 @@ class ChatFormatError(ValueError):
     """A template, request or reply chat.cpp refuses (the message is one line)."""
 
 
-def _bound(name: str, argtypes: list[Any], restype: Any) -> Any:
+def _native(name: str) -> Any:
+    """clover-chat.h's ``name``, a typed stub of :mod:`clover_cpp._native`."""
     try:
-        f = getattr(N.lib(), name)
-    except (N.CloverLibraryNotFound, AttributeError) as e:
-        raise ChatFormatError(f"chat formats need a libclover with {name}: {e}"[:300]) from None
-    if f.argtypes is None:
-        f.argtypes, f.restype = argtypes, restype
-    return f
-
-
-def _fn(name: str) -> Any:
-    """A JSON-in, JSON-out function of clover-chat.h: int f(const char *, const char **, char *, size_t)."""
-    return _bound(name, [c_char_p, POINTER(c_char_p), c_char_p, c_size_t], c_int)
+        N.lib()
+    except N.CloverLibraryNotFound as e:
+        raise ChatFormatError(f"chat formats need libclover: {e}"[:300]) from None
+    return getattr(N, name)
 
 
 def _call(name: str, request: Mapping[str, Any]) -> dict[str, Any]:
     data = json.dumps(request, ensure_ascii=False).encode("utf-8", "surrogatepass")
-    f = _fn(name)
+    f = _native(name)
     err, err_len = N.err_buffer()
     out = c_char_p()
     status = f(data, ctypes.byref(out), err, err_len)
@@ -89,10 +83,8 @@ class ChatParser:
 
     def __init__(self, params: Mapping[str, Any]) -> None:
         self._handle = c_void_p()
-        new = _bound("clover_chat_parser_new", [c_char_p, POINTER(c_void_p), c_char_p, c_size_t], c_int)
-        self._parse = _bound("clover_chat_parser_parse",
-                             [c_void_p, c_char_p, c_int, POINTER(c_char_p), c_char_p, c_size_t], c_int)
-        self._free = _bound("clover_chat_parser_free", [c_void_p], None)
+        new = _native("clover_chat_parser_new")
+        self._parse, self._free = _native("clover_chat_parser_parse"), _native("clover_chat_parser_free")
         data = json.dumps({k: params[k] for k in ("format", "parser", "generation_prompt")}, ensure_ascii=False)
         err, err_len = N.err_buffer()
         if new(data.encode("utf-8", "surrogatepass"), ctypes.byref(self._handle), err, err_len) != N.CLOVER_OK:

@@ -1,4 +1,5 @@
-"""The ctypes layer (clover_cpp._native) against clover.h and the library built from it.
+"""The ctypes layer (clover_cpp._native) against clover.h (and clover-chat.h, libclover's other
+public header) and the library built from it.
 
 * the library's ABI (clover_abi_query: API version, struct sizes / alignments / field counts,
   field offsets, named constants) equals the ctypes declarations;
@@ -8,7 +9,7 @@
 * the named constants Python mirrors have clover.h's values;
 * the load-time check fires, with one line, when a ctypes struct gains a field or has two
   fields swapped, or when a constant or the API version differs;
-* every function clover.h declares has a ctypes declaration (argtypes and restype).
+* every function clover.h and clover-chat.h declare has a ctypes declaration (argtypes and restype).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from clover_cpp import _native as N
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "clover.h"
+CHAT_HEADER = HEADER.with_name("clover-chat.h")  # (its functions only: no structs or constants of its own)
 
 try:
     N.find_library()
@@ -31,8 +33,8 @@ except N.CloverLibraryNotFound as e:  # pragma: no cover - CI always builds it
 L = N.load_library()
 
 
-def _header() -> str:
-    text = HEADER.read_text()
+def _header(path: Path = HEADER) -> str:
+    text = path.read_text()
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     return re.sub(r"//[^\n]*", " ", text)
 
@@ -56,7 +58,8 @@ def header_constants() -> dict[str, int]:
 
 
 def header_functions() -> list[str]:
-    return re.findall(r"CLOVER_API\s+[^;]*?\b(clover_\w+)\s*\(", _header())
+    return [name for h in (HEADER, CHAT_HEADER)
+            for name in re.findall(r"CLOVER_API\s+[^;]*?\b(clover_\w+)\s*\(", _header(h))]
 
 
 def test_library_matches_the_declarations():
@@ -89,8 +92,10 @@ def test_constants_match_the_header():
 
 
 def test_every_header_function_is_declared():
-    """One typed stub per clover.h function (argtypes and restype set on the library), none extra."""
+    """One typed stub per function of clover.h and clover-chat.h (argtypes and restype set on the
+    library), none extra."""
     names = header_functions()
+    assert "clover_chat_parser_parse" in names
     assert len(names) == len(set(names))
     assert set(N._DECLS) == set(names)
     for name in names:

@@ -108,17 +108,16 @@ def test_bad_requests_are_one_line_errors(request_json, words) -> None:
     import ctypes
 
     from clover_cpp import _native as N
-    from clover_cpp.chat_format import _fn
 
     err, err_len = N.err_buffer()
     out = ctypes.c_char_p()
-    status = _fn("clover_chat_params")(request_json, ctypes.byref(out), err, err_len)
+    status = N.clover_chat_params(request_json, ctypes.byref(out), err, err_len)
     assert status == N.CLOVER_ERR_INVALID_ARG and out.value is None
     msg = err.value.decode()
     assert msg and "\n" not in msg and words in msg
-    assert _fn("clover_chat_parse")(b'{"text": "x", "format": 99}', ctypes.byref(out), err, err_len) \
+    assert N.clover_chat_parse(b'{"text": "x", "format": 99}', ctypes.byref(out), err, err_len) \
         == N.CLOVER_ERR_INVALID_ARG
-    assert _fn("clover_chat_parse")(None, ctypes.byref(out), err, err_len) == N.CLOVER_ERR_INVALID_ARG
+    assert N.clover_chat_parse(None, ctypes.byref(out), err, err_len) == N.CLOVER_ERR_INVALID_ARG
 
 
 @pytest.mark.parametrize("name", ["Qwen3-Coder XML", "Qwen3.5 XML", "Llama 3.1 JSON", "Mistral [TOOL_CALLS]",
@@ -186,15 +185,13 @@ def test_the_parser_handle_refuses_bad_input_in_one_line() -> None:
     import ctypes
 
     from clover_cpp import _native as N
-    from clover_cpp.chat_format import ChatFormatError, ChatParser, _bound
+    from clover_cpp.chat_format import ChatFormatError, ChatParser
 
     with pytest.raises(ChatFormatError, match="not one of chat.cpp's"):
         ChatParser({"format": 99, "parser": "", "generation_prompt": ""})
-    new = _bound("clover_chat_parser_new", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
-                                            ctypes.c_size_t], ctypes.c_int)
     err, err_len = N.err_buffer()
     handle = ctypes.c_void_p()
-    assert new(b"{not json", ctypes.byref(handle), err, err_len) == N.CLOVER_ERR_INVALID_ARG and not handle
+    assert N.clover_chat_parser_new(b"{not json", ctypes.byref(handle), err, err_len) == N.CLOVER_ERR_INVALID_ARG and not handle
     parser = ChatParser({"format": 0, "parser": "", "generation_prompt": ""})
     assert parser.parse("plain")["content"] == "plain"
     parser.close()
