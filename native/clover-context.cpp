@@ -3,6 +3,7 @@
 // same for every block size), seq 2 is the scratch copy a block pass runs on.
 
 #include "clover-impl.h"
+#include "clover-params.h"
 
 // ---- expert_stats: the distinct routed experts of the block passes
 

@@ -1,8 +1,9 @@
 // clover-extras.cpp - what a clover_generate call adds to the decode loop besides decoding:
 // constrained decoding by a GBNF grammar and the log-probabilities of the output
-// (clover_detail::gen_extras, declared in clover-impl.h; spec/decoding.md, "Grammar").
+// (clover_impl::gen_extras, declared in clover-impl.h; spec/decoding.md, "Grammar").
 
 #include "clover-impl.h"
+#include "clover-extras.h"
 
 #include <cctype>
 #include <map>
@@ -12,7 +13,7 @@
 // CLOVER_LLAMA_DIR, wherever the tree is)
 #include "llama-grammar.h"
 
-namespace clover_detail {
+namespace clover_impl {
 
 namespace {
 
@@ -760,4 +761,4 @@ void gen_extras::report(clover_stats * stats) const {
     }
 }
 
-} // namespace clover_detail
+} // namespace clover_impl

@@ -11,6 +11,7 @@
 // the month of a "date", which llama.cpp's date rule takes as 01-31 whatever the month.
 
 #include "clover-impl.h"
+#include "clover-extras.h"
 
 #include "common.h"  // string_split, as the converter splits a $ref
 #include "json-schema-to-grammar.h"
@@ -452,7 +453,7 @@ class keyword_check {
     static void pattern_runnable(const std::string & pattern, const std::string & path) {
         const std::string g = json_schema_to_grammar(json::object({{"type", "string"}, {"pattern", pattern}}), true);
         std::string       why;
-        if (!clover_detail::grammar_check(g.c_str(), "root", nullptr, why)) {
+        if (!clover_impl::grammar_check(g.c_str(), "root", nullptr, why)) {
             for (const char * noise : { "invalid grammar: ", "rule 'root': ", "rule 'root' ", " (root -> root)" }) {
                 const size_t at = why.find(noise);  // (the pattern is all the grammar: its rule has no name to give)
                 if (at != std::string::npos) {
@@ -750,7 +751,7 @@ int clover_json_schema_to_grammar(const char * schema_json, char * buf, int32_t 
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, one_line(e.what()));
         }
         std::string why;
-        if (!clover_detail::grammar_check(grammar.c_str(), "root", nullptr, why)) {
+        if (!clover_impl::grammar_check(grammar.c_str(), "root", nullptr, why)) {
             return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, "JSON schema: its grammar: " + why);
         }
         if (grammar.size() > (size_t) std::numeric_limits<int32_t>::max() - 1) {

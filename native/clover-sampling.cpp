@@ -2,10 +2,12 @@
 // denoising step unmasks.
 
 #include "clover-impl.h"
+#include "clover-sampling.h"
+#include "clover-params.h"
 
 // ------------------------------------------------------------------ pure decoding pieces
 
-namespace clover_detail {
+namespace clover_impl {
 
 // uniform double in [0, 1) from 53 random bits (the same on every platform)
 static double uniform01(std::mt19937_64 & rng) {
@@ -616,7 +618,7 @@ void sampler_chain::choose(const float * row, bool in_step, const clover_generat
     pick_candidate(proc.data(), V, mask, gp.temperature == 0.0 ? 0.0 : 1.0, 0, 1.0, rng, w, tok, conf);
 }
 
-} // namespace clover_detail
+} // namespace clover_impl
 
 using clover_impl::check_params;
 using clover_impl::guarded;
@@ -634,10 +636,10 @@ int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_to
         if (!logits || n_vocab < 1 || !token_out || !confidence_out || check_params(gp, msg) != CLOVER_OK) {
             return CLOVER_ERR_INVALID_ARG;
         }
-        clover_detail::normalise_sampling(temperature, top_k, top_p, n_vocab);
+        clover_impl::normalise_sampling(temperature, top_k, top_p, n_vocab);
         std::mt19937_64          rng(seed);
-        clover_detail::pick_work w;
-        clover_detail::pick_candidate(logits, n_vocab, mask_token, temperature, top_k, top_p, rng, w, *token_out,
+        clover_impl::pick_work w;
+        clover_impl::pick_candidate(logits, n_vocab, mask_token, temperature, top_k, top_p, rng, w, *token_out,
                                       *confidence_out);
         return CLOVER_OK;
     });
@@ -653,7 +655,7 @@ int32_t clover_select_unmask(const double * conf, int32_t n_masked, double thres
         if (!conf || !order_out || n_masked < 1 || step < 0 || check_params(gp, msg) != CLOVER_OK) {
             return CLOVER_ERR_INVALID_ARG;
         }
-        return clover_detail::select_unmask(conf, n_masked, threshold, max_steps, step, order_out);
+        return clover_impl::select_unmask(conf, n_masked, threshold, max_steps, step, order_out);
     });
 }
 
