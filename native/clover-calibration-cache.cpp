@@ -111,7 +111,8 @@ static bool calib_load(clover_context * c, const std::string & path, const std::
     return true;
 }
 
-static void calib_store(const clover_planner & pl, const std::string & dir, const std::string & path, const std::string & key) {
+static void calib_store(const clover_planner & pl, const std::string & dir, const std::string & path,
+                        const std::string & key) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     const std::string tmp = path + ".tmp" + std::to_string((long long) getpid());

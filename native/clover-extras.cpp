@@ -1,6 +1,6 @@
 // clover-extras.cpp - what a clover_generate call adds to the decode loop besides decoding:
 // constrained decoding by a GBNF grammar and the log-probabilities of the output
-// (clover_impl::gen_extras, declared in clover-impl.h; spec/decoding.md, "Grammar").
+// (gen_extras, declared in clover-extras.h; spec/decoding.md, "Grammar").
 
 #include "clover-impl.h"
 #include "clover-extras.h"
@@ -174,7 +174,7 @@ bool text_within_limits(const char * g, std::string & msg) {
 
 // llama.cpp's parse error (logged, patch 0009), on one line
 std::string parse_error() {
-    std::string why = clover_impl::last_log_error();
+    std::string why = last_log_error();
     for (const char * noise : { "; failed to parse grammar", "parse: " }) {
         const size_t at = why.find(noise);
         if (at != std::string::npos && why.size() > strlen(noise)) {
@@ -411,7 +411,7 @@ bool grammar_check(const char * grammar, const char * root, const llama_vocab * 
         return false;
     }
     llama_grammar_parser parser(vocab);
-    clover_impl::g_last_log_error.clear();
+    g_last_log_error.clear();
     if (!parser.parse(grammar) || parser.rules.empty()) {
         msg = parse_error();
         return false;
@@ -459,7 +459,7 @@ int gen_extras::init(const clover_context * ctx, const clover_generate_params & 
         if (!grammar_check(gp.grammar, root, m->vocab, msg)) {
             return CLOVER_ERR_INVALID_ARG;
         }
-        clover_impl::g_last_log_error.clear();
+        g_last_log_error.clear();
         smpl = llama_sampler_init_grammar(m->vocab, gp.grammar, root);
         if (!smpl) {
             msg = parse_error();
@@ -500,7 +500,7 @@ static void grammar_accept(llama_sampler * g, int32_t tok) {
     try {
         llama_sampler_accept(g, tok);
     } catch (const std::runtime_error & e) {
-        throw clover_impl::input_error(std::string("grammar: ") + e.what());
+        throw input_error(std::string("grammar: ") + e.what());
     }
 }
 

@@ -30,12 +30,12 @@ struct decode_run {
     bool                           auto_B;
     int32_t                        B;
     std::string                    msg;
-    clover_impl::gen_extras &    ex; // grammar and log-probabilities (clover-sampling.cpp)
+    gen_extras &                   ex; // grammar and log-probabilities (clover-extras.h)
     // greedy without a grammar or sampler chain: a row whose confidence nothing reads needs its argmax only
     const bool                     greedy_plain;
 
     std::mt19937_64          rng;
-    clover_impl::pick_work work;
+    pick_work                work;
     int32_t n_commits = 0, n_calls = 0, n_prefill_calls = 0, n_steps = 0, n_blocks = 0, n_switches = 0;
     int32_t n_verifications = 0, n_drafted = 0, n_accepted = 0;
     int32_t finish    = CLOVER_FINISH_MAX_TOKENS;
@@ -63,9 +63,9 @@ struct decode_run {
     int32_t                    n_mode_blocks[4] = { 0, 0, 0, 0 };
 
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b,
-               clover_impl::gen_extras & e)
+               gen_extras & e)
         : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), ex(e),
-          greedy_plain(p.temperature == 0.0 && !(p.grammar && p.grammar[0]) && !clover_impl::sampler_chain::active(p)),
+          greedy_plain(p.temperature == 0.0 && !(p.grammar && p.grammar[0]) && !sampler_chain::active(p)),
           rng(p.seed) {}
 
     // commit the prompt past the reused prefix (L_last: its last token's logits)
@@ -201,7 +201,7 @@ struct decode_run {
             for (int32_t j = 0; j < nm; ++j) {
                 const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
                 if (all_now) {
-                    cand_tok[j]  = clover_impl::greedy_candidate(row, m->n_vocab, m->mask);
+                    cand_tok[j]  = greedy_candidate(row, m->n_vocab, m->mask);
                     cand_conf[j] = 1.0;
                     continue;
                 }
@@ -212,7 +212,7 @@ struct decode_run {
             }
         }
         const int32_t k =
-            clover_impl::select_unmask(cand_conf.data(), nm, gp.threshold, cap, s, order.data());
+            select_unmask(cand_conf.data(), nm, gp.threshold, cap, s, order.data());
         for (int32_t j = 0; j < k; ++j) {
             const int32_t p = masked[order[j]];
             canvas[p]       = cand_tok[order[j]];
@@ -230,7 +230,7 @@ struct decode_run {
         auto                 rows_from = [&](int32_t first, int32_t stride) {
             for (int32_t j = first; j < nm; j += stride) {
                 const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
-                clover_impl::greedy_pick(row, m->n_vocab, m->mask, cand_tok[j], cand_conf[j]);
+                greedy_pick(row, m->n_vocab, m->mask, cand_tok[j], cand_conf[j]);
             }
         };
         const int64_t work = (int64_t) nm * m->n_vocab;
@@ -430,13 +430,13 @@ struct decode_run {
         ex.verify_begin();
         for (; k < n; ++k) {
             if (greedy_plain) { // (its confidence is never read)
-                next = clover_impl::greedy_candidate(row_of(k), m->n_vocab, m->mask);
+                next = greedy_candidate(row_of(k), m->n_vocab, m->mask);
             } else {
                 ex.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
             }
             if (gp.temperature == 0.0 ? next != canvas[k]
-                                      : !clover_impl::accept_draft(work.p.data(), draft_q.data() + (size_t) k * V,
-                                                                     m->n_vocab, canvas[k], rng, next)) {
+                                      : !accept_draft(work.p.data(), draft_q.data() + (size_t) k * V, m->n_vocab,
+                                                      canvas[k], rng, next)) {
                 break;
             }
             ex.verified(row_of(k), canvas[k]);
@@ -536,7 +536,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         const bool      ar_grammar = setup.ar_grammar, no_diffusion = setup.no_diffusion, auto_B = setup.auto_B;
         const auto_modes & modes   = setup.modes;
         int32_t         B          = setup.B;
-        clover_impl::gen_extras ex;
+        gen_extras ex;
         int         rc = check_generate_args(ctx, gp, B, prompt, n_prompt, out, out_cap, msg);
         if (rc == CLOVER_OK && no_diffusion && !ar_grammar) {
             rc = check_block_diffusion(ctx->model, B, msg);

@@ -164,8 +164,8 @@ int check_chain_params(const clover_generate_params & gp, std::string & msg) {
     if (gp.min_keep < 0) {
         return bad("min_keep must be >= 0, got " + std::to_string(gp.min_keep));
     }
-    std::vector<clover_impl::chain_sampler> order;
-    return clover_impl::parse_samplers(gp.samplers, order, msg) ? CLOVER_OK : CLOVER_ERR_INVALID_ARG;
+    std::vector<chain_sampler> order;
+    return parse_samplers(gp.samplers, order, msg) ? CLOVER_OK : CLOVER_ERR_INVALID_ARG;
 }
 
 int check_context_params(const clover_context_params & cp, std::string & msg) {
@@ -240,7 +240,7 @@ void set_rates(clover_stats & s) {
 
 gen_setup resolve_generate(const clover_context * ctx, clover_generate_params & gp) {
     const clover_model * m = ctx->model;
-    clover_impl::normalise_sampling(gp.temperature, gp.top_k, gp.top_p, m->n_vocab);
+    normalise_sampling(gp.temperature, gp.top_k, gp.top_p, m->n_vocab);
     // draft_self = auto: with block_size = auto the mode too is chosen per block, unless a
     // grammar or log-probabilities ask for one mode's records; else block diffusion, or
     // draft-self on a model without a block operator
@@ -258,7 +258,7 @@ gen_setup resolve_generate(const clover_context * ctx, clover_generate_params & 
     s.modes.draft_steps = gp.draft_steps;
     // a grammar needs the text left to right: without draft-self the call runs at B = 1
     // (the context's B is kept), spec/decoding.md "Grammar"
-    s.ar_grammar = clover_impl::gen_extras::forces_ar(gp);
+    s.ar_grammar = gen_extras::forces_ar(gp);
     // a model without a block operator (the release's layout) never runs block diffusion: auto is
     // B = 1 there, a B > 1 without draft-self is refused (check_block_diffusion)
     s.no_diffusion = !gp.draft_self && !m->has_block_operator;

@@ -83,7 +83,7 @@ int calibrate(clover_context * c, std::string & msg) {
     std::vector<double>        ms(sizes.size(), 1e300), ms_fused(sizes.size(), 1e300);
     std::vector<const float *> rows;
     std::mt19937_64            rng(0);
-    clover_impl::pick_work   work;
+    pick_work                  work;
     int32_t                    tok  = 0;
     double                     conf = 0.0;
     // two sweeps, small to large then back, keeping the fastest step per B: a machine that
@@ -115,8 +115,7 @@ int calibrate(clover_context * c, std::string & msg) {
                     return rc;
                 }
                 for (int32_t i = 0; i < B; ++i) {
-                    clover_impl::pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work,
-                                                  tok, conf);
+                    pick_candidate(rows[i], c->model->n_vocab, c->model->mask, 0.0, 0, 1.0, rng, work, tok, conf);
                 }
                 if (rep > 1) { // two warm-up steps
                     double & best = fused ? ms_fused[idx] : ms[idx];

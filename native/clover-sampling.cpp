@@ -620,8 +620,7 @@ void sampler_chain::choose(const float * row, bool in_step, const clover_generat
 
 } // namespace clover_impl
 
-using clover_impl::check_params;
-using clover_impl::guarded;
+using namespace clover_impl;
 
 extern "C" {
 
@@ -636,11 +635,10 @@ int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_to
         if (!logits || n_vocab < 1 || !token_out || !confidence_out || check_params(gp, msg) != CLOVER_OK) {
             return CLOVER_ERR_INVALID_ARG;
         }
-        clover_impl::normalise_sampling(temperature, top_k, top_p, n_vocab);
+        normalise_sampling(temperature, top_k, top_p, n_vocab);
         std::mt19937_64          rng(seed);
-        clover_impl::pick_work w;
-        clover_impl::pick_candidate(logits, n_vocab, mask_token, temperature, top_k, top_p, rng, w, *token_out,
-                                      *confidence_out);
+        pick_work w;
+        pick_candidate(logits, n_vocab, mask_token, temperature, top_k, top_p, rng, w, *token_out, *confidence_out);
         return CLOVER_OK;
     });
 }
@@ -655,7 +653,7 @@ int32_t clover_select_unmask(const double * conf, int32_t n_masked, double thres
         if (!conf || !order_out || n_masked < 1 || step < 0 || check_params(gp, msg) != CLOVER_OK) {
             return CLOVER_ERR_INVALID_ARG;
         }
-        return clover_impl::select_unmask(conf, n_masked, threshold, max_steps, step, order_out);
+        return select_unmask(conf, n_masked, threshold, max_steps, step, order_out);
     });
 }
 
