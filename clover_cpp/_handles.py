@@ -13,6 +13,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -242,6 +243,11 @@ class ContextRef:
         if self.ptr and N._lib is not None:  # (not at interpreter exit after the library went)
             N.clover_context_free(self.ptr)
         self.ptr = None
+
+
+#: one Clover object's turn on its context: ``with turn() as ctx:`` waits for it (see the Clover
+#: class doc) and yields the :class:`ContextRef`; the helpers that run on a context take it
+Turn = Callable[[], AbstractContextManager[ContextRef]]
 
 
 class Decoding(Protocol):

@@ -45,6 +45,7 @@ import numpy as np
 from . import _handles as H
 from . import _native as N
 from . import decoding as D
+from . import passes as P
 from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, text_bytes, token_id, \
     token_ids, tristate_arg
 from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat, template_override
@@ -53,7 +54,6 @@ from .decoding import BlockCallback, DecodeThread, DraftCallback, Generation, Ge
     GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
 from .errors import CloverError, CloverTypeError, CloverValueError, check, current_verbosity, lib, set_verbosity
 from .output import OutputFollower
-from .passes import ContextPasses
 
 __all__ = [
     "Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats", "GenerationStream",
@@ -88,7 +88,7 @@ def coreset_value(value: Any) -> int:
     return v
 
 
-class Clover(ChatCalls, ContextPasses, LlamaCompat):
+class Clover(ChatCalls, LlamaCompat):
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
     ``n_threads=None`` lets libclover choose from the hardware. ``block_size``: the default B
@@ -479,6 +479,57 @@ class Clover(ChatCalls, ContextPasses, LlamaCompat):
         if self._template_override is not None:
             return "given"
         return "model" if self.metadata.get("tokenizer.chat_template") else "default"
+
+    # -- single passes on the context (passes.py)
+    def calibrate(self, fused: bool = False) -> dict[int, float] | dict[int, tuple[float, float]]:
+        """Measure the cost curve used by block_size="auto" (bypassing the disk cache):
+        {B: ms per block pass} for B = 1, 2, 4, ...; with fused=True {B: (pass ms, ms of a
+        commit fused with a pass)}. Clears the memory."""
+        return P.calibrate(self._op, fused)
+
+    def set_cost_curve(self, curve: Mapping[int, float], fused: Mapping[int, float] | None = None) -> None:
+        """Set the cost curve for block_size="auto" ({1: ms, 2: ms, 4: ms, ...}; fused: the
+        cost of a commit fused with a pass, by default that of a pass of 2B, else with the
+        same keys) instead of measuring it, e.g. from an earlier :meth:`calibrate`. Costs must
+        be in (0, 1e9] ms (libclover's check). Resets the running tokens per pass."""
+        P.set_cost_curve(self._op, curve, fused)
+
+    def reset(self) -> None:
+        """Clear the memory (no committed tokens)."""
+        P.reset(self._op)
+
+    def commit(self, tokens: Sequence[int], logits: bool = False) -> np.ndarray | None:
+        """Commit tokens (n >= 1) causally at the end of the memory. With ``logits``, returns the
+        logits [n, n_vocab] (float32) of the committed positions: row t predicts token t + 1, as
+        llama.cpp's causal decoding of the same text gives them."""
+        return P.commit(self, self._op, tokens, logits)
+
+    def last_logits(self) -> np.ndarray:
+        """The logits [n_vocab] of the last committed position: the prediction of the next one."""
+        return P.last_logits(self, self._op)
+
+    def block_logits(self, tokens: Sequence[int], commit_before: Sequence[int] | None = None) -> np.ndarray:
+        """Logits [n, n_vocab] (float32) of a block pass of tokens (1 <= n <= B) against the memory,
+        which is left unchanged; row t predicts token t + 1. With ``commit_before``, the memory is
+        first reset and those tokens are committed."""
+        return P.block_logits(self, self._op, tokens, commit_before)
+
+    def expert_stats(self) -> GenerationStats:
+        """The routed experts of the block passes since the count last started (a generate's start
+        or the last call of this; :meth:`block_logits` included): a GenerationStats with
+        n_expert_passes, experts_per_pass, expert_bytes_per_pass and expert_bytes_b1 set; the
+        count starts afresh. Needs ``Clover(expert_stats=True)``."""
+        return P.expert_stats(self._op)
+
+    def perplexity(self, text: str | bytes | Sequence[int], n_ctx: int = 512,
+                   n_chunks: int | None = None) -> "Perplexity":
+        """Perplexity of the causal model over a text, computed as llama-perplexity computes it:
+        the text tokenized as plain text (special-token text such as ``<|im_end|>`` is not parsed;
+        BOS when the model adds one), in chunks of n_ctx (at most n_chunks of them, all when
+        None), each on an empty memory with its first token replaced by BOS, scoring the second
+        half of every chunk (each position predicted from the one before it). Leaves the memory
+        empty."""
+        return P.perplexity(self, self._op, text, n_ctx, n_chunks)
 
     # -- tokenizer (llama-cpp-python's signatures; text may be str too)
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
