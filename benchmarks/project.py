@@ -27,6 +27,8 @@ tau and a come from runs (benchmarks/draft_self.py, gpu.sh, run_all.py); the tab
                                                       # bandwidth and compute, project the small preset
                                                       # (f16) and compare with run_all.py's figures
     python benchmarks/project.py --overhead-ms H200=0.06  # per-layer overhead measured by gpu.sh
+    python benchmarks/project.py --coreset 24         # block passes with a block expert coreset of C
+                                                      # experts (spec/model.md, "MoE"; auto: C = 3k)
 """
 from __future__ import annotations
 
@@ -145,9 +147,21 @@ def distinct_experts(d: Dims, n: int) -> float:
     return d.experts * (1 - (1 - d.top_k / d.experts) ** n)
 
 
-def forward_bytes_flops(d: Dims, q: Quant, n: int, ctx: int) -> tuple[float, float]:
+def forward_experts(d: Dims, canvas: int, commit: int = 0, coreset: int = 0) -> float:
+    """Distinct experts per MoE layer of a forward of `commit` committed tokens (full routing) and a
+    canvas of `canvas` tokens, whose rows route among a coreset of C experts when C is set."""
+    rows = distinct_experts(d, canvas)
+    if coreset and canvas >= 2:
+        rows = min(rows, max(coreset, d.top_k))
+    if not commit:
+        return rows
+    full = distinct_experts(d, commit)
+    return min(d.experts, full + rows) if coreset else distinct_experts(d, commit + canvas)
+
+
+def forward_bytes_flops(d: Dims, q: Quant, n: int, ctx: int, experts: float | None = None) -> tuple[float, float]:
     p = d.params()
-    e = distinct_experts(d, n)
+    e = distinct_experts(d, n) if experts is None else experts
     byts = (p["layers"] * q.layers + p["head"] * q.head) / 8 \
         + d.layers * e * d.expert_params() * q.experts / 8 \
         + n * d.hidden * q.embd / 8
@@ -159,9 +173,9 @@ def forward_bytes_flops(d: Dims, q: Quant, n: int, ctx: int) -> tuple[float, flo
     return byts, flops
 
 
-def t_forward(dev: Device, d: Dims, q: Quant, n: int, ctx: int) -> float:
-    """Seconds for one forward of n tokens."""
-    byts, flops = forward_bytes_flops(d, q, n, ctx)
+def t_forward(dev: Device, d: Dims, q: Quant, n: int, ctx: int, experts: float | None = None) -> float:
+    """Seconds for one forward of n tokens (reading `experts` distinct experts per MoE layer)."""
+    byts, flops = forward_bytes_flops(d, q, n, ctx, experts)
     tm = byts / (dev.bandwidth * 1e9 * dev.bw_eff)
     tc = flops / (dev.compute * 1e12 * dev.compute_eff)
     return dev.overhead_ms_per_layer * 1e-3 * d.layers + (max(tm, tc) if dev.gpu else tm + tc)
@@ -171,13 +185,16 @@ def ar(dev, d, q, ctx):
     return 1 / t_forward(dev, d, q, 1, ctx)
 
 
-def diffusion(dev, d, q, ctx, B, tau):
+def diffusion(dev, d, q, ctx, B, tau, coreset=0):
+    # B/tau - 1 plain passes, and a block's first pass fused with the previous block's commit
     tau = min(tau, B)
-    return B / ((B / tau - 1) * t_forward(dev, d, q, B, ctx) + t_forward(dev, d, q, 2 * B, ctx))
+    return B / ((B / tau - 1) * t_forward(dev, d, q, B, ctx, forward_experts(d, B, 0, coreset))
+                + t_forward(dev, d, q, 2 * B, ctx, forward_experts(d, B, B, coreset)))
 
 
-def draft_self(dev, d, q, ctx, B, a):
-    return min(a, B) / t_forward(dev, d, q, 2 * B, ctx)
+def draft_self(dev, d, q, ctx, B, a, coreset=0):
+    # a verification: its commit of B tokens (full routing) fused with the next draft's pass
+    return min(a, B) / t_forward(dev, d, q, 2 * B, ctx, forward_experts(d, B, B, coreset))
 
 
 def model_bytes(d: Dims, q: Quant) -> float:
@@ -186,18 +203,19 @@ def model_bytes(d: Dims, q: Quant) -> float:
 
 
 def project(d: Dims, q: Quant, devices: list[Device], ctx: int, taus: list[float], accepts: list[float],
-            B: int) -> list[str]:
+            B: int, coreset: int = 0) -> list[str]:
     lines = [f"projected tok/s, {q.name}, context {ctx}, B = {B} (model {model_bytes(d, q) / 1e9:.1f} GB; "
              f"per token {forward_bytes_flops(d, q, 1, ctx)[0] / 1e9:.2f} GB read, "
-             f"{distinct_experts(d, B):.0f} / {distinct_experts(d, 2 * B):.0f} of {d.experts} experts per layer "
-             f"for {B} / {2 * B} tokens)"]
+             f"{forward_experts(d, B, 0, coreset):.0f} / {forward_experts(d, B, B, coreset):.0f} of {d.experts} "
+             f"experts per layer for a pass of {B} / a pass fused with a commit of {B}"
+             + (f", block passes with a coreset of {coreset})" if coreset else ", full routing)")]
     head = f"{'device':42s} {'AR':>7s} " + " ".join(f"{'diff t=' + format(t, 'g'):>10s}" for t in taus) + " " + \
         " ".join(f"{'ds a=' + format(a, 'g'):>9s}" for a in accepts)
     lines.append(head)
     for dev in devices:
         row = f"{dev.name:42s} {ar(dev, d, q, ctx):7.1f} " + \
-            " ".join(f"{diffusion(dev, d, q, ctx, B, t):10.1f}" for t in taus) + " " + \
-            " ".join(f"{draft_self(dev, d, q, ctx, B, a):9.1f}" for a in accepts)
+            " ".join(f"{diffusion(dev, d, q, ctx, B, t, coreset):10.1f}" for t in taus) + " " + \
+            " ".join(f"{draft_self(dev, d, q, ctx, B, a, coreset):9.1f}" for a in accepts)
         if model_bytes(d, q) / 1e9 > dev.memory_gb * 0.9:
             row += "   (does not fit: experts on the CPU, -ot)"
         lines.append(row)
@@ -289,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", default="Q4_K_M", choices=sorted(QUANTS))
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--coreset", default="0", help="block expert coreset C of the block passes: N, auto (3k) or 0 (off)")
     ap.add_argument("--tau", default="1.5,2,4,8", help="tokens per diffusion step to tabulate")
     ap.add_argument("--accept", default="2,4,8", help="tokens kept per draft-self verification to tabulate")
     ap.add_argument("--overhead-ms", action="append", default=[], metavar="DEVICE=MS",
@@ -312,8 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     from clover_testkit.presets import PRESETS
 
     d = Dims.of(PRESETS["35b-a3b"])
+    coreset = 3 * d.top_k if args.coreset == "auto" else int(args.coreset) if args.coreset.isdigit() else -1
+    if coreset < 0:
+        print(f"error: --coreset must be N >= 0 or auto, got {args.coreset!r}", file=sys.stderr)
+        return 2
     print("35B-A3B (40 layers: 30 gated-delta-net + 10 attention; 256 experts top-8 of width 512 + a shared one)")
-    print("\n".join(project(d, QUANTS[args.quant], devices, args.ctx, taus, accepts, args.block_size)))
+    print("\n".join(project(d, QUANTS[args.quant], devices, args.ctx, taus, accepts, args.block_size, coreset)))
     return 0
 
 
