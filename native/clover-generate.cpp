@@ -4,7 +4,9 @@
 #include "clover-impl.h"
 #include "clover-params.h"
 #include "clover-sampling.h"
-#include "clover-extras.h"
+#include "clover-grammar.h"
+#include "clover-logprobs.h"
+#include "clover-time.h"
 #include "clover-calibration-cache.h"
 
 using namespace clover_impl;
@@ -30,7 +32,8 @@ struct decode_run {
     bool                           auto_B;
     int32_t                        B;
     std::string                    msg;
-    gen_extras &                   ex; // grammar and log-probabilities (clover-extras.h)
+    gen_grammar &                  grammar;  // the token choice under the grammar (clover-grammar.h)
+    gen_logprobs &                 logprobs; // the output's log-probabilities (clover-logprobs.h)
     // greedy without a grammar or sampler chain: a row whose confidence nothing reads needs its argmax only
     const bool                     greedy_plain;
 
@@ -63,8 +66,8 @@ struct decode_run {
     int32_t                    n_mode_blocks[4] = { 0, 0, 0, 0 };
 
     decode_run(clover_context * c, const clover_generate_params & p, const int32_t * pr, int32_t n, bool a, int32_t b,
-               gen_extras & e)
-        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), ex(e),
+               gen_grammar & g, gen_logprobs & l)
+        : ctx(c), gp(p), prompt(pr), n_prompt(n), auto_B(a), B(b), grammar(g), logprobs(l),
           greedy_plain(p.temperature == 0.0 && !(p.grammar && p.grammar[0]) && !sampler_chain::active(p)),
           rng(p.seed) {}
 
@@ -196,7 +199,7 @@ struct decode_run {
         // one): no confidence is read
         const bool all_now = greedy_plain && ((cap > 0 && cap - s <= 1) || nm == 1);
         if (greedy_plain && !all_now) {
-            greedy_rows(nm); // (what ex.pick_at would give: a row's greedy candidate and confidence)
+            greedy_rows(nm); // (what grammar.pick_at would give: a row's greedy candidate and confidence)
         } else {
             for (int32_t j = 0; j < nm; ++j) {
                 const float * row = masked[j] == 0 ? ctx->last_logits.data() : rows[masked[j] - 1];
@@ -205,7 +208,7 @@ struct decode_run {
                     cand_conf[j] = 1.0;
                     continue;
                 }
-                ex.pick_at(row, masked[j], gp, rng, work, cand_tok[j], cand_conf[j]);
+                grammar.pick_at(row, masked[j], gp, rng, work, cand_tok[j], cand_conf[j]);
                 if (keep_q) { // the distribution the candidate was drawn from (its final one if unmasked now)
                     std::copy(work.p.begin(), work.p.end(), draft_q.begin() + (size_t) masked[j] * m->n_vocab);
                 }
@@ -216,7 +219,8 @@ struct decode_run {
         for (int32_t j = 0; j < k; ++j) {
             const int32_t p = masked[order[j]];
             canvas[p]       = cand_tok[order[j]];
-            ex.unmasked(p, p == 0 ? ctx->last_logits.data() : rows[p - 1], canvas[p]);
+            grammar.unmasked(p, canvas[p]);
+            logprobs.unmasked(p, p == 0 ? ctx->last_logits.data() : rows[p - 1], canvas[p]);
         }
         masked.erase(std::remove_if(masked.begin(), masked.end(), [&](int32_t p) { return canvas[p] != m->mask; }),
                      masked.end());
@@ -250,7 +254,8 @@ struct decode_run {
     // callback's verdict (nonzero = cancel)
     int take_block(int32_t start, int32_t & ended) {
         gen.insert(gen.end(), block_out.begin(), block_out.end());
-        ex.take_block();
+        grammar.take_block();
+        logprobs.take_block();
         const int32_t eos         = gp.stop_at_eos ? ctx->model->eos : -1;
         int32_t       new_visible = (int32_t) gen.size();
         for (int32_t i = visible; i < (int32_t) gen.size() && !ended; ++i) {
@@ -264,7 +269,7 @@ struct decode_run {
         }
         const int32_t old_visible = visible;
         visible                   = std::max(visible, std::min(new_visible, gp.max_tokens));
-        ex.publish(gp, old_visible, visible); // (the callback may read the block's logprobs)
+        logprobs.publish(gp, old_visible, visible); // (the callback may read the block's logprobs)
         return gp.block_callback ? gp.block_callback(start, gen.data() + old_visible, visible - old_visible,
                                                      gp.user_data)
                                  : 0;
@@ -318,7 +323,8 @@ struct decode_run {
                         ctx->planner.observe(B, n_cand, std::max(1, n_steps - passes));
                     }
                     block_out.assign(canvas.begin(), canvas.begin() + n_cand);
-                    ex.block_from_canvas(n_cand);
+                    grammar.block_from_canvas(n_cand);
+                    logprobs.block_from_canvas(n_cand);
                     cancelled = take_block(start, ended) != 0 || cancelled;
                 }
             }
@@ -359,7 +365,8 @@ struct decode_run {
             return CLOVER_OK;
         }
         block_out.assign(canvas.begin(), canvas.begin() + n_cand);
-        ex.block_from_canvas(n_cand);
+        grammar.block_from_canvas(n_cand);
+        logprobs.block_from_canvas(n_cand);
         const int rc = verify(n_cand);
         if (rc != CLOVER_OK) {
             return rc;
@@ -427,22 +434,25 @@ struct decode_run {
         int32_t k = 0, next = -1;
         double  conf = 0.0;
         auto row_of = [&](int32_t i) { return i == 0 ? last_before.data() : vrows[i - 1]; };
-        ex.verify_begin();
+        grammar.verify_begin();
+        logprobs.verify_begin();
         for (; k < n; ++k) {
             if (greedy_plain) { // (its confidence is never read)
                 next = greedy_candidate(row_of(k), m->n_vocab, m->mask);
             } else {
-                ex.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
+                grammar.pick(row_of(k), true, gp, rng, work, next, conf); // the grammar-constrained choice, if any
             }
             if (gp.temperature == 0.0 ? next != canvas[k]
                                       : !accept_draft(work.p.data(), draft_q.data() + (size_t) k * V, m->n_vocab,
                                                       canvas[k], rng, next)) {
                 break;
             }
-            ex.verified(row_of(k), canvas[k]);
+            logprobs.verified(row_of(k), canvas[k]);
+            grammar.verified(canvas[k]);
         }
         if (k < n) {
-            ex.verified(row_of(k), next);
+            logprobs.verified(row_of(k), next);
+            grammar.verified(next);
         }
         n_accepted += k;
         // the acceptance of the positions after the first (the first is the autoregressive token)
@@ -504,7 +514,7 @@ struct decode_run {
             stats->tokens_per_verification =
                 n_verifications > 0 ? (double) (n_accepted + n_verifications) / n_verifications : 0.0;
         }
-        ex.report(stats);
+        grammar.report(stats);
     }
 };
 
@@ -536,13 +546,15 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         const bool      ar_grammar = setup.ar_grammar, no_diffusion = setup.no_diffusion, auto_B = setup.auto_B;
         const auto_modes & modes   = setup.modes;
         int32_t         B          = setup.B;
-        gen_extras ex;
+        gen_grammar  grammar;
+        gen_logprobs logprobs;
         int         rc = check_generate_args(ctx, gp, B, prompt, n_prompt, out, out_cap, msg);
         if (rc == CLOVER_OK && no_diffusion && !ar_grammar) {
             rc = check_block_diffusion(ctx->model, B, msg);
         }
         if (rc == CLOVER_OK) {
-            rc = ex.init(ctx, gp, prompt, n_prompt, msg);
+            rc = grammar.init(ctx, gp, prompt, n_prompt, msg);
+            logprobs.init(ctx->model, gp);
         }
         if (rc != CLOVER_OK || gp.max_tokens <= 0) {
             return rc == CLOVER_OK ? rc : set_err(err, err_len, rc, msg);
@@ -581,7 +593,7 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
             stats->n_reused = reuse;
         }
 
-        decode_run run(ctx, gp, prompt, n_prompt, auto_B, B, ex);
+        decode_run run(ctx, gp, prompt, n_prompt, auto_B, B, grammar, logprobs);
         run.modes = modes;
         run.ds    = plan.ds && B > 1;
         ctx->experts.reset(); // (after a calibration's passes)

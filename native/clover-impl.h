@@ -1,13 +1,14 @@
 // clover-impl.h - what the parts of libclover share: the model and context objects, errors, the
 // context's memory (not installed; the API is clover.h). Each unit's own header says what else it
 // offers: clover-planner.h, clover-calibration-cache.h, clover-params.h, clover-sampling.h,
-// clover-extras.h (grammar, log-probabilities). One namespace: clover_impl.
+// clover-grammar.h, clover-logprobs.h, clover-time.h (ms_since). One namespace: clover_impl.
 //
 //   clover-log.cpp       llama.cpp/ggml log capture, error strings, status names
 //   clover-model.cpp     GGUF pre-checks, RPC devices, model loading, tokenizer calls
 //   clover-context.cpp   the llama.cpp context and the committed-memory protocol (seq 0/1/2)
 //   clover-sampling.cpp  candidates and confidences, unmask selection, draft acceptance
-//   clover-extras.cpp    grammar-constrained decoding and log-probabilities (gen_extras)
+//   clover-grammar.cpp   the grammar check and grammar-constrained decoding (gen_grammar)
+//   clover-logprobs.cpp  the output's log-probabilities (gen_logprobs)
 //   clover-planner.cpp   block size auto: the cost curve and the per-block pick (clover_planner)
 //   clover-calibration-cache.cpp  the cost curve kept on disk, its key
 //   clover-generate.cpp  the decode loop (clover_generate)
@@ -186,8 +187,5 @@ int switch_block_size_keep(clover_context * c, int32_t B, std::string & msg);
 int load_expert_sizes(clover_context * c, std::string & msg);
 // the counter's figures into stats (its four expert fields)
 void report_experts(const clover_context * c, clover_stats * stats);
-
-// ---- timing (clover-planner.cpp)
-double ms_since(std::chrono::steady_clock::time_point t0);
 
 } // namespace clover_impl

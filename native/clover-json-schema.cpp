@@ -11,7 +11,7 @@
 // the month of a "date", which llama.cpp's date rule takes as 01-31 whatever the month.
 
 #include "clover-impl.h"
-#include "clover-extras.h"
+#include "clover-grammar.h"
 
 #include "common.h"  // string_split, as the converter splits a $ref
 #include "json-schema-to-grammar.h"
@@ -449,7 +449,7 @@ class keyword_check {
     }
 
     // a pattern the converter writes as a grammar llama.cpp's engine cannot run (a{3,1}, (a?)*,
-    // ((a?){32}){32}: the grammar check's words, clover-extras.cpp)
+    // ((a?){32}){32}: the grammar check's words, clover-grammar.cpp)
     static void pattern_runnable(const std::string & pattern, const std::string & path) {
         const std::string g = json_schema_to_grammar(json::object({{"type", "string"}, {"pattern", pattern}}), true);
         std::string       why;

@@ -7,7 +7,7 @@
 #include "clover-impl.h"
 #include "clover-params.h"
 #include "clover-sampling.h"
-#include "clover-extras.h"
+#include "clover-grammar.h"
 
 #include <cinttypes>
 
@@ -258,7 +258,7 @@ gen_setup resolve_generate(const clover_context * ctx, clover_generate_params & 
     s.modes.draft_steps = gp.draft_steps;
     // a grammar needs the text left to right: without draft-self the call runs at B = 1
     // (the context's B is kept), spec/decoding.md "Grammar"
-    s.ar_grammar = gen_extras::forces_ar(gp);
+    s.ar_grammar = gen_grammar::forces_ar(gp);
     // a model without a block operator (the release's layout) never runs block diffusion: auto is
     // B = 1 there, a B > 1 without draft-self is refused (check_block_diffusion)
     s.no_diffusion = !gp.draft_self && !m->has_block_operator;

@@ -4,6 +4,7 @@
 
 #include "clover-impl.h"
 #include "clover-sampling.h"
+#include "clover-time.h"
 
 namespace clover_impl {
 
@@ -335,10 +336,6 @@ void clover_planner::observe(int32_t B, int32_t n_tokens, int32_t n_passes) {
     if (i >= 0) {
         tpf[i] = tpf[i] > 0 ? (1 - a) * tpf[i] + a * t : t;
     }
-}
-
-double ms_since(std::chrono::steady_clock::time_point t0) {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 } // namespace clover_impl

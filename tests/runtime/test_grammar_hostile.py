@@ -1,5 +1,5 @@
 """Grammars and schemas that explode: libclover checks a grammar before llama.cpp's
-engine gets it (clover-extras.cpp, grammar_check) and refuses with one line naming the rule:
+engine gets it (clover-grammar.cpp, grammar_check) and refuses with one line naming the rule:
 
 * ``root ::= "a"{5,3}``, a minimum above the maximum: llama.cpp's parser allocated without bound
   (std::bad_alloc at 2 GiB, an abort at 4 GiB);

@@ -1,9 +1,9 @@
-// clover-extras.cpp - what a clover_generate call adds to the decode loop besides decoding:
-// constrained decoding by a GBNF grammar and the log-probabilities of the output
-// (gen_extras, declared in clover-extras.h; spec/decoding.md, "Grammar").
+// clover-grammar.cpp - constrained decoding by a GBNF grammar: the check a grammar passes before
+// llama.cpp's engine gets it, and a call's token choice under it, draft-self's clone included
+// (gen_grammar, declared in clover-grammar.h; spec/decoding.md, "Grammar").
 
 #include "clover-impl.h"
-#include "clover-extras.h"
+#include "clover-grammar.h"
 
 #include <cctype>
 #include <map>
@@ -426,7 +426,7 @@ bool grammar_check(const char * grammar, const char * root, const llama_vocab * 
     return walk.left_order(order, msg) && walk.readings_within_limit(order, msg);
 }
 
-gen_extras::~gen_extras() {
+gen_grammar::~gen_grammar() {
     if (draft) {
         llama_sampler_free(draft);
     }
@@ -435,13 +435,13 @@ gen_extras::~gen_extras() {
     }
 }
 
-bool gen_extras::forces_ar(const clover_generate_params & gp) {
+bool gen_grammar::forces_ar(const clover_generate_params & gp) {
     return (gp.grammar && gp.grammar[0] && gp.draft_self != 1) || // (draft_self auto included)
            sampler_chain::forces_ar(gp);
 }
 
-int gen_extras::init(const clover_context * ctx, const clover_generate_params & gp, const int32_t * prompt,
-                     int32_t n_prompt, std::string & msg) {
+int gen_grammar::init(const clover_context * ctx, const clover_generate_params & gp, const int32_t * prompt,
+                      int32_t n_prompt, std::string & msg) {
     const clover_model * m = ctx->model;
     model      = m;
     if (chain.init(m, gp, ctx->n_ctx, msg) != CLOVER_OK) {
@@ -451,9 +451,6 @@ int gen_extras::init(const clover_context * ctx, const clover_generate_params & 
         chain.accept(prompt[i]);
     }
     draft_self = gp.draft_self == 1;
-    // (the ranges of n_top_logprobs and block_size: clover_impl::check_params, checked first)
-    n_top   = gp.n_top_logprobs;
-    want_lp = gp.logprobs != nullptr || n_top > 0;
     if (gp.grammar && gp.grammar[0]) {
         const char * root = gp.grammar_root && gp.grammar_root[0] ? gp.grammar_root : "root";
         if (!grammar_check(gp.grammar, root, m->vocab, msg)) {
@@ -471,7 +468,7 @@ int gen_extras::init(const clover_context * ctx, const clover_generate_params & 
     return CLOVER_OK;
 }
 
-bool gen_extras::allows(llama_sampler * g, int32_t tok) const {
+bool gen_grammar::allows(llama_sampler * g, int32_t tok) const {
     if (model->eos >= 0 && tok != model->eos && llama_vocab_is_eog(model->vocab, tok)) {
         return false; // the output ends at EOS only (an end-of-turn token would not stop it)
     }
@@ -481,8 +478,8 @@ bool gen_extras::allows(llama_sampler * g, int32_t tok) const {
     return one.logit != -std::numeric_limits<float>::infinity();
 }
 
-void gen_extras::choose(const float * row, const clover_generate_params & gp, std::mt19937_64 & rng,
-                        pick_work & w, int32_t & tok, double & conf) {
+void gen_grammar::choose(const float * row, const clover_generate_params & gp, std::mt19937_64 & rng,
+                         pick_work & w, int32_t & tok, double & conf) {
     if (!chain.on()) {
         pick_candidate(row, model->n_vocab, model->mask, gp.temperature, gp.top_k, gp.top_p, rng, w, tok, conf);
         return;
@@ -504,7 +501,7 @@ static void grammar_accept(llama_sampler * g, int32_t tok) {
     }
 }
 
-void gen_extras::accept(int32_t tok) {
+void gen_grammar::accept(int32_t tok) {
     chain.accept(tok);
     step_stale = true;
     if (smpl && allows(smpl, tok)) { // (a token the grammar refuses is only ever the stuck case's EOS)
@@ -512,8 +509,8 @@ void gen_extras::accept(int32_t tok) {
     }
 }
 
-void gen_extras::pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
-                      pick_work & w, int32_t & tok, double & conf) {
+void gen_grammar::pick(const float * row, bool next, const clover_generate_params & gp, std::mt19937_64 & rng,
+                       pick_work & w, int32_t & tok, double & conf) {
     if (!smpl || !next) {
         choose(row, gp, rng, w, tok, conf);
         return;
@@ -521,8 +518,8 @@ void gen_extras::pick(const float * row, bool next, const clover_generate_params
     pick_in(smpl, row, gp, rng, w, tok, conf);
 }
 
-void gen_extras::pick_at(const float * row, int32_t p, const clover_generate_params & gp, std::mt19937_64 & rng,
-                         pick_work & w, int32_t & tok, double & conf) {
+void gen_grammar::pick_at(const float * row, int32_t p, const clover_generate_params & gp, std::mt19937_64 & rng,
+                          pick_work & w, int32_t & tok, double & conf) {
     if (!smpl || p == 0 || !draft_self) { // (without draft-self a grammar runs at B = 1: p is 0)
         pick(row, p == 0, gp, rng, w, tok, conf);
         if (smpl && draft_self) { // a new step of the draft (its positions come in order)
@@ -559,7 +556,7 @@ void gen_extras::pick_at(const float * row, int32_t p, const clover_generate_par
     note_candidate(p, tok);
 }
 
-void gen_extras::note_candidate(int32_t p, int32_t tok) {
+void gen_grammar::note_candidate(int32_t p, int32_t tok) {
     if ((int32_t) step_cand.size() <= p) {
         step_cand.resize(p + 1, -1);
     }
@@ -574,8 +571,8 @@ void gen_extras::note_candidate(int32_t p, int32_t tok) {
     }
 }
 
-void gen_extras::pick_in(llama_sampler * g, const float * row, const clover_generate_params & gp,
-                         std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
+void gen_grammar::pick_in(llama_sampler * g, const float * row, const clover_generate_params & gp,
+                          std::mt19937_64 & rng, pick_work & w, int32_t & tok, double & conf) {
     const int32_t V = model->n_vocab;
     if (gp.temperature == 0.0) { // greedy: the free argmax, when the grammar allows it, is the constrained one
         choose(row, gp, rng, w, tok, conf);
@@ -608,107 +605,33 @@ void gen_extras::pick_in(llama_sampler * g, const float * row, const clover_gene
     choose(constrained.data(), gp, rng, w, tok, conf);
 }
 
-void gen_extras::record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp) {
-    const int32_t V    = model->n_vocab;
-    const int32_t mask = model->mask;
-    const double  NEG  = -std::numeric_limits<double>::infinity();
-    double        mx   = NEG;
-    for (int32_t i = 0; i < V; ++i) {
-        if (i != mask && row[i] == row[i]) {
-            mx = std::max(mx, (double) row[i]);
-        }
-    }
-    double sum = 0.0;
-    if (mx > NEG && mx < -NEG) {
-        for (int32_t i = 0; i < V; ++i) {
-            if (i != mask && row[i] == row[i]) {
-                sum += std::exp((double) row[i] - mx);
-            }
-        }
-    }
-    // infinite or absent logits: the distribution is degenerate, reported as 0 / -inf
-    auto logp = [&](int32_t i) -> double {
-        const double l = row[i];
-        if (i == mask || l != l) {
-            return NEG;
-        }
-        if (!(mx > NEG && mx < -NEG)) {
-            return l == mx ? 0.0 : NEG;
-        }
-        return l - mx - std::log(sum);
-    };
-    lp = (float) logp(tok);
-    if (n_top > 0) {
-        idx.resize(V);
-        for (int32_t i = 0; i < V; ++i) {
-            idx[i] = i;
-        }
-        auto key = [&](int32_t i) { return i == mask || row[i] != row[i] ? NEG : (double) row[i]; };
-        const int32_t n = std::min(n_top, V);
-        std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
-            const double ka = key(a), kb = key(b);
-            return ka > kb || (ka == kb && a < b);
-        });
-        for (int32_t j = 0; j < n_top; ++j) {
-            top_tok[j] = j < n ? idx[j] : -1;
-            top_lp[j]  = j < n ? (float) logp(idx[j]) : (float) NEG;
-        }
-    }
-}
-
-void gen_extras::unmasked(int32_t p, const float * row, int32_t tok) {
+void gen_grammar::unmasked(int32_t p, int32_t tok) {
     // (the block's tokens are final only at take_block: a draft-self canvas is a draft)
     if ((int32_t) canvas_tok.size() <= p) {
         canvas_tok.resize(p + 1, -1);
     }
     canvas_tok[p] = tok;
     step_stale    = true;
-    if (want_lp) {
-        if ((int32_t) canvas_lp.size() <= p) {
-            canvas_lp.resize(p + 1);
-            canvas_top_tok.resize((size_t) (p + 1) * n_top);
-            canvas_top_lp.resize((size_t) (p + 1) * n_top);
-        }
-        record(row, tok, canvas_lp[p], canvas_top_tok.data() + (size_t) p * n_top,
-               canvas_top_lp.data() + (size_t) p * n_top);
-    }
 }
 
-void gen_extras::block_from_canvas(int32_t n) {
+void gen_grammar::block_from_canvas(int32_t n) {
     n = std::min<int32_t>(n, (int32_t) canvas_tok.size());
     block_tok.assign(canvas_tok.begin(), canvas_tok.begin() + n);
     block_verified = false;
-    if (!want_lp) {
-        return;
-    }
-    n = std::min<int32_t>(n, (int32_t) canvas_lp.size());
-    block_lp.assign(canvas_lp.begin(), canvas_lp.begin() + n);
-    block_top_tok.assign(canvas_top_tok.begin(), canvas_top_tok.begin() + (size_t) n * n_top);
-    block_top_lp.assign(canvas_top_lp.begin(), canvas_top_lp.begin() + (size_t) n * n_top);
 }
 
-void gen_extras::verify_begin() {
+void gen_grammar::verify_begin() {
     verifying = true;
     block_tok.clear();
     block_verified = true;
-    block_lp.clear();
-    block_top_tok.clear();
-    block_top_lp.clear();
 }
 
-void gen_extras::verified(const float * row, int32_t tok) {
+void gen_grammar::verified(int32_t tok) {
     block_tok.push_back(tok);
-    if (want_lp) {
-        block_lp.push_back(0.0f);
-        block_top_tok.resize(block_top_tok.size() + n_top);
-        block_top_lp.resize(block_top_lp.size() + n_top);
-        record(row, tok, block_lp.back(), block_top_tok.data() + block_top_tok.size() - n_top,
-               block_top_lp.data() + block_top_lp.size() - n_top);
-    }
     accept(tok); // the verification's next position is constrained given this one
 }
 
-void gen_extras::take_block() {
+void gen_grammar::take_block() {
     if (!block_verified) { // a block decoded without a verification (block size 1): the grammar takes it now
         for (int32_t t : block_tok) {
             accept(t);
@@ -726,36 +649,9 @@ void gen_extras::take_block() {
     draft_n    = 0;
     draft_dead = false;
     std::fill(step_cand.begin(), step_cand.end(), -1);
-    if (!want_lp) {
-        return;
-    }
-    gen_lp.insert(gen_lp.end(), block_lp.begin(), block_lp.end());
-    gen_top_tok.insert(gen_top_tok.end(), block_top_tok.begin(), block_top_tok.end());
-    gen_top_lp.insert(gen_top_lp.end(), block_top_lp.begin(), block_top_lp.end());
-    block_lp.clear();
-    block_top_tok.clear();
-    block_top_lp.clear();
 }
 
-void gen_extras::publish(const clover_generate_params & gp, int32_t from, int32_t to) const {
-    if (!want_lp || to <= from) {
-        return;
-    }
-    // (a token without a record: NaN, and -1 for its top tokens)
-    const float   nan  = std::numeric_limits<float>::quiet_NaN();
-    const int32_t have = std::min<int32_t>(to, (int32_t) gen_lp.size());
-    for (int32_t i = from; i < to; ++i) {
-        if (gp.logprobs) {
-            gp.logprobs[i] = i < have ? gen_lp[i] : nan;
-        }
-        for (size_t j = (size_t) i * n_top; j < (size_t) (i + 1) * n_top; ++j) {
-            gp.top_tokens[j]   = i < have ? gen_top_tok[j] : -1;
-            gp.top_logprobs[j] = i < have ? gen_top_lp[j] : nan;
-        }
-    }
-}
-
-void gen_extras::report(clover_stats * stats) const {
+void gen_grammar::report(clover_stats * stats) const {
     if (stats) {
         stats->grammar_mode = !smpl ? 0 : draft_self ? 2 : 1;
     }

@@ -1,4 +1,5 @@
-// clover-extras.h - a call's grammar and log-probabilities (clover-extras.cpp; not installed).
+// clover-grammar.h - a call's token choice under its grammar: the GBNF check, the grammar sampler
+// and draft-self's clone of it, over llama.cpp's sampler chain (clover-grammar.cpp; not installed).
 #pragma once
 
 #include "clover-sampling.h"
@@ -7,7 +8,7 @@ struct clover_context;
 
 namespace clover_impl {
 
-// A GBNF grammar checked before llama.cpp's grammar engine gets it (clover-extras.cpp): true, or
+// A GBNF grammar checked before llama.cpp's grammar engine gets it (clover-grammar.cpp): true, or
 // false with msg one line naming the rule ("invalid grammar: ..."): size, nesting and rule count,
 // a repetition whose minimum is above its maximum, the size once repetitions are written out, left
 // recursion (through rules that can match nothing too, as ("a"?)*), and ambiguity past what the
@@ -16,19 +17,19 @@ namespace clover_impl {
 // (llama_sampler_init_grammar says so).
 bool grammar_check(const char * grammar, const char * root, const llama_vocab * vocab, std::string & msg);
 
-// Grammar (constrained decoding) and log-probabilities of one clover_generate call, for the decode
-// loop (spec/decoding.md, "Grammar"; clover.h, clover_generate_params). Without a grammar and
-// logprob buffers every hook is a no-op and pick() is pick_candidate().
-class gen_extras {
+// Grammar (constrained decoding) and the sampler chain of one clover_generate call, for the decode
+// loop (spec/decoding.md, "Grammar"; clover.h, clover_generate_params). Without a grammar every hook
+// but the chain's is a no-op and pick() is pick_candidate() (or the chain's choice).
+class gen_grammar {
   public:
-    gen_extras() = default;
-    gen_extras(const gen_extras &) = delete;
-    gen_extras & operator=(const gen_extras &) = delete;
-    ~gen_extras();
+    gen_grammar() = default;
+    gen_grammar(const gen_grammar &) = delete;
+    gen_grammar & operator=(const gen_grammar &) = delete;
+    ~gen_grammar();
     // a grammar without draft-self, or Mirostat: the call decodes at block size 1
     static bool forces_ar(const clover_generate_params & gp);
-    // parse the grammar, build the sampler chain (its penalties see the prompt), check the logprob
-    // buffers: CLOVER_OK or CLOVER_ERR_INVALID_ARG + msg
+    // parse the grammar, build the sampler chain (its penalties see the prompt): CLOVER_OK or
+    // CLOVER_ERR_INVALID_ARG + msg
     int init(const clover_context * ctx, const clover_generate_params & gp, const int32_t * prompt, int32_t n_prompt,
              std::string & msg);
     // the candidate of a position; next = it is the next output position (the grammar applies)
@@ -38,18 +39,15 @@ class gen_extras {
     // neighbours are all drafted, with the grammar run over them (a clone)
     void pick_at(const float * row, int32_t p, const clover_generate_params & gp, std::mt19937_64 & rng,
                  pick_work & w, int32_t & tok, double & conf);
-    // a denoising step unmasked canvas position p (tok, predicted by row)
-    void unmasked(int32_t p, const float * row, int32_t tok);
+    // a denoising step unmasked canvas position p
+    void unmasked(int32_t p, int32_t tok);
     // the finished block's output is canvas[0, n)
     void block_from_canvas(int32_t n);
     // draft-self: the verification's output is rebuilt token by token (the grammar accepts each)
     void verify_begin();
-    void verified(const float * row, int32_t tok);
+    void verified(int32_t tok);
     // the block's output joins the generation's (the grammar accepts it, unless a verification did)
     void take_block();
-    // the records of output tokens [from, to) into gp's logprob buffers (each block's as it is
-    // committed, before the block callback: clover.h)
-    void publish(const clover_generate_params & gp, int32_t from, int32_t to) const;
     // stats->grammar_mode
     void report(clover_stats * stats) const;
 
@@ -64,7 +62,6 @@ class gen_extras {
     sampler_chain chain;
     bool          step_stale = true;  // the canvas or the committed tokens changed since chain.begin_step
     bool          verifying  = false; // draft-self: a verification chooses from the committed history
-    void record(const float * row, int32_t tok, float & lp, int32_t * top_tok, float * top_lp);
     const clover_model * model = nullptr;
     llama_sampler *      smpl  = nullptr;
     llama_sampler *      draft = nullptr; // draft-self: the grammar over the drafted prefix (draft_n tokens)
@@ -73,16 +70,10 @@ class gen_extras {
     std::vector<int32_t> step_cand;        // draft-self: this step's candidate per canvas position
     void note_candidate(int32_t p, int32_t tok);
     bool    draft_self = false;
-    bool    want_lp    = false;
-    int32_t n_top      = 0;
     std::vector<llama_token_data> cur;       // the grammar's candidates
     std::vector<float>            constrained;
-    std::vector<int32_t>          idx;       // top-n selection
     std::vector<int32_t> canvas_tok, block_tok; // the canvas's unmasked tokens, the block's output
     bool                 block_verified = false; // the block's tokens came from a verification (accepted there)
-    std::vector<float>   canvas_lp, block_lp, gen_lp;           // per position / output token
-    std::vector<int32_t> canvas_top_tok, block_top_tok, gen_top_tok; // n_top per position / token
-    std::vector<float>   canvas_top_lp, block_top_lp, gen_top_lp;
 };
 
 } // namespace clover_impl
