@@ -2,8 +2,8 @@
 jinja2 in a sandbox, as Hugging Face's ``apply_chat_template`` does; ChatML when the model has
 none), the continuation of a conversation (:class:`ChatExchange`: the last prompt and reply as
 their tokens, so the next turn reads the reply's own tokens again and the memory is reused),
-and :class:`Clover`'s chat calls (:class:`ChatCalls`: chat, generate_chat, chat_tokens,
-format_chat, end_of_turn_tokens, last_exchange) that the CLI and the server use."""
+and :class:`Clover`'s chat calls (generate_chat's arguments, chat_tokens, format_chat,
+end_of_turn_tokens, over :class:`ChatState`) that the CLI and the server use."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._args import str_arg
+from ._args import str_arg, token_ids
 from .errors import CLOVER_ERR_INTERNAL, CloverError, CloverTypeError, CloverValueError
 
-__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "OVERRIDE_HINT", "TEMPLATE_LIMITS", "ChatCalls",
-           "ChatExchange", "ChatTemplateError", "TemplateLimits", "render_chat", "template_override"]
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "END_OF_TURN_TEXTS", "OVERRIDE_HINT", "TEMPLATE_LIMITS",
+           "ChatExchange", "ChatState", "ChatTemplateError", "TemplateLimits", "render_chat", "template_override"]
 
 #: used when the GGUF has no template (the format the default model is trained on)
 CHATML_TEMPLATE = (
@@ -275,98 +275,70 @@ class ChatExchange:
         return list(self.prompt_tokens) + list(self.reply_tokens) + tokenize(prompt[len(self.text):])
 
 
-class ChatCalls:
-    """The chat calls of :class:`Clover` (a mixin over its tokenizer, metadata and generate)."""
+@dataclass
+class ChatState:
+    """What a Clover object's chat calls remember (the object owns it; a new context starts a
+    fresh one): its last generation (:attr:`Clover.last_exchange`) and the model's end-of-turn
+    tokens (found once)."""
 
-    _eot_cache: list[int] | None
-    _last: ChatExchange | None
-    tokenize: Any
-    detokenize: Any
-    token_to_piece: Any
-    metadata: Any
-    mask_token: Any
-    chat_template: Any
-    chat_template_source: Any
-    generate: Any
-    _generate: Any
-    _tokens: Any
-    model_path: Any
-    _m: Any
+    last: ChatExchange | None = None
+    end_of_turn: list[int] | None = None
 
-    @property
-    def end_of_turn_tokens(self) -> list[int]:
-        """The chat end-of-turn token ids (besides EOS) that :meth:`chat` and
-        :meth:`generate_chat` stop on: those of ``<|im_end|>``, ``<|eot_id|>`` and ``<|end|>``
-        that are single tokens of this model's vocabulary."""
-        if self._eot_cache is None:
-            ids: list[int] = []
-            for txt in END_OF_TURN_TEXTS:
-                try:
-                    t = self.tokenize(txt, add_bos=False, special=True)
-                except CloverError:
-                    continue
-                if len(t) == 1 and t[0] != self.mask_token:
-                    ids.append(t[0])
-            self._eot_cache = ids
-        return list(self._eot_cache)
 
-    # -- chat
-    def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
-        """Format messages with the model's chat template (see the module doc) and generate the
-        assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
-        of :meth:`generate` (stream=True works). The conversation's earlier turns are not
-        re-read when the context still holds them (prefix reuse)."""
-        return self.generate_chat(self.format_chat(messages), **gen_kwargs)
+# Clover's chat calls (``llm``: the Clover object, its public calls only); its methods of the same
+# names document them
 
-    def generate_chat(self, text: str, **gen_kwargs: Any) -> Any:
-        """Generate the reply to an already rendered chat prompt (:meth:`format_chat`'s text):
-        its tokens are :meth:`chat_tokens`'s (the last exchange's own tokens when ``text``
-        continues it, so the memory is reused), and the output stops at EOS or an
-        :attr:`end_of_turn_tokens` token (besides any ``stop_tokens`` given). Keyword arguments
-        are those of :meth:`generate` (stream=True works); the reply is remembered as this
-        object's :attr:`last_exchange`."""
-        text = str_arg("text", text)
-        stops = self._tokens(gen_kwargs.pop("stop_tokens", None) or ()) + self.end_of_turn_tokens
-        bound = inspect.signature(self.generate).bind(self.chat_tokens(text), stop_tokens=stops, **gen_kwargs)
-        bound.apply_defaults()
-        return self._generate(bound.arguments, text)
+def end_of_turn_tokens(llm: Any, state: ChatState) -> list[int]:
+    """:attr:`Clover.end_of_turn_tokens`."""
+    if state.end_of_turn is None:
+        ids: list[int] = []
+        for txt in END_OF_TURN_TEXTS:
+            try:
+                t = llm.tokenize(txt, add_bos=False, special=True)
+            except CloverError:
+                continue
+            if len(t) == 1 and t[0] != llm.mask_token:
+                ids.append(t[0])
+        state.end_of_turn = ids
+    return list(state.end_of_turn)
 
-    @property
-    def last_exchange(self) -> ChatExchange | None:
-        """This object's last generation (its chat prompt, if any, the prompt's tokens, the reply):
-        the conversation a chat prompt that starts with ``last_exchange.text`` continues."""
-        self._m()
-        return self._last
 
-    def chat_tokens(self, prompt: str) -> list[int]:
-        """The tokens of a rendered chat prompt. When it continues the last chat exchange (that
-        prompt, then the reply as generated), they are that exchange's tokens followed by the
-        new text's: the model reads its own reply's tokens again (as llama.cpp's conversation
-        mode does) rather than a re-tokenization that may differ, so the memory is reused."""
-        prompt = str_arg("prompt", prompt)
-        last = getattr(self, "_last", None)
-        toks = None if last is None else \
-            last.tokens_for(prompt, lambda s: self.tokenize(s, add_bos=False, special=True), self.detokenize_text)
-        return toks if toks is not None else self.tokenize(prompt, add_bos=True, special=True)
+def generate_chat_args(llm: Any, state: ChatState, text: str, gen_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """generate()'s arguments for :meth:`Clover.generate_chat` of a checked ``text``: its
+    :func:`chat_tokens`, the end-of-turn tokens added to ``stop_tokens``, the defaults filled in."""
+    stops = token_ids(gen_kwargs.pop("stop_tokens", None) or (), llm.n_vocab()) + end_of_turn_tokens(llm, state)
+    bound = inspect.signature(llm.generate).bind(chat_tokens(llm, state, text), stop_tokens=stops, **gen_kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
-    def _special_text(self, key: str) -> str:
-        tid = self.metadata.get(key)
-        try:
-            return self.token_to_piece(int(tid), special=True).decode("utf-8", "replace") if tid else ""
-        except (CloverError, ValueError):
-            return ""
 
-    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> str:
-        """The prompt text of messages under the chat template (:attr:`chat_template`, see
-        :func:`render_chat`; its errors name the template, and a failing GGUF template's the way out)."""
-        template = self.chat_template
-        variables = dict(template_kwargs, messages=_checked_messages(messages),
-                         add_generation_prompt=bool(add_generation_prompt),
-                         bos_token=self._special_text("tokenizer.ggml.bos_token_id"),
-                         eos_token=self._special_text("tokenizer.ggml.eos_token_id"))
-        if self.chat_template_source == "model":
-            source = f"the chat template of {Path(self.model_path).name} (tokenizer.chat_template)"
-            return _render(template, variables, source, OVERRIDE_HINT)
-        source = "the chat template given (chat_template, --chat-template)" if template else "chat template"
-        return _render(template or CHATML_TEMPLATE, variables, source)
+def chat_tokens(llm: Any, state: ChatState, prompt: str) -> list[int]:
+    """:meth:`Clover.chat_tokens`."""
+    prompt = str_arg("prompt", prompt)
+    last = state.last
+    toks = None if last is None else \
+        last.tokens_for(prompt, lambda s: llm.tokenize(s, add_bos=False, special=True), llm.detokenize_text)
+    return toks if toks is not None else llm.tokenize(prompt, add_bos=True, special=True)
+
+
+def _special_text(llm: Any, key: str) -> str:
+    tid = llm.metadata.get(key)
+    try:
+        return llm.token_to_piece(int(tid), special=True).decode("utf-8", "replace") if tid else ""
+    except (CloverError, ValueError):
+        return ""
+
+
+def format_chat(llm: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                **template_kwargs: Any) -> str:
+    """:meth:`Clover.format_chat`."""
+    template = llm.chat_template
+    variables = dict(template_kwargs, messages=_checked_messages(messages),
+                     add_generation_prompt=bool(add_generation_prompt),
+                     bos_token=_special_text(llm, "tokenizer.ggml.bos_token_id"),
+                     eos_token=_special_text(llm, "tokenizer.ggml.eos_token_id"))
+    if llm.chat_template_source == "model":
+        source = f"the chat template of {Path(llm.model_path).name} (tokenizer.chat_template)"
+        return _render(template, variables, source, OVERRIDE_HINT)
+    source = "the chat template given (chat_template, --chat-template)" if template else "chat template"
+    return _render(template or CHATML_TEMPLATE, variables, source)

@@ -44,11 +44,12 @@ import numpy as np
 
 from . import _handles as H
 from . import _native as N
+from . import chat as C
 from . import decoding as D
 from . import passes as P
-from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, text_bytes, token_id, \
+from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, str_arg, text_bytes, token_id, \
     token_ids, tristate_arg
-from .chat import CHATML_TEMPLATE, ChatCalls, ChatExchange, render_chat, template_override
+from .chat import CHATML_TEMPLATE, ChatExchange, ChatState, render_chat, template_override
 from .compat import LLAMA_DEFAULT_SEED, POOLING_UNSPECIFIED, LlamaCompat, LlamaSettings
 from .decoding import BlockCallback, DecodeThread, DraftCallback, Generation, GenerationResult, GenerationStats, \
     GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
@@ -88,7 +89,7 @@ def coreset_value(value: Any) -> int:
     return v
 
 
-class Clover(ChatCalls, LlamaCompat):
+class Clover(LlamaCompat):
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
     ``n_threads=None`` lets libclover choose from the hardware. ``block_size``: the default B
@@ -143,6 +144,7 @@ class Clover(ChatCalls, LlamaCompat):
         self._owner: int | None = None  # the thread in this object's native decode loop (callbacks)
         self._gate = H.Gate()
         self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
+        self._chat = ChatState()
         if not isinstance(model_path, (str, os.PathLike)):
             raise CloverTypeError(f"model_path must be a path, got {type(model_path).__name__}")
         self.model_path = Path(model_path)
@@ -202,8 +204,7 @@ class Clover(ChatCalls, LlamaCompat):
         self._ctx = c
         if self._coreset_arg != N.CLOVER_CORESET_MODEL:  # (the context's default is the model's)
             self._apply_coreset(c, self._coreset_arg)
-        self._eot_cache: list[int] | None = None
-        self._last: ChatExchange | None = None
+        self._chat = ChatState()
 
     def reload(self) -> None:
         """Free the model and context and load them again with the same arguments: after a
@@ -480,6 +481,59 @@ class Clover(ChatCalls, LlamaCompat):
             return "given"
         return "model" if self.metadata.get("tokenizer.chat_template") else "default"
 
+    # -- chat (chat.py)
+    @property
+    def end_of_turn_tokens(self) -> list[int]:
+        """The chat end-of-turn token ids (besides EOS) that :meth:`chat` and
+        :meth:`generate_chat` stop on: those of ``<|im_end|>``, ``<|eot_id|>`` and ``<|end|>``
+        that are single tokens of this model's vocabulary."""
+        return C.end_of_turn_tokens(self, self._chat)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **gen_kwargs: Any) -> Any:
+        """Format messages with the model's chat template (see the module doc) and generate the
+        assistant's reply; stops at EOS or the end-of-turn token. Keyword arguments are those
+        of :meth:`generate` (stream=True works). The conversation's earlier turns are not
+        re-read when the context still holds them (prefix reuse)."""
+        return self.generate_chat(self.format_chat(messages), **gen_kwargs)
+
+    def generate_chat(self, text: str, **gen_kwargs: Any) -> Any:
+        """Generate the reply to an already rendered chat prompt (:meth:`format_chat`'s text):
+        its tokens are :meth:`chat_tokens`'s (the last exchange's own tokens when ``text``
+        continues it, so the memory is reused), and the output stops at EOS or an
+        :attr:`end_of_turn_tokens` token (besides any ``stop_tokens`` given). Keyword arguments
+        are those of :meth:`generate` (stream=True works); the reply is remembered as this
+        object's :attr:`last_exchange`."""
+        text = str_arg("text", text)
+        return self._generate(C.generate_chat_args(self, self._chat, text, gen_kwargs), text)
+
+    @property
+    def last_exchange(self) -> ChatExchange | None:
+        """This object's last generation (its chat prompt, if any, the prompt's tokens, the reply):
+        the conversation a chat prompt that starts with ``last_exchange.text`` continues."""
+        self._m()
+        return self._chat.last
+
+    def chat_tokens(self, prompt: str) -> list[int]:
+        """The tokens of a rendered chat prompt. When it continues the last chat exchange (that
+        prompt, then the reply as generated), they are that exchange's tokens followed by the
+        new text's: the model reads its own reply's tokens again (as llama.cpp's conversation
+        mode does) rather than a re-tokenization that may differ, so the memory is reused."""
+        return C.chat_tokens(self, self._chat, prompt)
+
+    def format_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The prompt text of messages under the chat template (:attr:`chat_template`, see
+        :func:`render_chat`; its errors name the template, and a failing GGUF template's the way out)."""
+        return C.format_chat(self, messages, add_generation_prompt, **template_kwargs)
+
+    @property
+    def _last(self) -> ChatExchange | None:  # (compat.py's load_state clears it, until compat is a helper)
+        return self._chat.last
+
+    @_last.setter
+    def _last(self, exchange: ChatExchange | None) -> None:
+        self._chat.last = exchange
+
     # -- single passes on the context (passes.py)
     def calibrate(self, fused: bool = False) -> dict[int, float] | dict[int, tuple[float, float]]:
         """Measure the cost curve used by block_size="auto" (bypassing the disk cache):
@@ -753,5 +807,5 @@ class Clover(ChatCalls, LlamaCompat):
                        on_draft=on_draft)
         r = g.run()
         if g.ran:
-            self._last = ChatExchange(chat_text, tuple(toks), tuple(r.tokens), r.text)
+            self._chat.last = ChatExchange(chat_text, tuple(toks), tuple(r.tokens), r.text)
         return r

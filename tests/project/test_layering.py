@@ -7,7 +7,9 @@ TYPE_CHECKING imports included, and imports inside code strings run with ``pytho
   the front ends, which use the other side's public names only;
 * clover_testkit (what checks the product) is imported by neither;
 * no import cycle among the project's modules;
-* no test module imports another (shared harnesses are in clover_testkit or tests/conftest.py).
+* no test module imports another (shared harnesses are in clover_testkit or tests/conftest.py);
+* no clover_cpp module but model.py reads a private attribute of a Clover object: its helpers
+  take a handle, a state object and its public calls.
 """
 
 from __future__ import annotations
@@ -193,3 +195,73 @@ def test_the_test_import_finder_finds_them() -> None:
         ["tests.test_native_parity"]
     assert imported_test_modules("from tests import test_reference\nfrom clover_testkit import reference") == \
         ["tests.test_reference"]
+
+
+#: modules whose mixin of Clover still reads its private state (to become helpers; none left when empty)
+CLOVER_MIXINS_LEFT = {"clover_cpp.compat"}
+
+
+def clover_private_names(source: str) -> set[str]:
+    """The private attributes of model.py's Clover: its ``_x`` methods and properties and the
+    ``self._x`` it assigns."""
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Clover")
+    names = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+              and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _owned(cls: ast.ClassDef) -> set[str]:
+    """What a class defines itself: its methods, class attributes with a value and what its
+    __init__ assigns (a mixin's bare annotations and writes into its host's state are not)."""
+    owned = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    for n in cls.body:
+        if isinstance(n, ast.Assign):
+            owned |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        elif isinstance(n, ast.AnnAssign) and n.value is not None and isinstance(n.target, ast.Name):
+            owned.add(n.target.id)
+        elif isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__post_init__"):
+            owned |= {a.attr for a in ast.walk(n) if isinstance(a, ast.Attribute) and isinstance(a.ctx, ast.Store)
+                      and isinstance(a.value, ast.Name) and a.value.id == "self"}
+    return owned
+
+
+def clover_private_reads(source: str, private: set[str]) -> list[str]:
+    """Where source touches one of Clover's private attributes: ``obj._x`` on anything but
+    ``self`` / ``cls`` (a Clover object's, as far as a reader can tell), ``getattr(obj, "_x")``,
+    and ``self._x`` in a class that does not define ``_x`` itself (a mixin reaching into Clover)."""
+    tree = ast.parse(source)
+    found = []
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        owned = _owned(cls)
+        found += [f"{n.lineno}: self.{n.attr} in {cls.name}" for n in ast.walk(cls)
+                  if isinstance(n, ast.Attribute) and n.attr in private and n.attr not in owned
+                  and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr in private and \
+                not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+            found.append(f"{n.lineno}: {ast.unparse(n)}")
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                n.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(n.args) >= 2 and \
+                isinstance(n.args[1], ast.Constant) and n.args[1].value in private:
+            found.append(f"{n.lineno}: {ast.unparse(n)}")
+    return sorted(set(found))
+
+
+def test_only_model_py_reads_clovers_private_state() -> None:
+    private = clover_private_names(MODULES["clover_cpp.model"].read_text(encoding="utf-8"))
+    assert {"_op", "_model", "_tokens"} <= private  # (the finder sees Clover's state)
+    bad = {m: reads for m in MODULES if _package(m) == "clover_cpp" and m != "clover_cpp.model"
+           if (reads := clover_private_reads(MODULES[m].read_text(encoding="utf-8"), private))}
+    assert sorted(bad) == sorted(CLOVER_MIXINS_LEFT), bad
+
+
+def test_the_private_read_finder_finds_them() -> None:
+    private = {"_op", "_last", "_model"}
+    mixin = "class Calls:\n    _op: object\n    def f(self):\n        self._last = None\n        return self._op()\n"
+    assert clover_private_reads(mixin, private) == ["4: self._last in Calls", "5: self._op in Calls"]
+    assert clover_private_reads("def f(llm):\n    return llm._model, getattr(llm, '_last', None)\n", private) == \
+        ["2: getattr(llm, '_last', None)", "2: llm._model"]
+    owner = "class Tokenizer:\n    def __init__(self, model):\n        self._model = model\n" \
+            "    def f(self):\n        return self._model\n"
+    assert clover_private_reads(owner, private) == []
