@@ -50,10 +50,12 @@ from . import passes as P
 from ._args import INT32_MAX, MAX_THREADS, bool_arg, callable_arg, int32_arg, int_arg, str_arg, text_bytes, token_id, \
     token_ids, tristate_arg
 from .chat import CHATML_TEMPLATE, ChatExchange, ChatState, render_chat, template_override
-from .compat import LLAMA_DEFAULT_SEED, POOLING_UNSPECIFIED, LlamaCompat, LlamaSettings
+from .compat import LLAMA_DEFAULT_SEED, POOLING_UNSPECIFIED, CloverTokenizer, CompatState, LlamaCalls, LlamaSettings, \
+    LlamaState
 from .decoding import BlockCallback, DecodeThread, DraftCallback, Generation, GenerationResult, GenerationStats, \
     GenerationStream, GenParams, Perplexity, StepCallback, shared_decoder
 from .errors import CloverError, CloverTypeError, CloverValueError, check, current_verbosity, lib, set_verbosity
+from .openai_reply import PromptLogprobs
 from .output import OutputFollower
 
 __all__ = [
@@ -89,7 +91,7 @@ def coreset_value(value: Any) -> int:
     return v
 
 
-class Clover(LlamaCompat):
+class Clover:
     """A Clover GGUF loaded with libclover, plus one decoding context.
 
     ``n_threads=None`` lets libclover choose from the hardware. ``block_size``: the default B
@@ -126,6 +128,12 @@ class Clover(LlamaCompat):
     everything; calls made after it, or waiting when it came, raise "the model is closed".
     Distinct objects (:meth:`new_context`) decode in parallel."""
 
+    cache: Any = None  # set_cache's
+    # llama-cpp-python's Llama._is_recurrent / _is_hybrid: clover and qwen35moe both keep a
+    # recurrent state beside their attention layers' KV cache
+    _is_recurrent = False
+    _is_hybrid = True
+
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int = 4096, n_threads: int | None = None,
                  n_gpu_layers: int = 0, *, block_size: int | str | None = None, flash_attn: bool | str | None = None,
                  kv_f32: bool = False, use_mmap: bool | None = None, use_mlock: bool = False, verbose: bool = False,
@@ -149,14 +157,14 @@ class Clover(LlamaCompat):
             raise CloverTypeError(f"model_path must be a path, got {type(model_path).__name__}")
         self.model_path = Path(model_path)
         self._metadata: dict[str, str] | None = None
-        self._embed_llama: Any = None  # (create_embedding's llama_cpp.Llama, loaded on first use)
         self._ctx_args = H.ContextArgs(n_ctx, n_threads, block_size, flash_attn, kv_f32, expert_stats)
         self._ctx_args.checked()  # bad context arguments fail before anything is loaded
         self._coreset_arg = coreset_value(coreset)
         self._load_args = H.LoadArgs.of(n_gpu_layers, use_mmap, rpc_servers, tensor_split, override_tensor, use_mlock)
-        self._llama = LlamaSettings.of(seed, n_batch, n_ubatch, logits_all, embedding, pooling_type, chat_format,
-                                       chat_handler, llama_kwargs, n_threads)
-        self._template_override = template_override(chat_template, self._llama.chat_format)
+        settings = LlamaSettings.of(seed, n_batch, n_ubatch, logits_all, embedding, pooling_type, chat_format,
+                                    chat_handler, llama_kwargs, n_threads)
+        self._compat = CompatState(settings, n_threads, self._load_args.n_gpu_layers, self._load_args.use_mmap)
+        self._template_override = template_override(chat_template, settings.chat_format)
         self.verbose = bool_arg("verbose", verbose)
         if _model is None:
             H.check_model_path(self.model_path)
@@ -233,7 +241,7 @@ class Clover(LlamaCompat):
         a, la = replace(self._ctx_args, **overrides), self._load_args
         a.checked()
         with self._model_op():
-            ls = self._llama
+            ls = self._compat.settings
             return Clover(self.model_path, a.n_ctx, a.n_threads, la.n_gpu_layers, block_size=a.block_size,
                           flash_attn=a.flash_attn, kv_f32=a.kv_f32, expert_stats=a.expert_stats, use_mmap=la.use_mmap,
                           use_mlock=la.use_mlock, rpc_servers=la.rpc_servers, tensor_split=la.tensor_split,
@@ -256,9 +264,10 @@ class Clover(LlamaCompat):
             st._cancel.set()
         gate.close()  # new calls, and those waiting, raise "the model is closed"; this one holds it
         try:
-            if getattr(self, "_embed_llama", None) is not None:
-                self._embed_llama.close()
-                self._embed_llama = None
+            compat = getattr(self, "_compat", None)
+            if compat is not None and compat.embedder is not None:
+                compat.embedder.close()
+                compat.embedder = None
             if self._ctx:
                 self._ctx.free()
                 self._ctx = None
@@ -481,6 +490,214 @@ class Clover(LlamaCompat):
             return "given"
         return "model" if self.metadata.get("tokenizer.chat_template") else "default"
 
+    # -- llama-cpp-python's calls (compat.py)
+    def tokenizer(self) -> CloverTokenizer:
+        """llama-cpp-python's ``Llama.tokenizer()``: a ``LlamaTokenizer``-like object over this model."""
+        return CloverTokenizer(self)
+
+    def set_cache(self, cache: Any) -> None:
+        """llama-cpp-python's ``Llama.set_cache``: a ``LlamaRAMCache`` / ``LlamaDiskCache`` (or any
+        mapping from token lists to states whose lookup takes the longest cached prefix, raising
+        KeyError for none). create_completion then starts from the cached state of the longest
+        prefix of its prompt when that is longer than what the memory already holds, and caches
+        the state after each completion (prompt and reply), as llama-cpp-python's does; None: off."""
+        self.cache = cache
+
+    def prompt_logprobs(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> PromptLogprobs:
+        """The log-probability of each token of ``prompt`` (text: tokenized as generate() does)
+        given the ones before it, from the causal commit of the prompt (the log-softmax, in
+        double precision and the mask token excluded, of the logits row that predicts it, as
+        generate()'s ``logprobs`` are read), and the ``top_logprobs`` most probable there (at
+        most CLOVER_MAX_TOP_LOGPROBS). What lm-eval's loglikelihood scores; llama-cpp-python's
+        ``create_completion(echo=True, logprobs=N)`` reports it. Leaves the memory holding the
+        prompt (a generate() of a prompt that starts with it reads none of it again)."""
+        return self._llama_calls().prompt_logprobs(prompt, top_logprobs)
+
+    def save_state(self) -> LlamaState:
+        """The context's memory as a :class:`LlamaState` (llama-cpp-python's fields; its
+        ``llama_state`` holds libclover's state bytes: llama.cpp's state of the memory with the
+        committed tokens and the last logits): :meth:`load_state` puts it back, and a generation
+        then continues exactly as it would have without the calls in between (greedy: the same
+        tokens; none of the saved tokens is read again)."""
+        return self._llama_calls().save_state()
+
+    def load_state(self, state: LlamaState) -> None:
+        """Restore a :meth:`save_state` of this model (into this or another context of it, any
+        block size): the memory, its tokens and last logits come from ``llama_state`` without a
+        forward pass, and the default seed is the state's. Bytes of another model or KV type, of
+        llama-cpp-python's own ``Llama``, truncated or damaged: one CloverValueError, the memory
+        unchanged."""
+        self._llama_calls().load_state(state)
+
+    def set_seed(self, seed: int) -> None:
+        """The default seed of the following calls (llama-cpp-python's)."""
+        self._llama_calls().set_seed(seed)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """llama-cpp-python's ``Llama.eval``: commit ``tokens`` causally after the memory (after
+        :meth:`reset`: from the start); :meth:`sample` then draws the next token."""
+        toks = self._tokens(tokens)
+        if toks:
+            self.commit(toks)
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_eta: float = 0.1,
+               mirostat_tau: float = 5.0, penalize_nl: bool = True, logits_processor: Any = None,
+               grammar: Any = None, idx: int | None = None) -> int:
+        """llama-cpp-python's ``Llama.sample``: the next token after the memory, drawn by its chain
+        of llama.cpp's samplers (:mod:`.llama_sample`; the seed: the constructor's or
+        :meth:`set_seed`'s, random when none) from the last committed position's logits (the mask
+        token excluded); the penalties count the last 64 committed tokens. tfs_z (gone from
+        llama.cpp) and penalize_nl are accepted and have no effect, as in llama-cpp-python;
+        logits_processor and grammar are refused; idx: None or the last committed position
+        (``n_tokens - 1``), the only one whose logits are kept."""
+        return self._llama_calls().sample(top_k, top_p, min_p, typical_p, temp, repeat_penalty,
+                                          frequency_penalty, presence_penalty, tfs_z, mirostat_mode,
+                                          mirostat_eta, mirostat_tau, penalize_nl, logits_processor, grammar,
+                                          idx)
+
+    def generate_tokens(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                        typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                        mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                        penalize_nl: bool = True, logits_processor: Any = None, stopping_criteria: Any = None,
+                        grammar: Any = None) -> Iterator[int]:
+        """llama-cpp-python's ``Llama.generate`` (its arguments and defaults; Clover's
+        :meth:`generate` is block diffusion): a generator of the tokens :meth:`sample` draws one at
+        a time after ``tokens`` are committed causally. With ``reset`` the memory is kept when it
+        holds a prefix of ``tokens`` (all of them: the first token is drawn from the logits already
+        there, nothing is decoded again), else cleared first; reset=False commits after the
+        memory. Each drawn token is committed when the generator resumes. Sending tokens in
+        (llama-cpp-python's draft verification) and stopping_criteria are refused."""
+        yield from self._llama_calls().generate_tokens(tokens, top_k, top_p, min_p, typical_p, temp,
+                                                       repeat_penalty, reset, frequency_penalty,
+                                                       presence_penalty, tfs_z, mirostat_mode, mirostat_tau,
+                                                       mirostat_eta, penalize_nl, logits_processor,
+                                                       stopping_criteria, grammar)
+
+    @property
+    def n_tokens(self) -> int:
+        """The tokens in the memory (llama-cpp-python's ``Llama.n_tokens``)."""
+        return len(self.committed_tokens)
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """The tokens in the memory as llama-cpp-python's ``Llama.input_ids[:n_tokens]`` (intc)."""
+        return np.asarray(self.committed_tokens, dtype=np.intc)
+
+    def pooling_type(self) -> int:
+        """The pooling of :meth:`embed` (llama.cpp's enum llama_pooling_type; mean unless the
+        constructor's pooling_type said otherwise)."""
+        return self._llama_calls().pooling_type()
+
+    def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,
+              return_count: bool = False) -> Any:  # noqa: A002 - llama-cpp-python's name
+        """llama-cpp-python's ``Llama.embed``: the embedding of a text (a list of floats), or of
+        each text of a list, pooled as ``pooling_type`` says (mean by default; NONE: one per
+        token); normalize: unit length; truncate: at n_batch tokens. Needs embedding=True."""
+        return self._llama_calls().embed(input, normalize, truncate, return_count)
+
+    def create_embedding(self, input: str | list[str], model: str | None = None) -> dict[str, Any]:
+        """llama-cpp-python's ``Llama.create_embedding``: OpenAI's embedding list
+        (``{"object": "list", "data": [{"object": "embedding", "embedding": [...], "index": i}],
+        "model", "usage"}``). Needs embedding=True."""
+        return self._llama_calls().create_embedding(input, model)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None, additional_files: list[str] | None = None,
+                        local_dir: str | os.PathLike[str] | None = None, local_dir_use_symlinks: bool | str = "auto",
+                        cache_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.from_pretrained``: the one GGUF of the Hugging Face
+        repository ``repo_id`` whose path matches the glob ``filename`` (and each of
+        ``additional_files``: a split GGUF's other shards), fetched by huggingface_hub into
+        ``local_dir`` or its cache (``cache_dir``; with HF_HUB_OFFLINE=1 only the cache is read),
+        then loaded with ``kwargs``. local_dir_use_symlinks: accepted, no effect (huggingface_hub
+        dropped it)."""
+        from .hub import pretrained_files  # noqa: PLC0415
+
+        return cls(pretrained_files(repo_id, filename, additional_files, local_dir, cache_dir), **kwargs)
+
+    def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | Sequence[str] | None = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                          stopping_criteria: Any = None, logits_processor: Any = None, grammar: Any = None,
+                          logit_bias: Mapping[int, float] | None = None, **gen_kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.create_completion``: the same arguments and defaults
+        (temperature 0.8, top_p 0.95, top_k 40, max_tokens 16; None or <= 0 = until EOS or the
+        context's end) and an OpenAI-shaped ``text_completion`` dict, or with ``stream=True`` an
+        iterator of ``text_completion`` chunks (the last one carries ``finish_reason``).
+        min_p (0.05), typical_p, the penalties, mirostat and logit_bias are llama.cpp's sampler
+        chain (spec/decoding.md, "Sampler chain"; top_n_sigma, xtc_*, dry_*, samplers as extra
+        keywords); tfs_z (gone from llama.cpp), suffix, stopping_criteria and logits_processor are
+        refused unless left at their neutral values; ``logprobs`` / ``grammar`` need a build whose
+        generate() has them.
+        ``logprobs=N`` gives llama-cpp-python's ``logprobs`` object (text offsets from the prompt's
+        start, each top dict the N most probable and the token's own); with ``echo=True`` the
+        prompt's tokens come first, scored by :meth:`prompt_logprobs` (the first one's None).
+        Streamed, each chunk carries its own tokens' logprobs (the echo chunk the prompt's), as
+        llama-cpp-python's; a chunk is a committed block's text then (see :meth:`generate`).
+        Extra keyword arguments go to :meth:`generate` (block_size, threshold, ...)."""
+        return self._llama_calls().create_completion(prompt, suffix, max_tokens, temperature, top_p, min_p,
+                                                     typical_p, logprobs, echo, stop, frequency_penalty,
+                                                     presence_penalty, repeat_penalty, top_k, stream, seed,
+                                                     tfs_z, mirostat_mode, mirostat_tau, mirostat_eta, model,
+                                                     stopping_criteria, logits_processor, grammar, logit_bias,
+                                                     **gen_kwargs)
+
+    def __call__(self, prompt: str | Sequence[int], **kwargs: Any) -> Any:
+        """``create_completion`` (as ``Llama.__call__``)."""
+        return self.create_completion(prompt, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], functions: Any = None,
+                               function_call: Any = None, tools: Any = None, tool_choice: Any = None,
+                               temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
+                               min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | Sequence[str] | None = None, seed: int | None = None,
+                               response_format: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                               mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                               logits_processor: Any = None, grammar: Any = None,
+                               logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
+                               top_logprobs: int | None = None, parallel_tool_calls: bool = True,
+                               reasoning_format: str = "none", **gen_kwargs: Any) -> Any:
+        """llama-cpp-python's ``Llama.create_chat_completion``: the messages rendered with the
+        model's chat template (:meth:`chat`), the same arguments and defaults (temperature 0.2,
+        top_p 0.95, top_k 40, max_tokens None = until the end of the turn or of the context), and
+        an OpenAI-shaped ``chat.completion`` dict, or with ``stream=True`` an iterator of
+        ``chat.completion.chunk`` dicts (first delta: the role; last: ``finish_reason``).
+        ``tools`` (OpenAI's) are rendered by the chat template (a template that renders none:
+        CloverValueError naming ``tools``) and the reply's tool-call markup, in whichever of
+        llama.cpp's chat formats the template uses, is read by chat.cpp's parser (a reply it refuses:
+        by our ``<tool_call>`` reader) into the message's ``tool_calls`` (finish_reason
+        "tool_calls"); ``tool_choice`` "none", "auto",
+        "required" or a named function (the last two start the reply with a call whose arguments a
+        grammar holds to the tool's schema, as ``clover serve``: :mod:`clover_cpp.tool_calls`);
+        ``parallel_tool_calls`` (OpenAI's, not llama-cpp-python's): more than one call.
+        ``reasoning_format`` (llama-server's: "none", "auto", "deepseek", "deepseek-legacy"; not
+        llama-cpp-python's, so "none" by default, which leaves the reply as the model wrote it):
+        other than "none", the thinking goes to ``message.reasoning_content`` (streamed:
+        ``delta.reasoning_content``), with or without tools.
+        The legacy ``functions`` / ``function_call`` are refused; the sampler arguments are
+        llama.cpp's sampler chain, the rest as :meth:`create_completion` says."""
+        return self._llama_calls().create_chat_completion(messages, functions, function_call, tools,
+                                                          tool_choice, temperature, top_p, top_k, min_p,
+                                                          typical_p, stream, stop, seed, response_format,
+                                                          max_tokens, presence_penalty, frequency_penalty,
+                                                          repeat_penalty, tfs_z, mirostat_mode, mirostat_tau,
+                                                          mirostat_eta, model, logits_processor, grammar,
+                                                          logit_bias, logprobs, top_logprobs,
+                                                          parallel_tool_calls, reasoning_format, **gen_kwargs)
+
+    def _llama_calls(self) -> LlamaCalls:
+        # (one per call: kept on the object, it would hold the object back from being freed)
+        return LlamaCalls(self, self._op, self._compat, self._chat)
+
     # -- chat (chat.py)
     @property
     def end_of_turn_tokens(self) -> list[int]:
@@ -525,14 +742,6 @@ class Clover(LlamaCompat):
         """The prompt text of messages under the chat template (:attr:`chat_template`, see
         :func:`render_chat`; its errors name the template, and a failing GGUF template's the way out)."""
         return C.format_chat(self, messages, add_generation_prompt, **template_kwargs)
-
-    @property
-    def _last(self) -> ChatExchange | None:  # (compat.py's load_state clears it, until compat is a helper)
-        return self._chat.last
-
-    @_last.setter
-    def _last(self, exchange: ChatExchange | None) -> None:
-        self._chat.last = exchange
 
     # -- single passes on the context (passes.py)
     def calibrate(self, fused: bool = False) -> dict[int, float] | dict[int, tuple[float, float]]:

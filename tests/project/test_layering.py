@@ -197,10 +197,6 @@ def test_the_test_import_finder_finds_them() -> None:
         ["tests.test_reference"]
 
 
-#: modules whose mixin of Clover still reads its private state (to become helpers; none left when empty)
-CLOVER_MIXINS_LEFT = {"clover_cpp.compat"}
-
-
 def clover_private_names(source: str) -> set[str]:
     """The private attributes of model.py's Clover: its ``_x`` methods and properties and the
     ``self._x`` it assigns."""
@@ -253,7 +249,7 @@ def test_only_model_py_reads_clovers_private_state() -> None:
     assert {"_op", "_model", "_tokens"} <= private  # (the finder sees Clover's state)
     bad = {m: reads for m in MODULES if _package(m) == "clover_cpp" and m != "clover_cpp.model"
            if (reads := clover_private_reads(MODULES[m].read_text(encoding="utf-8"), private))}
-    assert sorted(bad) == sorted(CLOVER_MIXINS_LEFT), bad
+    assert bad == {}
 
 
 def test_the_private_read_finder_finds_them() -> None:
