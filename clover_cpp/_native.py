@@ -494,6 +494,8 @@ def clover_json_schema_to_grammar(schema_json: bytes, buf: Any, buf_size: int, n
                                   /) -> int: ...
 
 
+# clover-testing.h: the decoding loop's pure pieces, exported for the tests (not the public API;
+# declared here so that the library's functions get their types at load, as every other one)
 @_c("clover_pick_candidate", [c_float_p, c_int32, c_int32, c_double, c_int32, c_double, c_uint64, c_int32_p,
                               c_double_p], c_int)
 def clover_pick_candidate(logits: Any, n_vocab: int, mask_token: int, temperature: float, top_k: int, top_p: float,

@@ -4,6 +4,7 @@
 #include "clover-impl.h"
 #include "clover-sampling.h"
 #include "clover-params.h"
+#include "clover-testing.h"
 
 // ------------------------------------------------------------------ pure decoding pieces
 

@@ -613,29 +613,6 @@ CLOVER_API int32_t clover_stop_matcher_hit(const clover_stop_matcher * m);
 CLOVER_API int clover_json_schema_to_grammar(const char * schema_json, char * buf, int32_t buf_size, int32_t * n_out,
                                              char * err, size_t err_len);
 
-/* ---------------------------------------------------------------- decoding pieces
- * The pure functions the decoding loop is made of, exposed for tests and research. */
-
-/* Candidate for one position: logits[n_vocab] (not modified); mask_token gets -inf
- * (pass -1 for none). temperature 0: argmax (lowest id on ties), confidence = its softmax
- * probability; > 0: logits / T, top-k (0 = off), top-p (1 = off: keep the smallest prefix of
- * the sorted distribution with cumulative probability >= top_p), renormalise, sample with one
- * uniform draw from std::mt19937_64(seed); confidence = the sampled token's probability in
- * that renormalised distribution. Computes in double. The parameters are normalised as
- * clover_generate's (CLOVER_MIN_TEMPERATURE, top_k >= n_vocab). */
-CLOVER_API int clover_pick_candidate(const float * logits, int32_t n_vocab, int32_t mask_token,
-                                     double temperature, int32_t top_k, double top_p, uint64_t seed,
-                                     int32_t * token_out, double * confidence_out);
-
-/* Unmask schedule: given the confidences of the n_masked masked positions (in position
- * order), how many to unmask and which (indices into conf, most confident first, ties
- * lowest index). Rule: all with conf >= threshold, at least one; with max_steps S > 0, at
- * step s at least ceil(n_masked / (S - s)) (all when s >= S). Writes the chosen indices into
- * order_out (n_masked entries: the ranking) and returns the count to unmask (>= 1), or a
- * negative status. */
-CLOVER_API int32_t clover_select_unmask(const double * conf, int32_t n_masked, double threshold,
-                                        int32_t max_steps, int32_t step, int32_t * order_out);
-
 #ifdef __cplusplus
 }
 #endif

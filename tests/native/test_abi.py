@@ -1,5 +1,5 @@
 """The ctypes layer (clover_cpp._native) against clover.h (and clover-chat.h, libclover's other
-public header) and the library built from it.
+public header, and clover-testing.h, the functions it exports for tests) and the library built from it.
 
 * the library's ABI (clover_abi_query: API version, struct sizes / alignments / field counts,
   field offsets, named constants) equals the ctypes declarations;
@@ -9,7 +9,8 @@ public header) and the library built from it.
 * the named constants Python mirrors have clover.h's values;
 * the load-time check fires, with one line, when a ctypes struct gains a field or has two
   fields swapped, or when a constant or the API version differs;
-* every function clover.h and clover-chat.h declare has a ctypes declaration (argtypes and restype).
+* every function clover.h, clover-chat.h and clover-testing.h declare has a ctypes declaration
+  (argtypes and restype).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from clover_cpp import _native as N
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "clover.h"
 CHAT_HEADER = HEADER.with_name("clover-chat.h")  # (its functions only: no structs or constants of its own)
+TESTING_HEADER = HEADER.with_name("clover-testing.h")  # (the same)
 
 try:
     N.find_library()
@@ -58,7 +60,7 @@ def header_constants() -> dict[str, int]:
 
 
 def header_functions() -> list[str]:
-    return [name for h in (HEADER, CHAT_HEADER)
+    return [name for h in (HEADER, CHAT_HEADER, TESTING_HEADER)
             for name in re.findall(r"CLOVER_API\s+[^;]*?\b(clover_\w+)\s*\(", _header(h))]
 
 
@@ -92,10 +94,10 @@ def test_constants_match_the_header():
 
 
 def test_every_header_function_is_declared():
-    """One typed stub per function of clover.h and clover-chat.h (argtypes and restype set on the
-    library), none extra."""
+    """One typed stub per function of clover.h, clover-chat.h and clover-testing.h (argtypes and
+    restype set on the library), none extra."""
     names = header_functions()
-    assert "clover_chat_parser_parse" in names
+    assert "clover_chat_parser_parse" in names and "clover_select_unmask" in names
     assert len(names) == len(set(names))
     assert set(N._DECLS) == set(names)
     for name in names:
