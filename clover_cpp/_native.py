@@ -48,7 +48,7 @@ CLOVER_DEFAULT_MAX_TOKENS = 256
 CLOVER_CLI_DEFAULT_N_PREDICT = 128
 CLOVER_DRAFT_SELF_AUTO = -1
 CLOVER_CORESET_MODEL = -1  # clover_context_params.coreset: the GGUF's clover.expert_coreset
-CLOVER_CORESET_AUTO = -2   # clover_context_params.coreset: 3 k when below the expert count, else off
+CLOVER_CORESET_AUTO = -2   # clover_context_params.coreset: measured (spec/decoding.md, "The block expert coreset")
 # clover_stats.mode
 DECODE_MODES = {1: "autoregressive", 2: "diffusion", 3: "draft-self"}
 CLOVER_MAX_TOP_LOGPROBS = 20
@@ -505,6 +505,10 @@ def clover_pick_candidate(logits: Any, n_vocab: int, mask_token: int, temperatur
 @_c("clover_select_unmask", [c_double_p, c_int32, c_double, c_int32, c_int32, c_int32_p], c_int32)
 def clover_select_unmask(conf: Any, n_masked: int, threshold: float, max_steps: int, step: int, order_out: Any,
                          /) -> int: ...
+
+
+@_c("clover_set_coreset_probe", [clover_context_p, c_double, c_int32_p, c_double_p, c_double_p, c_int32], c_int)
+def clover_set_coreset_probe(ctx: int | None, full_ms: float, C: Any, ms: Any, agree: Any, n: int, /) -> int: ...
 
 
 # clover-chat.h: llama.cpp's chat formats (common/chat.cpp), JSON in and out (clover_cpp.chat_format)

@@ -73,7 +73,7 @@ __all__ += ["CHATML_TEMPLATE", "StopMatcher"]
 
 def coreset_value(value: Any) -> int:
     """A coreset argument as libclover's value: None or 0 = off (0), "model" = CLOVER_CORESET_MODEL,
-    "auto" = CLOVER_CORESET_AUTO (3 k when below the expert count, else off), an int N >= 1 = N; the
+    "auto" = CLOVER_CORESET_AUTO (measured: spec/decoding.md, "The block expert coreset"), an int N >= 1 = N; the
     range is libclover's (clover_context_params_check's message)."""
     if value is None:
         return 0
@@ -185,8 +185,9 @@ class Clover:
         """The block expert coreset C of this context's block passes (0 = off; spec/model.md,
         "MoE"): each MoE layer of a canvas routes among the C experts of highest summed router
         probability only; committed tokens keep full routing, so draft-self's output never
-        changes. Set it to N, None or 0 (off), "auto" (3 k when below the expert count: a pass reads
-        at most 3x a B = 1 step's expert bytes) or "model" (the GGUF's clover.expert_coreset)."""
+        changes. Set it to N, None or 0 (off), "auto" (measured at the first generation: the first of
+        3 k, 4 k, 6 k below the expert count whose pass is 10% faster and agrees with full routing,
+        else off; -2 until then; spec/decoding.md) or "model" (the GGUF's clover.expert_coreset)."""
         with self._op() as c:
             return int(N.clover_coreset(c.ptr))
 
@@ -908,8 +909,8 @@ class Clover:
         it, at the step that unmasked it) and ``result.top_logprobs`` (the N most probable
         (token, log-probability) pairs there).
         coreset: the block expert coreset of this call's block passes (see :attr:`coreset`):
-        "context" (default) = the context's, N, None or 0 = off, "auto" (3 k when below the expert
-        count), "model" = the GGUF's default;
+        "context" (default) = the context's, N, None or 0 = off, "auto" (measured, see
+        :attr:`coreset`), "model" = the GGUF's default;
         the context's own setting is back after the call.
         min_p, typical_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
         logit_bias ({token id: bias}, -inf bans), mirostat_mode / _tau / _eta, top_n_sigma,

@@ -184,6 +184,79 @@ int calibrate_cached(clover_context * c, std::string & msg) {
     return CLOVER_OK;
 }
 
+// Coreset auto's decision on disk: an entry of its own, keyed by the cost curve's key and the
+// block size it was measured at, holding "coreset C" then "end". An entry without a decision that
+// parses (one written before, or corrupt) is measured again and replaced.
+static bool coreset_load(const clover_context * c, const std::string & path, const std::string & key, int32_t & C) {
+    std::error_code ec;
+    const auto      st = std::filesystem::status(path, ec);
+    if (ec || !std::filesystem::is_regular_file(st)) {
+        return false; // (absent, or a FIFO that would block the open)
+    }
+    std::ifstream f(path, std::ios::binary);
+    std::string   text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (text.compare(0, key.size(), key) != 0) {
+        return false;
+    }
+    std::istringstream         in(text.substr(key.size()));
+    std::string                tag, end;
+    long long                  v  = -1;
+    const std::vector<int32_t> Cs = coreset_auto_candidates(c);
+    if (!(in >> tag >> v >> end) || tag != "coreset" || end != "end" ||
+        (v != 0 && std::find(Cs.begin(), Cs.end(), v) == Cs.end())) {
+        return false;
+    }
+    C = (int32_t) v;
+    return true;
+}
+
+static void coreset_store(const std::string & dir, const std::string & path, const std::string & key, int32_t C) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string tmp = path + ".tmp" + std::to_string((long long) getpid());
+    {
+        std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+        if (!f || !(f << key << "coreset " << C << "\nend\n") || !f.flush()) {
+            f.close();
+            std::filesystem::remove(tmp, ec);
+            return; // a cache we cannot write is no error
+        }
+    }
+    if (rename(tmp.c_str(), path.c_str()) != 0) {
+        std::filesystem::remove(tmp, ec);
+    }
+}
+
+// Coreset auto's C in this context: decided once (kept in the planner), from the disk cache, else
+// measured (or the injected probe) and stored. Leaves the context empty when it measures.
+int resolve_coreset_auto(clover_context * c, std::string & msg) {
+    clover_planner & pl = c->planner;
+    if (pl.coreset_auto_C < 0) {
+        const std::string dir  = pl.use_cache ? calib_cache_dir() : "";
+        const std::string base = dir.empty() ? "" : calib_key(c);
+        const std::string key  = base.empty() ? "" : base + "coreset auto B " + std::to_string(coreset_auto_B(c)) + "\n";
+        const std::string path = key.empty() ? "" : calib_path(dir, key);
+        int32_t           C    = 0;
+        if (path.empty() || !coreset_load(c, path, key, C)) {
+            clover_planner::coreset_probe p = pl.probe;
+            if (!pl.probe_set) {
+                const int rc = measure_coreset_auto(c, p, msg);
+                if (rc != CLOVER_OK) {
+                    return rc;
+                }
+            }
+            C = pick_coreset_auto(p);
+            if (!path.empty()) {
+                coreset_store(dir, path, key, C);
+            }
+        }
+        pl.coreset_auto_C = C;
+    }
+    c->coreset      = pl.coreset_auto_C;
+    c->coreset_auto = false;
+    return CLOVER_OK;
+}
+
 } // namespace clover_impl
 
 extern "C" {

@@ -16,6 +16,9 @@ namespace clover_impl {
 // planner.last_calibration (1 measured, 2 read). Without a cache (calib_cache = 0, no cache
 // folder, a model without a file) it measures.
 int calibrate_cached(clover_context * c, std::string & msg);
+// coreset auto's C into c->coreset (spec/decoding.md, "The block expert coreset"): decided once per context,
+// from the disk cache, else measured and stored
+int resolve_coreset_auto(clover_context * c, std::string & msg);
 
 // the backend set of a load (RPC servers and their devices, offloaded layers, split, overrides),
 // so that a cost curve measured on one placement is never reused for another: part of the key

@@ -570,7 +570,7 @@ clover_context * clover_context_new(clover_model * model, const clover_context_p
         c->flash_attn  = cp.flash_attn;
         c->kv_f32      = cp.kv_f32 != 0;
         c->planner.use_cache = cp.calib_cache != 0;
-        c->coreset     = resolve_coreset(model, cp.coreset);
+        set_coreset_rule(c, cp.coreset);
         c->expert_stats = cp.expert_stats != 0;
         std::string msg;
         int rc = c->expert_stats ? load_expert_sizes(c, msg) : CLOVER_OK;

@@ -562,6 +562,12 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
         // prefix reuse: when the prompt starts with the committed tokens, they stay committed
         // (the memory is the same for every B) and only the rest of the prompt is committed
         ctx->planner.last_calibration = 0;
+        if (ctx->coreset_auto) { // (before prefix reuse: measuring empties the memory)
+            rc = resolve_coreset_auto(ctx, msg);
+            if (rc != CLOVER_OK) {
+                return set_err(err, err_len, rc, "coreset auto: " + msg);
+            }
+        }
         const int32_t nc     = ctx->n_committed;
         const bool    prefix = gp.reuse_prefix && ctx->lctx && nc > 0 && nc <= n_prompt &&
                             (int32_t) ctx->mem_tokens.size() == nc &&

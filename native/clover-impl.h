@@ -93,6 +93,7 @@ struct clover_context {
     int32_t         flash_attn  = -1;
     int32_t         kv_f32      = 0;
     int32_t         coreset     = 0; // the block expert coreset of canvases (0 = off; clover_set_coreset)
+    bool            coreset_auto = false; // coreset auto, not decided yet: the next generation decides it
     bool            expert_stats = false; // count the block passes' experts (clover_context_params.expert_stats)
     expert_counter  experts;
     int32_t         n_committed = 0;

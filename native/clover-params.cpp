@@ -219,14 +219,15 @@ void model_experts(const clover_model * m, int32_t & n_expert, int32_t & n_used)
 }
 
 // CLOVER_CORESET_MODEL -> the GGUF's clover.expert_coreset (0 when absent or not a count >= 0);
-// CLOVER_CORESET_AUTO -> 3 k when below the expert count E, else 0: the smallest C whose pass reads
-// at most 3x a B = 1 step's expert bytes (spec/decoding.md)
+// CLOVER_CORESET_AUTO -> the C this context decided (resolve_coreset_auto), else off until the
+// next generation decides it (spec/decoding.md, "The block expert coreset")
+void set_coreset_rule(clover_context * c, int32_t coreset) {
+    const bool is_auto = coreset == CLOVER_CORESET_AUTO;
+    c->coreset_auto    = is_auto && c->planner.coreset_auto_C < 0;
+    c->coreset         = is_auto ? std::max(0, c->planner.coreset_auto_C) : resolve_coreset(c->model, coreset);
+}
+
 int32_t resolve_coreset(const clover_model * m, int32_t coreset) {
-    if (coreset == CLOVER_CORESET_AUTO) {
-        int32_t n_expert = 0, n_used = 0;
-        model_experts(m, n_expert, n_used);
-        return n_used > 0 && 3 * n_used < n_expert ? 3 * n_used : 0;
-    }
     if (coreset != CLOVER_CORESET_MODEL) {
         return coreset;
     }
@@ -400,11 +401,13 @@ int clover_set_coreset(clover_context * ctx, int32_t coreset, char * err, size_t
     if (check_coreset(coreset, msg) != CLOVER_OK) {
         return set_err(err, err_len, CLOVER_ERR_INVALID_ARG, msg);
     }
-    ctx->coreset = resolve_coreset(ctx->model, coreset); // read by set_canvas before every decode
+    set_coreset_rule(ctx, coreset); // read by set_canvas before every decode
     return CLOVER_OK;
 }
 
-int32_t clover_coreset(const clover_context * ctx) { return ctx ? ctx->coreset : -1; }
+int32_t clover_coreset(const clover_context * ctx) {
+    return !ctx ? -1 : ctx->coreset_auto ? CLOVER_CORESET_AUTO : ctx->coreset;
+}
 
 int clover_stats_cut(clover_stats * stats, int32_t n_generated) {
     if (!stats || n_generated < 0) {

@@ -17,7 +17,8 @@ int check_context_params(const clover_context_params & cp, std::string & msg);
 // the block expert coreset: its rule (>= 0 or CLOVER_CORESET_MODEL) and CLOVER_CORESET_MODEL resolved
 // from the GGUF's clover.expert_coreset (clover_context_new, clover_set_coreset)
 int     check_coreset(int32_t coreset, std::string & msg);
-int32_t resolve_coreset(const clover_model * m, int32_t coreset);
+int32_t resolve_coreset(const clover_model * m, int32_t coreset); // (not CLOVER_CORESET_AUTO)
+void    set_coreset_rule(clover_context * c, int32_t coreset);
 // the model's routed experts per layer and per token (its GGUF keys <arch>.expert_count, expert_used_count)
 void model_experts(const clover_model * m, int32_t & n_expert, int32_t & n_used);
 // clover_stats' rates from its counts and times: tokens_per_forward, tokens_per_second (clover_generate,

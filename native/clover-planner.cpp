@@ -3,7 +3,9 @@
 // clover-calibration-cache.cpp.
 
 #include "clover-impl.h"
+#include "clover-params.h"
 #include "clover-sampling.h"
+#include "clover-testing.h"
 #include "clover-time.h"
 
 namespace clover_impl {
@@ -338,6 +340,111 @@ void clover_planner::observe(int32_t B, int32_t n_tokens, int32_t n_passes) {
     }
 }
 
+// Coreset auto measures at the largest candidate B of block size auto, at most 32: the passes
+// whose expert bytes the coreset cuts. 0 when that is B = 1 (which keeps full routing).
+int32_t coreset_auto_B(const clover_context * c) {
+    const int32_t B = std::min(32, auto_candidates(c).back());
+    return B > 1 ? B : 0;
+}
+
+std::vector<int32_t> coreset_auto_candidates(const clover_context * c) {
+    int32_t n_expert = 0, n_used = 0;
+    model_experts(c->model, n_expert, n_used);
+    std::vector<int32_t> out;
+    for (int32_t f : { 3, 4, 6 }) {
+        if (n_used > 0 && f * n_used < n_expert) {
+            out.push_back(f * n_used);
+        }
+    }
+    return out;
+}
+
+// The rule (spec/decoding.md, "The block expert coreset"): the first candidate whose pass is at least 10%
+// faster than full routing's and whose argmax agrees with full routing's on at least 95% of the
+// rows; none: 0 (off).
+int32_t pick_coreset_auto(const clover_planner::coreset_probe & p) {
+    for (size_t i = 0; i < p.C.size(); ++i) {
+        if (p.ms[i] <= 0.9 * p.full_ms && p.agree[i] >= 0.95) {
+            return p.C[i];
+        }
+    }
+    return 0;
+}
+
+// The argmax of every row of a pass (lowest id on ties).
+static std::vector<int32_t> row_argmax(const std::vector<const float *> & rows, int32_t n_vocab) {
+    std::vector<int32_t> out;
+    for (const float * r : rows) {
+        out.push_back((int32_t) (std::max_element(r, r + n_vocab) - r));
+    }
+    return out;
+}
+
+// Measures coreset auto's figures: on one canvas of B = coreset_auto_B (every other token
+// masked, the rest drawn from the vocabulary: rows that route apart), a block pass with full
+// routing and with each candidate C, the median of 5 after 2 warm-ups, interleaved so that a
+// drifting machine biases none; and each C's share of rows whose argmax equals full routing's.
+// Leaves the context empty, its coreset off.
+int measure_coreset_auto(clover_context * c, clover_planner::coreset_probe & out, std::string & msg) {
+    const int32_t              B  = coreset_auto_B(c);
+    const std::vector<int32_t> Cs = coreset_auto_candidates(c);
+    out = {};
+    std::string no_mask;
+    if (B == 0 || Cs.empty() || check_mask_token(c->model, "coreset auto", no_mask) != CLOVER_OK) {
+        return CLOVER_OK; // nothing to measure (no block passes without a mask token): off
+    }
+    int rc = set_block_size_impl(c, B, msg);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    clear_memory(c);
+    std::mt19937_64      rng(0);
+    std::vector<int32_t> canvas(B, c->model->mask);
+    for (int32_t i = 0; i < B; i += 2) {
+        do {
+            canvas[i] = (int32_t) (rng() % (uint64_t) c->model->n_vocab);
+        } while (canvas[i] == c->model->mask);
+    }
+    std::vector<int32_t>              all = { 0 };
+    all.insert(all.end(), Cs.begin(), Cs.end());
+    std::vector<std::vector<double>>  ms(all.size());
+    std::vector<std::vector<int32_t>> argmax(all.size());
+    std::vector<const float *>        rows;
+    for (int rep = 0; rep < 7 && rc == CLOVER_OK; ++rep) {
+        for (size_t j = 0; j < all.size() && rc == CLOVER_OK; ++j) {
+            c->coreset    = all[j];
+            const auto t0 = std::chrono::steady_clock::now();
+            rc            = block_pass_rows(c, canvas.data(), B, nullptr, rows, msg);
+            if (rc == CLOVER_OK && rep > 1) {
+                ms[j].push_back(ms_since(t0));
+            }
+            if (rc == CLOVER_OK && rep == 0) {
+                argmax[j] = row_argmax(rows, c->model->n_vocab);
+            }
+        }
+    }
+    c->coreset = 0;
+    clear_memory(c);
+    if (rc != CLOVER_OK) {
+        return rc;
+    }
+    auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    out.full_ms = median(ms[0]);
+    for (size_t j = 1; j < all.size(); ++j) {
+        int32_t same = 0;
+        for (int32_t i = 0; i < B; ++i) {
+            same += argmax[j][i] == argmax[0][i];
+        }
+        out.C.push_back(all[j]);
+        out.ms.push_back(median(ms[j]));
+        out.agree.push_back((double) same / B);
+    }
+    return CLOVER_OK;
+}
+
 } // namespace clover_impl
 
 using namespace clover_impl;
@@ -374,6 +481,19 @@ int clover_calibrate(clover_context * ctx, int32_t * sizes_out, double * ms_out,
         }
         return CLOVER_OK;
     });
+}
+
+int clover_set_coreset_probe(clover_context * ctx, double full_ms, const int32_t * C, const double * ms,
+                             const double * agree, int32_t n) {
+    if (!ctx || n < 0 || (n > 0 && (!C || !ms || !agree))) {
+        return CLOVER_ERR_INVALID_ARG;
+    }
+    clover_planner & pl = ctx->planner;
+    pl.probe_set        = n > 0;
+    pl.probe            = { full_ms, std::vector<int32_t>(C, C + n), std::vector<double>(ms, ms + n),
+                            std::vector<double>(agree, agree + n) };
+    pl.coreset_auto_C   = -1; // the next coreset auto decides again
+    return CLOVER_OK;
 }
 
 int clover_set_cost_curve(clover_context * ctx, const int32_t * sizes, const double * ms, const double * ms_fused,

@@ -54,6 +54,15 @@ struct clover_planner {
     bool                 curve_set = false;   // the cost curve came from clover_set_cost_curve (taken as is)
     int32_t              use_cache = 1;       // clover_context_params.calib_cache: the disk cache is read and written
     int32_t              last_calibration = 0; // 0 none, 1 measured, 2 from the disk cache (per generate)
+    // coreset auto (spec/decoding.md, "The block expert coreset"): its C once decided in this context (-1 = not
+    // yet), and the measurements clover_set_coreset_probe injects instead of measuring (tests)
+    int32_t              coreset_auto_C = -1;
+    bool                 probe_set      = false;
+    struct coreset_probe {
+        double               full_ms = 0.0;   // a block pass at the calibration B with full routing
+        std::vector<int32_t> C;               // per candidate C: its pass (ms) and the share of rows
+        std::vector<double>  ms, agree;       // whose argmax equals full routing's
+    } probe;
 
     // a new cost curve (measured, or set: taken as is); the running figures start afresh
     void set_curve(std::vector<int32_t> sizes, std::vector<double> pass_ms, std::vector<double> fused_ms, bool set);
@@ -84,5 +93,12 @@ struct clover_planner {
 std::vector<int32_t> auto_candidates(const clover_context * c);
 // measures the context's cost curve into its planner (clover_calibrate); leaves the context empty
 int calibrate(clover_context * c, std::string & msg);
+
+// coreset auto: the block size of its measurement (0: none has a coreset), its candidates C (3 k,
+// 4 k, 6 k below the expert count E), the measurements (or the injected probe) and the rule's pick
+int32_t              coreset_auto_B(const clover_context * c);
+std::vector<int32_t> coreset_auto_candidates(const clover_context * c);
+int     measure_coreset_auto(clover_context * c, clover_planner::coreset_probe & out, std::string & msg);
+int32_t pick_coreset_auto(const clover_planner::coreset_probe & p);
 
 } // namespace clover_impl

@@ -32,6 +32,14 @@ CLOVER_API int clover_pick_candidate(const float * logits, int32_t n_vocab, int3
 CLOVER_API int32_t clover_select_unmask(const double * conf, int32_t n_masked, double threshold,
                                         int32_t max_steps, int32_t step, int32_t * order_out);
 
+/* Coreset auto's measurements (spec/decoding.md, "The block expert coreset") set instead of measured, so that
+ * its rule can be tested without timing: full_ms, a block pass with full routing; per candidate
+ * C[i], its pass ms[i] and the share agree[i] of rows whose argmax equals full routing's. The next
+ * decision of the context (clover_generate with coreset auto; after a clover_set_coreset) takes
+ * them, unless the disk cache holds one. n = 0: measure again. CLOVER_OK or CLOVER_ERR_INVALID_ARG. */
+CLOVER_API int clover_set_coreset_probe(clover_context * ctx, double full_ms, const int32_t * C, const double * ms,
+                                        const double * agree, int32_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -174,8 +174,10 @@ CLOVER_API int clover_detokenize(const clover_model * model, const int32_t * tok
 /* clover_context_params.coreset: the model file's default block expert coreset (its GGUF key
  * clover.expert_coreset; off when the key is absent) */
 #define CLOVER_CORESET_MODEL (-1)
-/* clover_context_params.coreset: C = 3 x the model's experts per token k (a block pass then reads at
- * most 3x the routed-expert bytes of a B = 1 step) when that is below its expert count, else off */
+/* clover_context_params.coreset: measured at the context's first clover_generate (spec/decoding.md,
+ * "The block expert coreset"): the first of 3k, 4k, 6k below the expert count (k experts per
+ * token) whose block pass is >= 10% faster than full routing's and agrees with its argmax on
+ * >= 95% of the rows, else off; kept in the calibration cache */
 #define CLOVER_CORESET_AUTO (-2)
 
 typedef struct clover_context_params {
@@ -224,7 +226,8 @@ CLOVER_API int clover_set_block_size(clover_context * ctx, int32_t block_size, c
 CLOVER_API int clover_set_n_threads (clover_context * ctx, int32_t n_threads);
 /* The block expert coreset of the passes from now on (clover_context_params.coreset's values and
  * rule): the memory stays. clover_coreset: the C in use (0 = off; a C >= the model's expert count
- * routes fully), -1 for a NULL context. */
+ * routes fully), CLOVER_CORESET_AUTO while auto is not yet decided (off until then), -1 for a NULL
+ * context. */
 CLOVER_API int     clover_set_coreset(clover_context * ctx, int32_t coreset, char * err, size_t err_len);
 CLOVER_API int32_t clover_coreset    (const clover_context * ctx);
 

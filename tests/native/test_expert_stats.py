@@ -1,7 +1,7 @@
 """The routed experts of the block passes (clover_context_params.expert_stats ->
 clover_stats.experts_per_pass / expert_bytes_per_pass / expert_bytes_b1, GenerationStats) and the
-coreset "auto" (CLOVER_CORESET_AUTO: C = 3 k when below the expert count, else off). On the tiny
-preset (8 experts, top 2)."""
+coreset "auto" (CLOVER_CORESET_AUTO: measured at the first generation, tests/native/test_coreset_auto.py
+injects the measurements). On the tiny preset (8 experts, top 2: auto is 6 or off)."""
 from __future__ import annotations
 
 import ctypes
@@ -107,21 +107,27 @@ def test_coreset_auto(model, artifacts, vocab_hi, tmp_path):
     c = L.clover_context_new(model.p, ctypes.byref(cp), eb, el)
     assert c, eb.value.decode()
     try:
-        assert L.clover_coreset(c) == 6  # E = 8, k = 2: 3 k
+        # undecided until a generation measures it; then 3 k = 6 where this machine's pass is 10%
+        # faster with it and agrees with full routing, else off (a CPU: the same time, docs/benchmarks.md)
+        assert L.clover_coreset(c) == N.CLOVER_CORESET_AUTO
         assert L.clover_set_coreset(c, 0, eb, el) == N.CLOVER_OK and L.clover_coreset(c) == 0
-        assert L.clover_set_coreset(c, N.CLOVER_CORESET_AUTO, eb, el) == N.CLOVER_OK and L.clover_coreset(c) == 6
+        assert L.clover_set_coreset(c, N.CLOVER_CORESET_AUTO, eb, el) == N.CLOVER_OK
+        assert L.clover_coreset(c) == N.CLOVER_CORESET_AUTO
     finally:
         L.clover_context_free(c)
     prompt = random_prompt(31, 5, vocab_hi)
     with Clover(artifacts["f32"], n_ctx=128, n_threads=2, block_size=8, coreset="auto") as m:
-        assert m.coreset == 6
+        assert m.coreset == N.CLOVER_CORESET_AUTO
         assert m.generate(prompt, max_tokens=4, coreset=None).stats.coreset == 0
         m.coreset = None
-        assert m.generate(prompt, max_tokens=4, coreset="auto").stats.coreset == 6
+        auto = m.generate(prompt, max_tokens=4, coreset="auto").stats.coreset
+        assert auto in (0, 6)
+        m.coreset = "auto"
+        assert m.coreset == auto  # decided once per context
     # draft-self with the auto coreset: block size 1's output
     b1 = run(artifacts["f32"], prompt, block_size=1, expert_stats=False).tokens
     ds = run(artifacts["f32"], prompt, block_size=8, draft_self=True, coreset="auto", expert_stats=False)
-    assert ds.stats.coreset == 6 and ds.tokens == b1
+    assert ds.stats.coreset in (0, 6) and ds.tokens == b1
     # 3 k >= E: off
     from clover_convert import convert
     from clover_testkit.checkpoints import write_checkpoint
@@ -129,11 +135,13 @@ def test_coreset_auto(model, artifacts, vocab_hi, tmp_path):
     write_checkpoint(tmp_path / "ck", preset="tiny", dtype="f32", config_overrides={"num_experts_per_tok": 3})
     convert(tmp_path / "ck", tmp_path / "k3.gguf", outtype="f32", progress=False)
     with Clover(tmp_path / "k3.gguf", n_ctx=64, n_threads=1, block_size=4, coreset="auto") as m:
-        assert m.coreset == 0
+        m.generate([1, 2, 3], max_tokens=1)
+        assert m.coreset == 0  # no candidate: nothing to measure
 
 
 def test_server_coreset_auto(tiny_server):
-    """A request's coreset "auto": the reply's clover.coreset is the C it resolved to."""
+    """A request's coreset "auto": the reply's clover.coreset is the C it resolved to (measured:
+    6 or off on the tiny preset)."""
     import httpx
 
     server, _ = tiny_server
@@ -141,7 +149,7 @@ def test_server_coreset_auto(tiny_server):
                                                          "temperature": 0, "block_size": 4, "coreset": "auto"},
                    timeout=120)
     assert r.status_code == 200, r.text
-    assert r.json()["clover"]["coreset"] == 6
+    assert r.json()["clover"]["coreset"] in (0, 6)
 
 
 def test_low_level_passes_counted(artifacts, ref, vocab_hi):
@@ -194,7 +202,9 @@ def test_command_lines(artifacts):
                         "-n", "16", "--no-visual", "--block-size", "8", "--coreset", "auto", "--expert-stats"],
                        capture_output=True, text=True, errors="replace", timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "coreset 6" in r.stderr and "experts/pass" in r.stderr and "x B = 1" in r.stderr
+    # auto is measured: 6, or off (then the line names no coreset)
+    assert ("coreset 6" in r.stderr or "coreset" not in r.stderr) and "experts/pass" in r.stderr
+    assert "x B = 1" in r.stderr
     if CLI.exists():
         r = subprocess.run([str(CLI), "-m", str(artifacts["f32"]), "-p", "hello", "-n", "16", "--block-size", "8",
                             "--coreset", "auto", "--expert-stats"], capture_output=True, text=True, errors="replace",
