@@ -16,8 +16,8 @@ from . import _lib  # noqa: F401  - sets LLAMA_CPP_LIB_PATH before anyone import
 _STATUS = ("CLOVER_OK", "CLOVER_ERR_INVALID_ARG", "CLOVER_ERR_LOAD", "CLOVER_ERR_DECODE", "CLOVER_ERR_CANCELLED",
            "CLOVER_ERR_CONTEXT_FULL", "CLOVER_ERR_BUFFER_TOO_SMALL", "CLOVER_ERR_INTERNAL")
 
-# clover.h's defaults a front end shows (the library's generate() default; -n on the command lines)
-_DEFAULTS = ("CLOVER_DEFAULT_MAX_TOKENS", "CLOVER_CLI_DEFAULT_N_PREDICT")
+# clover.h's default a front end shows (the library's generate() default)
+_DEFAULTS = ("CLOVER_DEFAULT_MAX_TOKENS",)
 
 __all__ = ["Clover", "CloverError", "CloverValueError", "CloverTypeError", "GenerationResult", "GenerationStats",
            "GenerationStream", "Perplexity", "ChatExchange", "set_verbosity", "render_chat", "quantize", "QUANT_TYPES",

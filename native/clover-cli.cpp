@@ -30,6 +30,10 @@
 
 namespace {
 
+// -n's default, `clover run`'s too (clover_cpp/cli/options.py; a test keeps them equal); not the
+// library's CLOVER_DEFAULT_MAX_TOKENS
+constexpr int32_t DEFAULT_N_PREDICT = 128;
+
 // clover_stats.mode as the stats line names it (the names of GenerationStats.mode in Python)
 const char * mode_name(int32_t mode) {
     switch (mode) {
@@ -47,7 +51,7 @@ void usage(const char * argv0) {
             "  -m, --model FILE       clover GGUF model\n"
             "  -p, --prompt TEXT      prompt\n"
             "  -f, --file FILE        read the prompt from a file\n"
-            "  -n, --n-predict N      max tokens to generate (default 128; -1 = until EOS or the context's end)\n"
+            "  -n, --n-predict N      max tokens to generate (default %d; -1 = until EOS or the context's end)\n"
             "  -t, --threads N        CPU threads (default: from the hardware, as clover)\n"
             "  -c, --ctx-size N       context size in tokens (default 4096)\n"
             "  -ngl, --n-gpu-layers N layers to offload to the GPU or RPC servers (default 0)\n"
@@ -96,7 +100,7 @@ void usage(const char * argv0) {
             "  --no-special           do not parse special tokens in the prompt\n"
             "  -v, --verbose          llama.cpp log output to stderr (-v -v: everything)\n"
             "  -h, --help             this help\n",
-            argv0, clover_generate_default_params().threshold);
+            argv0, DEFAULT_N_PREDICT, clover_generate_default_params().threshold);
 }
 
 [[noreturn]] void die(const std::string & msg) {
@@ -343,8 +347,7 @@ int main(int argc, char ** argv) {
     std::vector<float>        bias;
     std::string               samplers;
     cp.n_threads = 0; // from the hardware, as `clover run` does
-    gp.max_tokens = CLOVER_CLI_DEFAULT_N_PREDICT; // -n's default on the command lines (clover run's too), not
-                                                  // the library's CLOVER_DEFAULT_MAX_TOKENS
+    gp.max_tokens = DEFAULT_N_PREDICT;
     // as `clover run`: greedy by default (the same command prints the same text; README,
     // "Command-line defaults"), the prompt echoed as llama-cli does, -n -1 = until EOS or the
     // end of the context

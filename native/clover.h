@@ -446,8 +446,6 @@ typedef struct clover_generate_params {
 #define CLOVER_MAX_TOP_LOGPROBS 20
 /* clover_generate_params.max_tokens's default (the Python bindings' generate() default too) */
 #define CLOVER_DEFAULT_MAX_TOKENS 256
-/* -n's default on the command lines (clover-cli, `clover run`/`chat`; README, "Command-line defaults") */
-#define CLOVER_CLI_DEFAULT_N_PREDICT 128
 
 /* The defaults: the one place they are defined (bindings read them from here). */
 CLOVER_API clover_generate_params clover_generate_default_params(void);

@@ -15,7 +15,6 @@ from typing import Any
 
 import click
 
-from .. import CLOVER_CLI_DEFAULT_N_PREDICT
 from .group import UserError
 
 
@@ -312,7 +311,7 @@ LIBRARY_DEFAULT = "the library's"  # show_default of a flag whose default is lib
 # command prints the same text, as Clover.generate returns it, and --draft-self reproduces it token
 # for token (README, "Command-line defaults"); llama-cli's sampling is one set of flags away
 DEFAULT_TEMP, DEFAULT_TOP_K, DEFAULT_TOP_P, DEFAULT_SEED = 0.0, 0, 1.0, 0
-DEFAULT_N_PREDICT = CLOVER_CLI_DEFAULT_N_PREDICT  # clover.h's, clover-cli's -n default too
+DEFAULT_N_PREDICT = 128  # clover-cli's -n default too (a test keeps the two equal)
 
 
 def sampling_options(f: Any, n_default: int = DEFAULT_N_PREDICT) -> Any:

@@ -57,6 +57,21 @@ def test_defaults_are_greedy_and_documented(files) -> None:
 
 
 @needs_lib
+def test_both_command_lines_default_to_the_same_n_predict() -> None:
+    """-n's default is each command line's own (not the library's): clover-cli's --help and
+    `clover run`'s must show the same number."""
+    from clover_cpp.cli.options import DEFAULT_N_PREDICT
+
+    cli_help = subprocess.run([str(CLI_BIN), "--help"], capture_output=True, text=True, timeout=60).stdout
+    cli_default = re.search(r"--n-predict N\s+max tokens to generate \(default (-?\d+);", cli_help)
+    assert cli_default, cli_help
+    run_help = " ".join(invoke(["run", "--help"]).output.split())
+    run_default = re.search(r"-n, --n-predict INTEGER .*? \[default: (-?\d+)\]", run_help)
+    assert run_default, run_help
+    assert int(cli_default.group(1)) == int(run_default.group(1)) == DEFAULT_N_PREDICT
+
+
+@needs_lib
 @pytest.mark.parametrize("block_size", ["1", "4", "auto"])
 def test_n_predict_minus_one_runs_to_the_end_of_the_context(files, block_size: str) -> None:
     """-n -1 (llama-cli's "until EOS or the end of the context"): the rest of the context, in
