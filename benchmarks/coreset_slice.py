@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import run_all  # noqa: E402  (busy_cores, loadavg, cpu_name)
+from gpu_slice import Lines  # noqa: E402  (the report, printed as it comes)
 
 TEXT = ("The river ran past the old mill, where the miller's daughter kept the accounts and "
         "counted the sacks of grain that came down from the hills every autumn. ") * 8
@@ -111,19 +112,6 @@ def measure(gguf: Path, reps: int, lines: list[str]) -> None:
             finally:
                 counted.close()
                 timed.close()
-
-
-class Lines(list):
-    """The report: every line is also printed as soon as it is known."""
-
-    def append(self, line: str) -> None:
-        print(line, flush=True)
-        super().append(line)
-
-    def __iadd__(self, more):
-        for line in more:
-            self.append(line)
-        return self
 
 
 def main(argv=None) -> int:

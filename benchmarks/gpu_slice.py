@@ -33,7 +33,7 @@ def main() -> None:
     from clover_cpp import Clover
 
     t0 = time.time()
-    lines = _Lines([f"benchmarks/gpu_slice.py: {Path(gguf).name} ({os.path.getsize(gguf) / 2**30:.1f} GiB), "
+    lines = Lines([f"benchmarks/gpu_slice.py: {Path(gguf).name} ({os.path.getsize(gguf) / 2**30:.1f} GiB), "
              f"n_gpu_layers {ngl}, {new} new tokens per run", ""])
     up = subprocess.run([str(Path(bin_dir) / "llama-bench"), "-m", gguf, "-p", "0", "-n", str(new),
                          "-ngl", "99" if int(ngl) else "0", "-r", "3", "-o", "json"],
@@ -85,10 +85,10 @@ def main() -> None:
     Path(out).write_text("\n".join(lines) + "\n")
 
 
-class _Lines(list):
+class Lines(list):
     """The report's lines, each printed as it comes (a run stopped by its time limit keeps them)."""
 
-    def __init__(self, first):
+    def __init__(self, first=()):
         super().__init__()
         self += first
 
