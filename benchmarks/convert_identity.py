@@ -63,11 +63,8 @@ def imported_from(tree: Path) -> str:
 
 
 def sha256(p: Path) -> str:
-    h = hashlib.sha256()
     with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def main() -> None:
