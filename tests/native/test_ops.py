@@ -54,3 +54,29 @@ def test_command_line(tmp_path):
     assert bad.returncode == 1 and "CUDA   : NOT supported: NO_SUCH_OP" in bad.stdout
     missing = run(str(tmp_path / "none.gguf"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no such file" in missing.stderr
+
+
+def test_export_writes_the_graph_nodes_as_test_backend_ops_cases(tiny_artifacts, tmp_path):
+    """`clover-ops --export` writes every distinct node of the two graphs in the line format that
+    llama.cpp's `test-backend-ops --test-file` reads (tests/test-export-graph-ops.cpp): op, type,
+    ne[4], the op params (count first), the sources (count first; type, ne[4], nb[4] each), a name."""
+    import subprocess
+
+    cases = tmp_path / "graph.cases"
+    res = subprocess.run([str(ROOT / "build" / "bin" / "clover-ops"), str(tiny_artifacts["f16"]), "8",
+                          "--export", str(cases)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "MUL_MAT_ID" in res.stdout.split()           # the op list is printed as before
+    lines = cases.read_text().splitlines()
+    assert len(lines) >= 50 and len(set(lines)) == len(lines)
+    i32 = 26                                             # GGML_TYPE_I32
+    expert_products = 0
+    for line in lines:
+        words = line.split()
+        n_params = int(words[6])
+        n_src = int(words[7 + n_params])
+        assert n_params == 16 and 1 <= n_src <= 10
+        assert len(words) == 8 + n_params + 9 * n_src + 1   # and the node's name, one word
+        src_types = [int(words[8 + n_params + 9 * s]) for s in range(n_src)]
+        expert_products += n_src == 3 and src_types[2] == i32  # MUL_MAT_ID: weights, rows, expert ids
+    assert expert_products >= 2                          # the routed experts' gate/up and down
