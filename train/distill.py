@@ -189,8 +189,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows whose causal next-token loss is trained: all of the batch, or only the "
                         "real-text rows (the anchor that keeps B = 1 a model of real text, not of its own "
                         "greedy loops)")
+    f.add_argument("--train-only", choices=("all", "block"), default="all",
+                   help="parameters trained: all, or only those a block pass reads and a commit never "
+                        "does (block_only_parameters): B = 1 output and perplexity stay bit-identical")
     add_optimizer_args(f, lr=5e-4, warmup=20, threads=2)
     return ap
+
+
+def block_only_parameters(model, mask_id: int) -> list:
+    """Freeze all but what only a block pass reads (spec/model.md), and return those: the GDN
+    look-ahead taps (a commit sees nothing ahead), the block softmax's calibration theta, phi
+    (a commit's block of one gives o_blk = v whatever tau is) and the mask token's embedding row
+    (commits hold real tokens; the other rows' gradient is zeroed). The causal path, hence the
+    B = 1 output and the perplexity, stays bit-identical."""
+    import torch
+
+    trained = []
+    for name, p in model.p.items():
+        block = name.endswith(("conv1d_lookahead__weight", "block_calib"))
+        if name == "model__embed_tokens__weight":
+            row = torch.zeros(p.shape[0], 1)
+            row[mask_id] = 1.0
+            p.register_hook(lambda g, row=row: g * row)
+            block = True
+        p.requires_grad_(block)
+        if block:
+            trained.append(p)
+    return trained
 
 
 def finetune(a: argparse.Namespace) -> list[float]:
@@ -210,7 +235,12 @@ def finetune(a: argparse.Namespace) -> list[float]:
     torch.manual_seed(a.seed)
     model = CloverTorch(cfg, seed=a.seed)
     model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
-    opt = make_optimizer(model, a)
+    if a.train_only == "block":
+        # no weight decay: it would shrink the embedding's real-token rows too
+        opt = torch.optim.AdamW(block_only_parameters(model, cfg.mask_token_id), lr=a.lr,
+                                betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    else:
+        opt = make_optimizer(model, a)
     rng = np.random.default_rng(a.seed)
     step, elapsed = 0, 0.0
     ck = out / "ckpt.pt"

@@ -3,6 +3,7 @@ token-by-token loop (and the numpy reference), masks and losses, resume, export 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -453,6 +454,36 @@ def _distill_inputs(tmp_path):
     np.save(data / "train.npy", tokens)
     np.save(data / "heldout.npy", tokens[:600])
     return init, data
+
+
+def test_distill_train_only_block_keeps_the_causal_path(tmp_path):
+    """--train-only block: after a step every tensor the causal path reads is bit-identical
+    (the embedding's real-token rows included) and the look-ahead taps have moved."""
+    from safetensors.torch import load_file
+
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
+    (tmp_path / "traj").mkdir()
+    rows = np.random.default_rng(1).integers(0, 60, size=(4, distill.PROMPT_LEN + distill.NEW_TOKENS))
+    np.save(tmp_path / "traj" / "traj.npy", rows.astype(np.int16))
+    distill.finetune(distill.build_parser().parse_args(
+        ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+         "--out", str(tmp_path / "run"), "--batch", "2", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0",
+         "--warmup", "1", "--eval-windows", "2", "--threads", "1", "--steps", "2", "--lr", "1e-2",
+         "--certainty", "1", "--train-only", "block"]))
+    cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
+    before = CloverTorch(cfg)
+    before.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
+    after = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    moved = [k for k, w in before.state_dict().items() if not torch.equal(after[k], w)]
+    real = torch.arange(cfg.vocab_size) != cfg.mask_token_id
+    for key in moved:
+        if key.endswith("embed_tokens__weight"):
+            assert torch.equal(after[key][real], before.state_dict()[key][real])
+        else:
+            assert key.endswith(("conv1d_lookahead__weight", "block_calib")), key
+    assert any(k.endswith("conv1d_lookahead__weight") for k in moved)
 
 
 @pytest.mark.needs_libclover
