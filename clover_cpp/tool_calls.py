@@ -59,7 +59,8 @@ class ToolPlan:
     @property
     def parses(self) -> bool:
         """The reply is read by chat.cpp's parser (tool calls, or only the thinking when reasoning
-        is asked for and the request has no tools)."""
+        is asked for, the request has no tools and the template has thinking); otherwise its
+        pieces stream through as they come."""
         return self.active or bool(self.chat)
 
 
@@ -80,10 +81,8 @@ def plan(tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, A
     names = {f["name"] for f in funcs}
     if len(names) != len(funcs):
         raise CloverValueError("tools: two tools share a name", param="tools")
-    if not tools or choice == "none":  # (the reply read for its thinking alone, when asked for)
-        thinking = _chat_format(template, [], None, parallel, reasoning_format) \
-            if template is not None and reasoning_format != "none" else {}
-        return ToolPlan(None, set(), "", parallel, chat=thinking)
+    if not tools or choice == "none":  # (the reply read for its thinking alone, when there is any)
+        return ToolPlan(None, set(), "", parallel, chat=_thinking_format(template, parallel, reasoning_format))
     forced = _forced(choice, funcs)
     if template is None or "tools" not in template:
         raise CloverValueError("tools: the model's chat template does not render tools", param="tools")
@@ -220,6 +219,17 @@ def _chat_format_cached(template: str, tools: str, choice: str, parallel: bool,
     return tuple((k, p[k]) for k in ("format", "format_name", "parser", "generation_prompt", "grammar", "grammar_lazy"))
 
 
+def _thinking_format(template: str | None, parallel: bool, reasoning_format: str) -> dict[str, Any]:
+    """chat.cpp's format for reading a tool-less reply's thinking; {} when there is nothing to
+    read, so the reply streams through as it comes (no parse per piece): no template,
+    reasoning_format "none", or a template whose format reasoning_format leaves as under "none"
+    (chat.cpp finds no thinking in it: the default model's, Qwen2.5's, Qwen3-Coder's, Llama's)."""
+    if template is None or reasoning_format == "none":
+        return {}
+    chat = _chat_format(template, [], None, parallel, reasoning_format)
+    return chat if chat != _chat_format(template, [], None, parallel, "none") else {}
+
+
 def _foreign_grammar(chat: dict[str, Any], func: dict[str, Any]) -> str | None:
     """For a forced call under a template whose parser does not read our ``<tool_call>`` JSON
     markup (Qwen3-Coder's XML, Llama 3.x, Mistral, ...): llama.cpp's grammar of the template's
@@ -244,8 +254,9 @@ def _foreign_grammar(chat: dict[str, Any], func: dict[str, Any]) -> str | None:
 class ToolStream:
     """Splits the reply, piece by piece, into content, thinking and tool calls, as llama-server
     does (task_result_state::update_chat_msg): the whole text so far parsed again by chat.cpp's
-    parser (partial) at each piece, and the change since the last parse sent on. The parser is
-    loaded once per reply (chat_format.ChatParser). Events: ("content", text), ("reasoning", text)
+    parser (partial) at each piece, and the change since the last parse sent on (chat.cpp's PEG
+    parser has no incremental parse: a piece costs a parse of the text so far, as in llama-server).
+    The parser is loaded once per reply (chat_format.ChatParser). Events: ("content", text), ("reasoning", text)
     (only when the plan asks for reasoning_format) and ("call", (index, delta)), a call's first
     delta its id, type, name and the start of its arguments, the next ones more of its arguments."""
 

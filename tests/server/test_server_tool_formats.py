@@ -159,3 +159,39 @@ def test_the_servers_reasoning_format_is_the_default(thinker) -> None:
     r = subprocess.run([sys.executable, "-m", "clover_cpp.cli", "serve", "--reasoning-format", "sometimes", "x.gguf"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--reasoning-format" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture
+def parses(monkeypatch) -> list[str]:
+    """The texts chat.cpp's parser handle is asked to read (ChatParser.parse counted)."""
+    from clover_cpp.chat_format import ChatParser
+
+    seen: list[str] = []
+    parse = ChatParser.parse
+
+    def counted(self, text: str, *, partial: bool = False) -> dict:
+        seen.append(text)
+        return parse(self, text, partial=partial)
+
+    monkeypatch.setattr(ChatParser, "parse", counted)
+    return seen
+
+
+def test_a_reply_without_tools_or_thinking_streams_through_unparsed(scripted, thinker, parses) -> None:
+    """No tools, and a template with no thinking (Qwen3-Coder's) under the server's default
+    reasoning_format (deepseek): the pieces go straight out, chat.cpp's parser never runs (it ran
+    once per piece before); Qwen3's thinking template still has the reply read by it."""
+    s, model = scripted
+    plain = "It is sunny in Paris, <think>says</think> the forecast, for the next two days.\n"
+    model.script = lambda prompt: plain
+    try:
+        chunks = list(s.client().chat.completions.create(model="x", messages=ASK, stream=True))
+    finally:
+        model.script = lambda prompt: REPLY
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert "".join(pieces) == plain and len(pieces) == -(-len(plain) // model.piece)
+    assert parses == []
+
+    chunks = list(thinker[0].client().chat.completions.create(model="x", messages=ASK, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "It is sunny."
+    assert len(parses) > 1
