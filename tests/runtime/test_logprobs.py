@@ -189,13 +189,12 @@ def test_bad_logprobs_count_is_refused(model, bad) -> None:
 
 
 def test_native_api_checks_the_top_buffers(tiny_artifacts) -> None:
-    L = N.load_library()
+    from clover_testkit.native_handles import Ctx, L, Model
+
     err, n = N.err_buffer()
-    m = L.clover_model_load(str(tiny_artifacts["f32"]).encode(), None, err, n)
-    assert m
-    cp = L.clover_context_default_params()
-    cp.n_ctx, cp.n_threads = 128, 1
-    c = L.clover_context_new(m, ctypes.byref(cp), err, n)
+    m = Model(tiny_artifacts["f32"])
+    ctx = Ctx(m, N.CLOVER_BLOCK_SIZE_TRAIN, n_ctx=128, n_threads=1)
+    c = ctx.p
     try:
         out = (ctypes.c_int32 * 8)()
         n_out = ctypes.c_int32(0)
@@ -217,21 +216,20 @@ def test_native_api_checks_the_top_buffers(tiny_artifacts) -> None:
                                  ctypes.byref(n_out), ctypes.byref(st), err, n) == N.CLOVER_OK
         assert n_out.value == 8 and all(-50 < x <= 0 for x in lp) and st.grammar_mode == 0
     finally:
-        L.clover_context_free(c)
-        L.clover_model_free(m)
+        ctx.close()
+        m.close()
 
 
 @pytest.mark.parametrize("mode", [dict(block_size=1), dict(block_size=4), dict(block_size=4, draft_self=1)])
 def test_native_block_callback_reads_its_blocks_logprobs(tiny_artifacts, mode) -> None:
     """The buffers are written block by block, before the block callback: each call reads its
     own tokens' entries (the final values), and no later token's is written yet."""
-    L = N.load_library()
+    from clover_testkit.native_handles import Ctx, L, Model
+
     err, n = N.err_buffer()
-    m = L.clover_model_load(str(tiny_artifacts["f32"]).encode(), None, err, n)
-    assert m
-    cp = L.clover_context_default_params()
-    cp.n_ctx, cp.n_threads = 128, 1
-    c = L.clover_context_new(m, ctypes.byref(cp), err, n)
+    m = Model(tiny_artifacts["f32"])
+    ctx = Ctx(m, N.CLOVER_BLOCK_SIZE_TRAIN, n_ctx=128, n_threads=1)
+    c = ctx.p
     cap, n_top, unwritten = 12, 3, 1.0  # (a log-probability is <= 0)
     lp, top_tok, top_lp = ((ctypes.c_float * cap)(), (ctypes.c_int32 * (cap * n_top))(),
                            (ctypes.c_float * (cap * n_top))())
@@ -262,8 +260,8 @@ def test_native_block_callback_reads_its_blocks_logprobs(tiny_artifacts, mode) -
         assert [x for s in seen for x in s[3]] == list(top_lp[:cap * n_top])
         assert all(x == unwritten for s in seen for x in s[4])  # later tokens: not written yet
     finally:
-        L.clover_context_free(c)
-        L.clover_model_free(m)
+        ctx.close()
+        m.close()
 
 
 def carried(pieces, field: str) -> list:
