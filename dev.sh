@@ -50,7 +50,7 @@ setup_python() {
 }
 
 # llama-cpp-python's Python layer (clover quantize uses its llama_model_quantize binding); the
-# pinned sdist is the one native/setup_llama.py fetched for the build
+# pinned sdist is the one native/scripts/setup_llama.py fetched for the build
 setup_llama_cpp_python() {
     # (importing llama_cpp would try to load a native lib: only look for the package)
     if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llama_cpp') is None)"; then

@@ -46,7 +46,7 @@ EXCLUDES=(models docs tests benches media gguf-py conversion .github .devops too
 pack() {
     local py=$ROOT/.venv/bin/python tree=$ROOT/third_party/llama.cpp
     [ -x "$py" ] && [ -f "$tree/CMakeLists.txt" ] || die "run ./dev.sh setup first (the venv and the patched tree)"
-    "$py" native/setup_llama.py >/dev/null  # the tree matches the patch series
+    "$py" native/scripts/setup_llama.py >/dev/null  # the tree matches the patch series
     mkdir -p "$PACK"
     local ex=() e
     for e in "${EXCLUDES[@]}"; do ex+=(--exclude "./$e"); done

@@ -1,4 +1,4 @@
-"""Low-level ctypes declarations for libclover (native/clover.h).
+"""Low-level ctypes declarations for libclover (native/libclover/clover.h).
 
 This is a thin, 1:1 layer in the style of llama-cpp-python's ``llama_cpp.llama_cpp``: the
 structs mirror clover.h field for field, and every function keeps its C signature. Errors are
@@ -242,7 +242,8 @@ def find_library() -> Path:
         if p.is_file():
             return p
     checkout = Path(__file__).resolve().parent.parent
-    how = ("build it with `./dev.sh setup` (or `pip install -e .`)" if (checkout / "native" / "clover.h").is_file()
+    in_checkout = (checkout / "native" / "libclover" / "clover.h").is_file()
+    how = ("build it with `./dev.sh setup` (or `pip install -e .`)" if in_checkout
            else "reinstall clover-cpp (`pip install --force-reinstall clover-cpp`), whose wheel carries it")
     raise CloverLibraryNotFound(
         "libclover not found (tried: " + ", ".join(map(str, tried)) + f"): {how}, or set CLOVER_LIB_PATH "

@@ -1,5 +1,5 @@
 """llama.cpp's chat formats (common/chat.cpp, what llama-server runs), through libclover
-(native/clover-chat.h): which tool-call markup a chat template makes the model write, and a
+(native/libclover/clover-chat.h): which tool-call markup a chat template makes the model write, and a
 reply, whole or partial, parsed into an OpenAI message.
 
 :func:`chat_params` asks once per request (template, messages, tools, tool_choice); its answer's

@@ -1,7 +1,7 @@
 """llama-cpp-python's own tests (the ``tests/`` of its pinned sdist) run against :class:`Clover`.
 
 :func:`extract` copies them (and the vocab-only GGUF that test_llama.py reads) out of the sdist
-``native/setup_llama.py`` keeps; this module is also the pytest plugin that runs them
+``native/scripts/setup_llama.py`` keeps; this module is also the pytest plugin that runs them
 (``pytest -p clover_testkit.llama_cpp_suite``), a thin fixture:
 
 * ``llama_cpp.Llama`` is :class:`CloverAsLlama` for each test, except those in :data:`REAL_LLAMA`
@@ -43,9 +43,9 @@ REAL_LLAMA = ("test_llama_cpp_tokenization",)
 
 def extract(dest: Path) -> Path:
     """The sdist's tests/ and the vocab GGUF under ``dest`` (its root: the tests' working
-    folder, as MODEL is relative to it). The sdist: the verified one native/setup_llama.py
+    folder, as MODEL is relative to it). The sdist: the verified one native/scripts/setup_llama.py
     keeps in its cache (fetched there by ./dev.sh setup)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "native"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "native" / "scripts"))
     try:
         import setup_llama  # noqa: PLC0415
     finally:

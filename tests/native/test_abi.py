@@ -23,7 +23,7 @@ import pytest
 
 from clover_cpp import _native as N
 
-HEADER = Path(__file__).resolve().parents[2] / "native" / "clover.h"
+HEADER = Path(__file__).resolve().parents[2] / "native" / "libclover" / "clover.h"
 CHAT_HEADER = HEADER.with_name("clover-chat.h")  # (its functions only: no structs or constants of its own)
 TESTING_HEADER = HEADER.with_name("clover-testing.h")  # (the same)
 

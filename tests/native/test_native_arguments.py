@@ -1,4 +1,4 @@
-"""libclover's checks of its arguments (native/clover.h, through ctypes): bad block size /
+"""libclover's checks of its arguments (native/libclover/clover.h, through ctypes): bad block size /
 threshold / sampling values, empty prompt, prompt too long for the context -> status code +
 message, no crash; one rule for the generate parameters, the block size and the room left.
 

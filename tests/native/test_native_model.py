@@ -1,4 +1,4 @@
-"""A libclover model (native/clover.h, through ctypes) and its files: metadata, default block
+"""A libclover model (native/libclover/clover.h, through ctypes) and its files: metadata, default block
 size, tokenizer round trip; not-a-GGUF file, a GGUF of another architecture or a broken clover
 GGUF -> status code + message, no crash; clover-cli end to end.
 

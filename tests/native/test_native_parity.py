@@ -1,4 +1,4 @@
-"""libclover's logits (native/clover.h, through ctypes) against the numpy reference
+"""libclover's logits (native/libclover/clover.h, through ctypes) against the numpy reference
 (clover_testkit.reference), spec v2: the logits of position t predict the token at t+1; a
 commit is causal, whatever B and however the commits are split.
 

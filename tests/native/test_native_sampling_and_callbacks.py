@@ -1,4 +1,4 @@
-"""libclover's sampling and its hooks (native/clover.h, through ctypes): seeded sampling is
+"""libclover's sampling and its hooks (native/libclover/clover.h, through ctypes): seeded sampling is
 reproducible, clover_pick_candidate and the unmask schedule against the reference, the block
 and step callbacks (streaming, cancellation), the statistics.
 

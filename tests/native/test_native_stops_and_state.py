@@ -1,4 +1,4 @@
-"""How libclover's generation ends and what it leaves behind (native/clover.h, through ctypes):
+"""How libclover's generation ends and what it leaves behind (native/libclover/clover.h, through ctypes):
 EOS, stop tokens, stop strings (clover_stop_matcher), the committed tokens and the saved /
 loaded context state.
 

@@ -6,10 +6,11 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[2]
+CHECK_OPS = ROOT / "native" / "scripts" / "check_ops.py"
 
 
 def load_check_ops():
-    spec = importlib.util.spec_from_file_location("check_ops", ROOT / "native" / "check_ops.py")
+    spec = importlib.util.spec_from_file_location("check_ops", CHECK_OPS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,7 +47,7 @@ def test_command_line(tmp_path):
     import subprocess
     import sys
 
-    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "native" / "check_ops.py"), *a],  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, str(CHECK_OPS), *a],  # noqa: E731
                                     capture_output=True, text=True)
     ok = run("--ops", "MUL_MAT,SOFT_MAX")
     assert ok.returncode == 0 and "Vulkan : every op" in ok.stdout

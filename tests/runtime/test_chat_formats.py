@@ -1,4 +1,4 @@
-"""Tool-call parsing by llama.cpp's common/chat.cpp through libclover (native/clover-chat.h,
+"""Tool-call parsing by llama.cpp's common/chat.cpp through libclover (native/libclover/clover-chat.h,
 clover_cpp.chat_format): the markup each model family's template makes its model write - Hermes /
 Qwen JSON, Qwen3-Coder and Qwen3.5's XML, Llama 3.x's JSON, Mistral's [TOOL_CALLS] - parsed into
 OpenAI tool calls, whole and partial, and what ToolStream streams of it. No generation: the

@@ -7,7 +7,7 @@ extract vendor/llama.cpp into third_party/llama.cpp, apply native/patches/*.patc
 order and copy native/src/** over the tree. Re-running is safe: a stamp file records
 the hash of the sdist + patches + new files, and the tree is rebuilt only when it changes.
 
-    python native/setup_llama.py [--sdist PATH] [--dest DIR] [--force]
+    python native/scripts/setup_llama.py [--sdist PATH] [--dest DIR] [--force]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ SDIST_REQ = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 VENDOR_PREFIX = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 
-NATIVE = Path(__file__).resolve().parent
+NATIVE = Path(__file__).resolve().parent.parent  # native/ (this script is in native/scripts)
 ROOT = NATIVE.parent
 PATCHES = NATIVE / "patches"
 NEW_FILES = NATIVE / "src"  # mirrors the llama.cpp tree (src/models/clover.cpp, ...)

@@ -72,7 +72,7 @@ static int32_t degenerate_pick(int32_t V, int32_t mask) {
 }
 
 // e^x for x <= 0 (0 below -87, where float's e^x is denormal or 0; x = NaN: 0), in float and without
-// branches, so that the compiler vectorizes a loop of it (with -fno-trapping-math, native/CMakeLists.txt):
+// branches, so that the compiler vectorizes a loop of it (with -fno-trapping-math, native/libclover/CMakeLists.txt):
 // x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial (about 2 ulp), 2^n through the exponent bits. (libm's exp is scalar:
 // ~10 ns a logit, 2.5 ms for a row of the release's 248,320 entries, B of them at every step.)
 static inline float exp_nonpositive(float x) {

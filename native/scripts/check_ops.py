@@ -19,8 +19,8 @@ scheduler check, tests/vulkan), "NO" when it is `return false;` or the case is a
 switch's default refuses. The CPU's switch accepts every op it does not name (`default: return
 true`). Exits 1 when some backend answers NO for some op.
 
-    python native/check_ops.py MODEL.gguf [--block-size 8] [--clover-ops build/bin/clover-ops] [-v]
-    python native/check_ops.py --ops ADD,MUL_MAT,...      # a given op list (no build needed)
+    python native/scripts/check_ops.py MODEL.gguf [--block-size 8] [--clover-ops build/bin/clover-ops] [-v]
+    python native/scripts/check_ops.py --ops ADD,MUL_MAT,...      # a given op list (no build needed)
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GGML = ROOT / "third_party" / "llama.cpp" / "ggml" / "src"
 
 # ops that only re-describe memory: every backend accepts them unconditionally
@@ -61,7 +61,7 @@ def graph_ops(model: Path, block_size: int = 8, exe: Path = ROOT / "build" / "bi
 
 def function_body(path: Path, signature: str) -> str:
     if not path.is_file():
-        raise SystemExit(f"error: {path} is missing (the patched tree: python native/setup_llama.py)")
+        raise SystemExit(f"error: {path} is missing (the patched tree: python native/scripts/setup_llama.py)")
     text = path.read_text(errors="replace")
     try:
         start = text.index(signature)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Work on the patch series as git commits, and write them back.
 
-    python native/sync_patches.py checkout DIR   # DIR: the pristine pinned tree as a git repo
+    python native/scripts/sync_patches.py checkout DIR   # DIR: the pristine pinned tree as a git repo
                                                  # (commit "upstream"), native/patches applied
                                                  # with `git am`, one commit each
-    python native/sync_patches.py export DIR     # DIR's commits since "upstream" ->
+    python native/scripts/sync_patches.py export DIR     # DIR's commits since "upstream" ->
                                                  # native/patches/NNNN-*.patch (the old series
                                                  # is replaced)
 
