@@ -1,5 +1,5 @@
 // clover-ops: print the ggml ops that a clover model's graph uses (a causal commit and a commit
-// fused with a block pass), one per line. native/check_ops.py checks them against each backend's
+// fused with a block pass), one per line. native/scripts/check_ops.py checks them against each backend's
 // supports_op. With --export FILE it also writes every distinct node of those graphs (op, type,
 // shape, op params, sources) in test-export-graph-ops' format, which `test-backend-ops
 // --test-file FILE` runs: the clover graph's own cases instead of each op's full sweep.

@@ -6,7 +6,7 @@
 // With llama_set_canvas(ctx, n_canvas, n_block), the last n_canvas tokens of each sequence of
 // the ubatch are a canvas instead: a block pass of block size n_block against the memory of
 // everything before it, bidirectional inside the canvas (KV mask, block softmax, look-ahead
-// taps), and not written into the GDN state or conv tail (native/clover.cpp drops the canvas's
+// taps), and not written into the GDN state or conv tail (libclover drops the canvas's
 // KV cells). So one llama_decode can commit a block causally and run the next block's first pass.
 // With llama_set_expert_coreset(ctx, C) (spec/model.md, "MoE"), the MoE layers of a canvas of two or
 // more tokens route its tokens among the C experts of highest router probability summed over the
