@@ -293,7 +293,9 @@ convert_quantized(sys.argv[1] + '/small', sys.argv[1] + '/small-q4_k_m.gguf', 'Q
 vulkan() {
     setup
     vulkan_build
-    log "tests/vulkan on $(env "${VULKAN_ENV[@]}" vulkaninfo --summary 2>/dev/null | sed -n 's/^[[:space:]]*deviceName *= *//p' | head -1)"
+    # the device's name as ggml-vulkan prints it (vulkaninfo is in vulkan-tools, not installed)
+    log "tests/vulkan on $(env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/test-backend-ops" support -o NONE 2>&1 \
+        | sed -n 's/^ggml_vulkan: 0 = //p' | head -1)"
     env "${VULKAN_TEST_ENV[@]}" CLOVER_LIB_PATH="$VULKAN_BUILD/bin/libclover.so" CLOVER_CLI_PATH="$VULKAN_BUILD/bin/clover-cli" \
         CLOVER_RPC_SERVER_PATH="$VULKAN_BUILD/bin/ggml-rpc-server" CLOVER_VULKAN_BUILD="$VULKAN_BUILD" \
         "$PY" -m pytest -q tests/vulkan "$@"
