@@ -118,3 +118,19 @@ def fx(tmp_path_factory: pytest.TempPathFactory):
     from clover_testkit.converted_gguf import Fixtures
 
     return Fixtures(tmp_path_factory.mktemp("convert"))
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The texts chat.cpp's parser handle is asked to read (ChatParser.parse counted)."""
+    from clover_cpp.chat_format import ChatParser
+
+    seen: list[str] = []
+    parse = ChatParser.parse
+
+    def counted(self, text: str, *, partial: bool = False) -> dict:
+        seen.append(text)
+        return parse(self, text, partial=partial)
+
+    monkeypatch.setattr(ChatParser, "parse", counted)
+    return seen

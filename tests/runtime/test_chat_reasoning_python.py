@@ -67,7 +67,7 @@ def test_an_unknown_reasoning_format_is_refused(thinker) -> None:
         thinker.create_chat_completion(ASK, max_tokens=4, reasoning_format="sometimes")
 
 
-def test_a_reply_without_thinking_streams_through_unparsed(tiny_artifacts, tmp_path, thinker, monkeypatch) -> None:
+def test_a_reply_without_thinking_streams_through_unparsed(tiny_artifacts, tmp_path, thinker, parses) -> None:
     """reasoning_format asked for under a template with no thinking (Qwen2.5's): the pieces go
     straight out, chat.cpp's parser never runs (it ran once per piece before); under Qwen3's it
     reads the reply."""
@@ -75,16 +75,7 @@ def test_a_reply_without_thinking_streams_through_unparsed(tiny_artifacts, tmp_p
     from clover_testkit.server_harness import ScriptedClover
 
     from clover_cpp import Clover
-    from clover_cpp.chat_format import ChatParser
 
-    parses: list[str] = []
-    parse = ChatParser.parse
-
-    def counted(self, text: str, *, partial: bool = False) -> dict:
-        parses.append(text)
-        return parse(self, text, partial=partial)
-
-    monkeypatch.setattr(ChatParser, "parse", counted)
     qwen25 = QWEN3.with_name("Qwen-Qwen2.5-7B-Instruct.jinja")
     gguf = fuzz.rewrite_gguf(tiny_artifacts["f32"], tmp_path / "tiny-qwen25.gguf",
                              kv={"tokenizer.chat_template": qwen25.read_text()})

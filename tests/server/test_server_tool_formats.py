@@ -161,22 +161,6 @@ def test_the_servers_reasoning_format_is_the_default(thinker) -> None:
     assert r.returncode != 0 and "--reasoning-format" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.fixture
-def parses(monkeypatch) -> list[str]:
-    """The texts chat.cpp's parser handle is asked to read (ChatParser.parse counted)."""
-    from clover_cpp.chat_format import ChatParser
-
-    seen: list[str] = []
-    parse = ChatParser.parse
-
-    def counted(self, text: str, *, partial: bool = False) -> dict:
-        seen.append(text)
-        return parse(self, text, partial=partial)
-
-    monkeypatch.setattr(ChatParser, "parse", counted)
-    return seen
-
-
 def test_a_reply_without_tools_or_thinking_streams_through_unparsed(scripted, thinker, parses) -> None:
     """No tools, and a template with no thinking (Qwen3-Coder's) under the server's default
     reasoning_format (deepseek): the pieces go straight out, chat.cpp's parser never runs (it ran
