@@ -258,8 +258,9 @@ convert(sys.argv[1] + '/tiny', sys.argv[1] + '/tiny-f32.gguf', outtype='f32', pr
 convert(sys.argv[1] + '/tiny', sys.argv[1] + '/tiny-q8_0.gguf', outtype='q8_0', progress=False); \
 convert_quantized(sys.argv[1] + '/small', sys.argv[1] + '/small-q4_k_m.gguf', 'Q4_K_M', progress=False)" "$dir"
     local ops op plain=() sort_rows=0 gguf
-    ops=$(env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/clover-ops" "$dir/tiny-f32.gguf" 8)
-    for gguf in tiny-f32 tiny-q8_0 small-q4_k_m; do
+    # the op list (printed) and the cases (--export) from one run per model
+    ops=$(env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/clover-ops" "$dir/tiny-f32.gguf" 8 --export "$dir/tiny-f32.cases")
+    for gguf in tiny-q8_0 small-q4_k_m; do
         env "${VULKAN_ENV[@]}" "$VULKAN_BUILD/bin/clover-ops" "$dir/$gguf.gguf" 8 --export "$dir/$gguf.cases" >/dev/null
     done
     cat "$dir"/*.cases > "$dir/graph.cases"
