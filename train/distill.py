@@ -224,7 +224,7 @@ def finetune(a: argparse.Namespace) -> list[float]:
 
     from clover_testkit.reference import CloverConfig
     from train.model import CloverTorch
-    from train.train import (AUX_WEIGHT, ar_loss, diffusion_select, heldout_if_due, heldout_loss,
+    from train.train import (ADAMW, AUX_WEIGHT, ar_loss, diffusion_select, heldout_if_due, heldout_loss,
                              heldout_windows, load_ckpt, lr_at, make_optimizer, mask_blocks, masked_loss,
                              open_log, optimizer_step, parse_block_sizes, save_ckpt)
 
@@ -237,8 +237,8 @@ def finetune(a: argparse.Namespace) -> list[float]:
     model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
     if a.train_only == "block":
         # no weight decay: it would shrink the embedding's real-token rows too
-        opt = torch.optim.AdamW(block_only_parameters(model, cfg.mask_token_id), lr=a.lr,
-                                betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        opt = torch.optim.AdamW(block_only_parameters(model, cfg.mask_token_id), lr=a.lr, weight_decay=0.0,
+                                **ADAMW)
     else:
         opt = make_optimizer(model, a)
     rng = np.random.default_rng(a.seed)

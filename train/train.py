@@ -190,13 +190,15 @@ def heldout_if_due(model: CloverTorch, windows: np.ndarray, cfg: CloverConfig, a
     return "", ""
 
 
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8)  # every optimizer of train/ (train.distill's too)
+
+
 def make_optimizer(model: CloverTorch, a: argparse.Namespace) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for name, p in model.p.items():
         (decay if p.ndim >= 2 and "conv1d" not in name and "block_calib" not in name else no_decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+                              {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, **ADAMW)
 
 
 def save_ckpt(path: Path, model, opt, step: int, rng: np.random.Generator, a, elapsed: float) -> None:
