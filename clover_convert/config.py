@@ -18,6 +18,7 @@ from clover_gguf.keys import (  # re-exported: the GGUF names of our own (one ow
     BLOCK_OPERATOR_RELEASE,
     BLOCK_OPERATORS,
     KEY_BLOCK_OPERATOR,
+    KEY_CANVAS_FFN_LENGTH,
     KEY_CONV_LOOKAHEAD,
     KEY_DIFFUSION_BLOCK_SIZE,
     KEY_RECURRENT_LAYERS,
@@ -37,6 +38,7 @@ __all__ = [
     "CONFIG_SEMANTICS",
     "SEMANTICS",
     "KEY_BLOCK_OPERATOR",
+    "KEY_CANVAS_FFN_LENGTH",
     "BLOCK_OPERATOR_CLOVER",
     "BLOCK_OPERATOR_RELEASE",
     "BLOCK_OPERATORS",
@@ -107,6 +109,7 @@ class CloverConfig:
     clover_semantics: str = SEMANTICS     # CONFIG_SEMANTICS: what the weights were trained for
     num_shared_experts: int = 1           # the release's key (expert_shared_count); only 1 runs
     block_operator: str = BLOCK_OPERATOR_CLOVER  # KEY_BLOCK_OPERATOR: decided by the tensors (detect_block_operator)
+    canvas_ffn_intermediate_size: int = 0  # KEY_CANVAS_FFN_LENGTH: the canvas FFN's width (spec/model.md); 0 = none
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "CloverConfig":
@@ -118,6 +121,8 @@ class CloverConfig:
         d = {f.name: getattr(self, f.name) for f in fields(self)
              if f.name not in ("raw", "eos_token_ids", "block_operator", "num_shared_experts")}
         d["layer_types"] = list(self.layer_types)
+        if not self.canvas_ffn_intermediate_size:  # absent = none: configs without it read back the same
+            d.pop("canvas_ffn_intermediate_size")
         if len(self.eos_token_ids) > 1:
             d["eos_token_id"] = list(self.eos_token_ids)
         return d
@@ -178,6 +183,10 @@ class CloverConfig:
     @property
     def Is(self) -> int:
         return self.shared_expert_intermediate_size
+
+    @property
+    def Ic(self) -> int:
+        return self.canvas_ffn_intermediate_size
 
     @property
     def nh(self) -> int:
@@ -325,6 +334,9 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
     B0 = opt_int("block_size", 32)
     ctx = opt_int("max_position_embeddings", 262144)
     n_shared = opt_int("num_shared_experts", 1, minimum=0)
+    canvas_ffn = opt_int("canvas_ffn_intermediate_size", 0, minimum=0)
+    if release and canvas_ffn:
+        raise _err("canvas_ffn_intermediate_size", "must be 0 for the release's layout (it has no canvas FFN)", canvas_ffn)
     if n_shared != 1:
         raise _err("num_shared_experts", "must be 1 (the graph has one gated shared expert)", n_shared)
 
@@ -394,6 +406,6 @@ def parse_config(cfg: dict[str, Any]) -> CloverConfig:
         rms_norm_eps=eps, block_size=B0, mask_token_id=mask, eos_token_id=token_id("eos_token_id"),
         bos_token_id=token_id("bos_token_id"), pad_token_id=token_id("pad_token_id"),
         tie_word_embeddings=tied, max_position_embeddings=ctx, raw=cfg, eos_token_ids=token_ids("eos_token_id"),
-        clover_semantics=semantics, num_shared_experts=n_shared,
+        clover_semantics=semantics, num_shared_experts=n_shared, canvas_ffn_intermediate_size=canvas_ffn,
         block_operator=BLOCK_OPERATOR_RELEASE if release else BLOCK_OPERATOR_CLOVER,
     )

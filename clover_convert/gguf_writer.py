@@ -168,6 +168,8 @@ def add_metadata(w: GGUFWriter, cfg: CloverConfig, tok: TokenizerInfo, outtype: 
     w.add_string(keys.KEY_SEMANTICS.format(arch=w.arch), cfg.clover_semantics)
     w.add_string(keys.KEY_BLOCK_OPERATOR.format(arch=w.arch), cfg.block_operator)
     w.add_expert_shared_count(cfg.num_shared_experts)
+    if cfg.canvas_ffn_intermediate_size:
+        w.add_uint32(keys.KEY_CANVAS_FFN_LENGTH.format(arch=w.arch), cfg.canvas_ffn_intermediate_size)
     coreset = cfg.raw.get(gguf_keys.CONFIG_EXPERT_CORESET)  # the file's default block expert coreset, if given
     if coreset is not None:
         if isinstance(coreset, bool) or not isinstance(coreset, int) or not 0 <= coreset <= 0xFFFFFFFF:

@@ -11,7 +11,8 @@ Each :class:`Rule` maps one HF tensor name pattern to one GGUF name and says
 
 * ``scope``   -- which layers have it: ``global``, ``layer`` (every layer), ``gdn``
   (GatedDeltaNet / ``linear_attention`` layers), ``attn`` (``full_attention`` layers),
-  ``moe`` (every layer), ``experts`` (every layer, stacked over experts);
+  ``moe`` (every layer), ``experts`` (every layer, stacked over experts), ``canvas`` (every layer
+  when the config has a canvas FFN, ``canvas_ffn_intermediate_size`` > 0);
 * ``shape``   -- the HF shape expected from the config (a function of :class:`CloverConfig`);
 * ``out``     -- the GGUF shape when it differs (squeezes), else the HF shape;
 * ``fn``      -- an element-wise transform, applied in float32:
@@ -154,6 +155,10 @@ TENSOR_TABLE: list[Rule] = [
     Rule(ML + "shared_expert.down_proj.weight", "blk.{i}.ffn_down_shexp.weight", "moe", lambda c: (c.H, c.Is)),
     Rule(ML + "shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight", "moe", lambda c: (1, c.H),
          out=lambda c: (c.H,), f32=True),
+    # -- the canvas FFN (spec/model.md "Canvas FFN"): block-pass rows only, never a commit
+    Rule(ML + "canvas_ffn.gate_proj.weight", "blk.{i}.ffn_gate_canvas.weight", "canvas", lambda c: (c.Ic, c.H)),
+    Rule(ML + "canvas_ffn.up_proj.weight", "blk.{i}.ffn_up_canvas.weight", "canvas", lambda c: (c.Ic, c.H)),
+    Rule(ML + "canvas_ffn.down_proj.weight", "blk.{i}.ffn_down_canvas.weight", "canvas", lambda c: (c.H, c.Ic)),
 ]
 
 # GGUF names (with {i}) that are always F32, derived from the table (for tests and docs)
@@ -186,6 +191,8 @@ def rule_applies(rule: Rule, cfg: CloverConfig, i: int | None) -> bool:
         return True
     if rule.scope == "attn":
         return not cfg.is_recurrent(i)
+    if rule.scope == "canvas":
+        return cfg.canvas_ffn_intermediate_size > 0
     return True  # layer, moe, experts
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "BLOCK_OPERATOR_RELEASE",
     "BLOCK_OPERATORS",
     "KEY_EXPERT_CORESET",
+    "KEY_CANVAS_FFN_LENGTH",
     "CONFIG_EXPERT_CORESET",
 ]
 
@@ -32,6 +33,8 @@ KEY_DIFFUSION_BLOCK_SIZE = "{arch}.diffusion.block_size"    # B0, the training b
 KEY_SEMANTICS = "{arch}.semantics"                          # string: SEMANTICS, what the weights were trained for
 KEY_EXPERT_CORESET = "{arch}.expert_coreset"                # uint32: the file's default block expert coreset C
                                                             # (spec/model.md "MoE"; 0 or absent = off)
+KEY_CANVAS_FFN_LENGTH = "{arch}.canvas_feed_forward_length"  # uint32: the canvas FFN's width (spec/model.md,
+                                                                # "Canvas FFN"); absent = none
 CONFIG_EXPERT_CORESET = "expert_coreset"                    # config.json's key for it (the converter writes it)
 
 # Which semantics the weights were trained for (spec/model.md): the GGUF's KEY_SEMANTICS (and

@@ -28,6 +28,7 @@ train.export turns the run into an HF checkpoint (models/clover-default).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -189,16 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows whose causal next-token loss is trained: all of the batch, or only the "
                         "real-text rows (the anchor that keeps B = 1 a model of real text, not of its own "
                         "greedy loops)")
-    f.add_argument("--train-only", choices=("all", "block"), default="all",
+    f.add_argument("--train-only", choices=("all", "block", "canvas"), default="all",
                    help="parameters trained: all, or only those a block pass reads and a commit never "
-                        "does (block_only_parameters): B = 1 output and perplexity stay bit-identical")
+                        "does (block_only_parameters): B = 1 output and perplexity stay bit-identical; "
+                        "canvas = those and the canvas FFN (--canvas-ffn)")
+    f.add_argument("--canvas-ffn", type=int, default=0,
+                   help="add a canvas FFN of this width (spec/model.md) when --init has none; it starts "
+                        "as no change (down_proj = 0)")
     add_optimizer_args(f, lr=5e-4, warmup=20, threads=2)
     return ap
 
 
 def block_only_parameters(model, mask_id: int) -> list:
     """Freeze all but what only a block pass reads (spec/model.md), and return those: the GDN
-    look-ahead taps (a commit sees nothing ahead), the block softmax's calibration theta, phi
+    look-ahead taps (a commit sees nothing ahead), the canvas FFN when the model has one (block-pass
+    rows only), the block softmax's calibration theta, phi
     (a commit's block of one gives o_blk = v whatever tau is) and the mask token's embedding row
     (commits hold real tokens; the other rows' gradient is zeroed). The causal path, hence the
     B = 1 output and the perplexity, stays bit-identical."""
@@ -206,7 +212,7 @@ def block_only_parameters(model, mask_id: int) -> list:
 
     trained = []
     for name, p in model.p.items():
-        block = name.endswith(("conv1d_lookahead__weight", "block_calib"))
+        block = name.endswith(("conv1d_lookahead__weight", "block_calib")) or "__canvas_ffn__" in name
         if name == "model__embed_tokens__weight":
             row = torch.zeros(p.shape[0], 1)
             row[mask_id] = 1.0
@@ -232,10 +238,12 @@ def finetune(a: argparse.Namespace) -> list[float]:
     out, data, init = Path(a.out), Path(a.data), Path(a.init)
     out.mkdir(parents=True, exist_ok=True)
     cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
+    if a.canvas_ffn and not cfg.canvas_ffn_intermediate_size:
+        cfg = dataclasses.replace(cfg, canvas_ffn_intermediate_size=a.canvas_ffn)
     torch.manual_seed(a.seed)
     model = CloverTorch(cfg, seed=a.seed)
     model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
-    if a.train_only == "block":
+    if a.train_only in ("block", "canvas"):
         # no weight decay: it would shrink the embedding's real-token rows too
         opt = torch.optim.AdamW(block_only_parameters(model, cfg.mask_token_id), lr=a.lr, weight_decay=0.0,
                                 **ADAMW)
@@ -246,7 +254,7 @@ def finetune(a: argparse.Namespace) -> list[float]:
     ck = out / "ckpt.pt"
     if a.resume and ck.is_file():
         step, elapsed = load_ckpt(ck, model, opt, rng)
-    (out / "config.json").write_text((init / "config.json").read_text())
+    (out / "config.json").write_text(run_config_json(init, cfg))
     (out / "args.json").write_text(json.dumps(vars(a), indent=1) + "\n")
     rounds = max(1, a.rounds)
     round_len = -(-a.steps // rounds)
@@ -344,15 +352,27 @@ def load_round_traj(a: argparse.Namespace, out: Path, r: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- 3. export + quick check
+def run_config_json(init: Path, cfg) -> str:
+    """init's config.json, with the run's canvas FFN width when it added one."""
+    d = json.loads((init / "config.json").read_text())
+    if cfg.canvas_ffn_intermediate_size:
+        d["canvas_ffn_intermediate_size"] = cfg.canvas_ffn_intermediate_size
+    return json.dumps(d, indent=2) + "\n"
+
+
 def export_weights(run: Path, init: Path, out: Path) -> None:
     """The run's weights as an HF checkpoint (matrices bf16, the rest f32, as train.export),
-    config / tokenizer / generation config copied from the checkpoint it started from."""
+    tokenizer / generation config copied from the checkpoint it started from, its config.json
+    with the run's canvas FFN width (run_config_json)."""
     import shutil
 
     from train.export import load_run, write_weights
 
-    write_weights(load_run(run)[0], out)
-    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    model = load_run(run)[0]
+    config = run_config_json(init, model.cfg)
+    write_weights(model, out)
+    (out / "config.json").write_text(config)
+    for f in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (init / f).is_file() and init.resolve() != out.resolve():
             shutil.copyfile(init / f, out / f)
 

@@ -64,6 +64,8 @@ def hf_config(cfg: CloverConfig) -> dict:
     d = {k: getattr(cfg, k) for k in keys}
     d["layer_types"] = list(d["layer_types"])
     d["pad_token_id"] = cfg.eos_token_id
+    if cfg.canvas_ffn_intermediate_size:
+        d["canvas_ffn_intermediate_size"] = cfg.canvas_ffn_intermediate_size
     d.update(HF_EXTRA)
     return dict(sorted(d.items()))
 

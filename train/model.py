@@ -111,6 +111,8 @@ class CloverTorch(nn.Module):
             return randn(0.1)
         if leaf.endswith("in_proj_m"):
             return torch.zeros(shape)        # lambda = 0.5 at start
+        if name.endswith("canvas_ffn.down_proj.weight"):
+            return torch.zeros(shape)        # a new canvas FFN starts as no change to the block pass
         if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")) or name.endswith("experts.down_proj"):
             return randn(0.02 / math.sqrt(2 * L))
         return randn(0.02)
@@ -154,6 +156,8 @@ class CloverTorch(nn.Module):
                                                   for e in range(c.num_experts)])
         for k, prm in self.p.items():
             name = k.replace("__", ".")
+            if ".canvas_ffn." in name and name not in w:
+                continue   # a checkpoint from before the canvas FFN: it keeps its start (no change)
             if tuple(w[name].shape) != tuple(prm.shape):
                 raise ValueError(f"{name}: {tuple(w[name].shape)} != {tuple(prm.shape)}")
             prm.copy_(w[name].to(prm.dtype))
@@ -184,6 +188,11 @@ class CloverTorch(nn.Module):
             0, topi.reshape(-1), torch.ones(topi.numel(), dtype=x.dtype, device=x.device)) / topi.numel()
         aux = E * (frac.detach() * probs.mean(0)).sum()
         return out, aux
+
+    def _canvas_ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp.canvas_ffn."
+        h = F.silu(x @ self.W(p + "gate_proj.weight").T) * (x @ self.W(p + "up_proj.weight").T)
+        return h @ self.W(p + "down_proj.weight").T
 
     # ------------------------------------------------------------------ mixers
     # Both mixers take the clean stream xc [N, T, H] (positions 0..T-1, causal: every token a
@@ -350,9 +359,12 @@ class CloverTorch(nn.Module):
             mc, mn = mix(i, xc, xn, B, offset, trace)
             w_post = self.W(p + "post_attention_layernorm.weight")
             h = torch.cat([hc + mc, hn + mn], 1)
-            y, a = self._moe(i, rms_norm_1p(h, w_post, c.rms_norm_eps).reshape(N * (T + M), -1))
+            hpost = rms_norm_1p(h, w_post, c.rms_norm_eps)
+            y, a = self._moe(i, hpost.reshape(N * (T + M), -1))
             h = h + y.reshape(N, T + M, -1)
             hc, hn = h[:, :T], h[:, T:]
+            if c.canvas_ffn_intermediate_size:   # the canvas FFN: block-pass rows only
+                hn = hn + self._canvas_ffn(i, hpost[:, T:])
             aux = aux + a
         head = emb if self.tied else self.W("lm_head.weight")
         w_out = self.W("model.norm.weight")

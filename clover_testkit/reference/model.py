@@ -267,6 +267,11 @@ class CloverReference:
         shared = hs @ W("shared_expert.down_proj.weight").T
         return out + sigmoid(x @ W("shared_expert_gate.weight").T) * shared
 
+    def _canvas_ffn(self, i: int, x: np.ndarray) -> np.ndarray:
+        """The canvas FFN (spec/model.md): a dense SwiGLU on the MoE's input, block-pass rows only."""
+        W = lambda name: self.w[f"model.layers.{i}.mlp.canvas_ffn.{name}.weight"]  # noqa: E731
+        return (silu(x @ W("gate_proj").T) * (x @ W("up_proj").T)) @ W("down_proj").T
+
     # -- passes ---------------------------------------------------------------------
     def _tokens(self, tokens: Sequence[int]) -> np.ndarray:
         toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -275,7 +280,7 @@ class CloverReference:
         return toks
 
     def trace(self, mem: Memory, tokens: Sequence[int], block_size: int,
-              coreset: int | None = None) -> tuple[np.ndarray, list[dict]]:
+              coreset: int | None = None, canvas: bool = True) -> tuple[np.ndarray, list[dict]]:
         """Block pass that also returns per-layer intermediates (for checks and commit).
 
         The canvas is tokens (1 <= n <= block_size) at positions mem.n_committed .. +n-1.
@@ -284,7 +289,9 @@ class CloverReference:
         (L2-normed, per key head), v, b, a, m, z (projections), tau and o (mixed, pre-norm);
         attention layers add k, v as appended to the KV cache ([nkv, n, dh], k after RoPE);
         every layer adds experts ([n, k'] the routed experts of each row). coreset: the block
-        expert coreset C (None or 0 = off; a canvas of one row always routes fully).
+        expert coreset C (None or 0 = off; a canvas of one row always routes fully). canvas:
+        the rows are a block pass's (the canvas FFN runs on them, when the model has one), not a
+        commit's token (commit traces each token with canvas=False).
         """
         B = block_size
         if isinstance(B, bool) or not isinstance(B, (int, np.integer)) or B < 1:
@@ -305,8 +312,10 @@ class CloverReference:
                 mix, rec = self._attn(i, xn, mem, pos)
             h = x + mix
             routed: list = []
-            x = h + self._moe(i, rms_norm_1p(h, self.w[p + "post_attention_layernorm.weight"],
-                                             c.rms_norm_eps), coreset if len(toks) > 1 else None, routed)
+            hn = rms_norm_1p(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x = h + self._moe(i, hn, coreset if len(toks) > 1 else None, routed)
+            if canvas and c.canvas_ffn_intermediate_size:
+                x = x + self._canvas_ffn(i, hn)
             rec.update(x_in=xn, mix=mix, h=h, x_out=x, experts=routed[0])
             layers.append(rec)
         logits = rms_norm_1p(x, self.w["model.norm.weight"], c.rms_norm_eps) @ self.lm_head.T
@@ -349,7 +358,7 @@ class CloverReference:
             raise ValueError("commit takes at least one token")
         rows = []
         for t in toks:
-            logits, layers = self.trace(mem, [int(t)], 1)
+            logits, layers = self.trace(mem, [int(t)], 1, canvas=False)
             self._write_token(mem, layers)
             rows.append(logits[0])
         return np.stack(rows)

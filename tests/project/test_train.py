@@ -265,10 +265,11 @@ def test_forward_is_causal():
     assert torch.equal(n1, n3)
 
 
-@pytest.mark.parametrize("B,o", [(4, 1), (4, 4), (3, 2)])
-def test_forward_matches_reference(B, o):
-    """forward_train == the numpy reference (commit is causal; block_pass against the memory)."""
-    cfg = tiny_cfg()
+@pytest.mark.parametrize("B,o,canvas_ffn", [(4, 1, 0), (4, 4, 0), (3, 2, 0), (4, 2, 6)])
+def test_forward_matches_reference(B, o, canvas_ffn):
+    """forward_train == the numpy reference (commit is causal; block_pass against the memory),
+    with a canvas FFN too (on the block passes' rows only)."""
+    cfg = tiny_cfg(canvas_ffn_intermediate_size=canvas_ffn)
     model = random_model(cfg)
     ref = CloverReference(cfg, {k: v.numpy() for k, v in model.hf_state_dict().items()})
     rng = np.random.default_rng(B + o)
@@ -484,6 +485,47 @@ def test_distill_train_only_block_keeps_the_causal_path(tmp_path):
         else:
             assert key.endswith(("conv1d_lookahead__weight", "block_calib")), key
     assert any(k.endswith("conv1d_lookahead__weight") for k in moved)
+
+
+def test_distill_train_only_canvas_adds_a_canvas_ffn_and_keeps_the_causal_path(tmp_path):
+    """--train-only canvas --canvas-ffn N: the run's model has a canvas FFN (its config says so,
+    its export too), only block-only tensors move (the canvas FFN among them), and the causal
+    stream's logits are bit-identical to the starting model's."""
+    from safetensors.torch import load_file
+
+    from train import distill
+
+    init, data = _distill_inputs(tmp_path)
+    (tmp_path / "traj").mkdir()
+    rows = np.random.default_rng(1).integers(0, 60, size=(4, distill.PROMPT_LEN + distill.NEW_TOKENS))
+    np.save(tmp_path / "traj" / "traj.npy", rows.astype(np.int16))
+    distill.finetune(distill.build_parser().parse_args(
+        ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
+         "--out", str(tmp_path / "run"), "--batch", "2", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0",
+         "--warmup", "1", "--eval-windows", "2", "--threads", "1", "--steps", "3", "--lr", "1e-2",
+         "--certainty", "1", "--train-only", "canvas", "--canvas-ffn", "12"]))
+    cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
+    before = CloverTorch(cfg)
+    before.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
+    after = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    moved = [k for k, w in after.items() if k not in before.state_dict() or not torch.equal(before.state_dict()[k], w)]
+    assert any("canvas_ffn__down_proj" in k for k in moved)
+    for key in moved:
+        assert "canvas_ffn" in key or key.endswith(("conv1d_lookahead__weight", "block_calib", "embed_tokens__weight")), key
+    distill.export_weights(tmp_path / "run", init, tmp_path / "export")
+    out_cfg = CloverConfig.from_dict(json.loads((tmp_path / "export" / "config.json").read_text()))
+    assert out_cfg.canvas_ffn_intermediate_size == 12
+    assert "model.layers.0.mlp.canvas_ffn.down_proj.weight" in load_file(str(tmp_path / "export" / "model.safetensors"))
+    trained = CloverTorch(out_cfg)
+    trained.load_state_dict(after)
+    clean = torch.as_tensor(rows[:2, :32].astype(np.int64))
+    noisy = clean.clone()
+    noisy[:, 8:] = cfg.mask_token_id
+    with torch.no_grad():
+        c0, n0, _ = before.forward_train(clean, noisy, 8, 8)
+        c1, n1, _ = trained.forward_train(clean, noisy, 8, 8)
+    assert torch.equal(c0, c1)                       # the causal path: bit-identical
+    assert not torch.allclose(n0, n1)                # the block passes moved
 
 
 @pytest.mark.needs_libclover

@@ -8,6 +8,8 @@
 // everything before it, bidirectional inside the canvas (KV mask, block softmax, look-ahead
 // taps), and not written into the GDN state or conv tail (libclover drops the canvas's
 // KV cells). So one llama_decode can commit a block causally and run the next block's first pass.
+// A file with a canvas FFN (clover.canvas_feed_forward_length) adds it to the MoE output of the canvas
+// rows, never to a committed token's.
 // With llama_set_expert_coreset(ctx, C) (spec/model.md, "MoE"), the MoE layers of a canvas of two or
 // more tokens route its tokens among the C experts of highest router probability summed over the
 // canvas only; committed tokens keep full routing.
@@ -90,6 +92,7 @@ void llama_model_clover::load_arch_hparams(llama_model_loader & ml) {
     ml.get_key(LLM_KV_SSM_TIME_STEP_RANK,   hparams.ssm_dt_rank);
     ml.get_key(LLM_KV_SSM_GROUP_COUNT,      hparams.ssm_n_group);
     ml.get_key(LLM_KV_DIFFUSION_BLOCK_SIZE, hparams.diffusion_block_size);
+    ml.get_key(LLM_KV_CANVAS_FEED_FORWARD_LENGTH, hparams.n_ff_canvas, false);
     ml.get_key_or_arr(LLM_KV_ATTENTION_RECURRENT_LAYERS, hparams.is_recr_impl, hparams.n_layer_all, true);
     {
         std::string op;
@@ -209,6 +212,13 @@ void llama_model_clover::load_arch_tensors(llama_model_loader & ml) {
         layer.ffn_gate_shexp     = create_tensor(tn(LLM_TENSOR_FFN_GATE_SHEXP,     "weight", il), { n_embd, n_ff_sh }, 0);
         layer.ffn_up_shexp       = create_tensor(tn(LLM_TENSOR_FFN_UP_SHEXP,       "weight", il), { n_embd, n_ff_sh }, 0);
         layer.ffn_down_shexp     = create_tensor(tn(LLM_TENSOR_FFN_DOWN_SHEXP,     "weight", il), { n_ff_sh, n_embd }, 0);
+
+        if (hparams.n_ff_canvas > 0) {
+            const int64_t n_ff_cv = hparams.n_ff_canvas;
+            layer.ffn_gate_canvas = create_tensor(tn(LLM_TENSOR_FFN_GATE_CANVAS, "weight", il), { n_embd, n_ff_cv }, 0);
+            layer.ffn_up_canvas   = create_tensor(tn(LLM_TENSOR_FFN_UP_CANVAS,   "weight", il), { n_embd, n_ff_cv }, 0);
+            layer.ffn_down_canvas = create_tensor(tn(LLM_TENSOR_FFN_DOWN_CANVAS, "weight", il), { n_ff_cv, n_embd }, 0);
+        }
     }
 }
 
@@ -239,8 +249,9 @@ llama_model_clover::graph::graph(const llama_model & model, const llm_graph_para
     auto * inp         = build_inp_mem_hybrid();
     ggml_tensor * pos  = build_inp_pos();
     ggml_tensor * outs = build_inp_out_ids();
-    // the coreset sums the router over all canvas rows: the last layer keeps every row until its MoE ran
-    const bool rows_after_moe = blocks->n_coreset > 0;
+    // the coreset sums the router over all canvas rows, and the canvas FFN runs on the canvas rows: the
+    // last layer keeps every row until its MoE ran
+    const bool rows_after_moe = blocks->n_coreset > 0 || (blocks->n_canvas > 0 && hparams.n_ff_canvas > 0);
 
     for (int il = 0; il < n_layer; ++il) {
         const auto & layer = model.layers[il];
@@ -574,5 +585,29 @@ ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int 
     shared = ggml_mul(ctx0, shared, ggml_sigmoid(ctx0, build_lora_mm(layer.ffn_gate_inp_shexp, cur)));
     cb(shared, "ffn_shexp_gated", il);
 
-    return ggml_add(ctx0, routed, shared);
+    ggml_tensor * out = ggml_add(ctx0, routed, shared);
+    if (layer.ffn_gate_canvas == nullptr || blocks->n_canvas == 0) {
+        return out;
+    }
+
+    // the canvas FFN (spec/model.md): a dense SwiGLU on the MoE's input, added on the canvas rows only
+    const int64_t n_tok = blocks->n_tok, n_seqs = blocks->n_seqs, n_canvas = blocks->n_canvas;
+    const int64_t n_commit = n_tok - n_canvas;
+    GGML_ASSERT(cur->ne[1] == n_tok * n_seqs); // every row: the output rows are taken after the last MoE
+    auto rows = [&](ggml_tensor * x, int64_t t0, int64_t n) {
+        ggml_tensor * x3 = ggml_reshape_3d(ctx0, x, n_embd, n_tok, n_seqs);
+        return ggml_cont(ctx0, ggml_view_3d(ctx0, x3, n_embd, n, n_seqs, x3->nb[1], x3->nb[2], t0 * x3->nb[1]));
+    };
+    ggml_tensor * xc = ggml_reshape_2d(ctx0, rows(cur, n_commit, n_canvas), n_embd, n_canvas * n_seqs);
+    ggml_tensor * canvas = build_ffn(xc,
+            layer.ffn_up_canvas,   nullptr, nullptr,
+            layer.ffn_gate_canvas, nullptr, nullptr,
+            layer.ffn_down_canvas, nullptr, nullptr,
+            nullptr, LLM_FFN_SILU, LLM_FFN_PAR, il);
+    cb(canvas, "ffn_canvas", il);
+    canvas = ggml_add(ctx0, rows(out, n_commit, n_canvas), ggml_reshape_3d(ctx0, canvas, n_embd, n_canvas, n_seqs));
+    if (n_commit > 0) {
+        canvas = ggml_concat(ctx0, rows(out, 0, n_commit), canvas, 1);
+    }
+    return ggml_reshape_2d(ctx0, canvas, n_embd, n_tok * n_seqs);
 }
