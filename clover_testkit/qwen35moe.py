@@ -2,12 +2,12 @@
 
 * :func:`qwen35moe_checkpoint`: a Clover Hugging Face checkpoint as a Qwen3.5-MoE one
   (``model_type: qwen3_5_moe_text``; the same tensors less Clover's memory gate, look-ahead taps and
-  block calibration), for upstream llama.cpp's ``convert_hf_to_gguf.py`` (:func:`upstream_convert`,
+  block calibration and canvas FFN), for upstream llama.cpp's ``convert_hf_to_gguf.py`` (:func:`upstream_convert`,
   torch needed);
 * :func:`qwen35moe_from_clover`: the qwen35moe twin of a Clover GGUF, written with gguf-py: llama.cpp's own Qwen3.5-MoE architecture with the same
 dimensions and weights. Every tensor and key of the clover GGUF except the clover-only ones
-(``ssm_mix``, ``ssm_conv1d_look``, ``ssm_block_calib``; ``ssm.conv_lookahead``,
-``diffusion.block_size``), keys renamed ``clover.*`` -> ``qwen35moe.*`` plus
+(``ssm_mix``, ``ssm_conv1d_look``, ``ssm_block_calib``, ``ffn_*_canvas``; ``ssm.conv_lookahead``,
+``diffusion.block_size``, ``canvas_feed_forward_length``), keys renamed ``clover.*`` -> ``qwen35moe.*`` plus
 ``rope.dimension_sections``; the tensors copied byte for byte (the same types). The chat template
 is left out. What the GGUFs users already have of Qwen3.5-MoE look like to the loader (the
 benchmarks' same-size baseline, and the fixture of tests/runtime/test_qwen35moe.py)."""
@@ -22,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 UPSTREAM = REPO / "third_party" / "llama.cpp" / "convert_hf_to_gguf.py"
-CLOVER_ONLY_HF = ("in_proj_m.weight", "conv1d_lookahead.weight", "block_calib")
+CLOVER_ONLY_HF = ("in_proj_m.weight", "conv1d_lookahead.weight", "block_calib", "canvas_ffn.gate_proj.weight",
+                  "canvas_ffn.up_proj.weight", "canvas_ffn.down_proj.weight")
 # upstream's converter with its pre-tokenizer check answered (the fixture tokenizer is a
 # Qwen2-style byte-level BPE whose hash upstream does not list), then run as a script
 UPSTREAM_RUNNER = r"""
@@ -34,8 +35,9 @@ sys.argv = [sys.argv[2]] + sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
-CLOVER_ONLY_TENSORS = ("ssm_mix", "ssm_conv1d_look", "ssm_block_calib")
-CLOVER_ONLY_KEYS = ("clover.ssm.conv_lookahead", "clover.diffusion.block_size")
+CLOVER_ONLY_TENSORS = ("ssm_mix", "ssm_conv1d_look", "ssm_block_calib", "ffn_gate_canvas", "ffn_up_canvas",
+                       "ffn_down_canvas")
+CLOVER_ONLY_KEYS = ("clover.ssm.conv_lookahead", "clover.diffusion.block_size", "clover.canvas_feed_forward_length")
 
 
 def copy_field(writer, field, key: str) -> None:
@@ -100,6 +102,7 @@ def qwen35moe_checkpoint(src: Path, dst: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     for k in ("linear_conv_lookahead", "block_size", "mask_token_id"):
         cfg.pop(k, None)
+    cfg.pop("canvas_ffn_intermediate_size", None)   # block passes only: not the trunk's
     cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
                rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e7),
                                 "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),
