@@ -155,7 +155,7 @@ TENSOR_TABLE: list[Rule] = [
     Rule(ML + "shared_expert.down_proj.weight", "blk.{i}.ffn_down_shexp.weight", "moe", lambda c: (c.H, c.Is)),
     Rule(ML + "shared_expert_gate.weight", "blk.{i}.ffn_gate_inp_shexp.weight", "moe", lambda c: (1, c.H),
          out=lambda c: (c.H,), f32=True),
-    # -- the canvas FFN (spec/model.md "Canvas FFN"): block-pass rows only, never a commit
+    # -- the canvas FFN (spec/model.md "The canvas FFN"): block-pass rows only, never a commit
     Rule(ML + "canvas_ffn.gate_proj.weight", "blk.{i}.ffn_gate_canvas.weight", "canvas", lambda c: (c.Ic, c.H)),
     Rule(ML + "canvas_ffn.up_proj.weight", "blk.{i}.ffn_up_canvas.weight", "canvas", lambda c: (c.Ic, c.H)),
     Rule(ML + "canvas_ffn.down_proj.weight", "blk.{i}.ffn_down_canvas.weight", "canvas", lambda c: (c.H, c.Ic)),

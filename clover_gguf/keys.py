@@ -34,7 +34,7 @@ KEY_SEMANTICS = "{arch}.semantics"                          # string: SEMANTICS,
 KEY_EXPERT_CORESET = "{arch}.expert_coreset"                # uint32: the file's default block expert coreset C
                                                             # (spec/model.md "MoE"; 0 or absent = off)
 KEY_CANVAS_FFN_LENGTH = "{arch}.canvas_feed_forward_length"  # uint32: the canvas FFN's width (spec/model.md,
-                                                                # "Canvas FFN"); absent = none
+                                                                # "The canvas FFN"); absent = none
 CONFIG_EXPERT_CORESET = "expert_coreset"                    # config.json's key for it (the converter writes it)
 
 # Which semantics the weights were trained for (spec/model.md): the GGUF's KEY_SEMANTICS (and

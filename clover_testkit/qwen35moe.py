@@ -100,9 +100,8 @@ def qwen35moe_checkpoint(src: Path, dst: Path) -> None:
 
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
-    for k in ("linear_conv_lookahead", "block_size", "mask_token_id"):
+    for k in ("linear_conv_lookahead", "block_size", "mask_token_id", "canvas_ffn_intermediate_size"):
         cfg.pop(k, None)
-    cfg.pop("canvas_ffn_intermediate_size", None)   # block passes only: not the trunk's
     cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
                rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1e7),
                                 "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25),

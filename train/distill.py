@@ -190,10 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows whose causal next-token loss is trained: all of the batch, or only the "
                         "real-text rows (the anchor that keeps B = 1 a model of real text, not of its own "
                         "greedy loops)")
-    f.add_argument("--train-only", choices=("all", "block", "canvas"), default="all",
+    f.add_argument("--train-only", choices=("all", "block"), default="all",
                    help="parameters trained: all, or only those a block pass reads and a commit never "
-                        "does (block_only_parameters): B = 1 output and perplexity stay bit-identical; "
-                        "canvas = those and the canvas FFN (--canvas-ffn)")
+                        "does (block_only_parameters, the canvas FFN among them): B = 1 output and "
+                        "perplexity stay bit-identical")
     f.add_argument("--canvas-ffn", type=int, default=0,
                    help="add a canvas FFN of this width (spec/model.md) when --init has none; it starts "
                         "as no change (down_proj = 0)")
@@ -243,7 +243,7 @@ def finetune(a: argparse.Namespace) -> list[float]:
     torch.manual_seed(a.seed)
     model = CloverTorch(cfg, seed=a.seed)
     model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
-    if a.train_only in ("block", "canvas"):
+    if a.train_only == "block":
         # no weight decay: it would shrink the embedding's real-token rows too
         opt = torch.optim.AdamW(block_only_parameters(model, cfg.mask_token_id), lr=a.lr, weight_decay=0.0,
                                 **ADAMW)

@@ -181,18 +181,18 @@ class CloverTorch(nn.Module):
             h = xe @ gu[e].T
             h = F.silu(h[:, :I]) * h[:, I:]
             out.index_add_(0, rows, (h @ dn[e].T) * topv[rows, slot, None])
-        hs = F.silu(x @ self.W(p + "shared_expert.gate_proj.weight").T) * (x @ self.W(p + "shared_expert.up_proj.weight").T)
-        shared = hs @ self.W(p + "shared_expert.down_proj.weight").T
+        shared = self._swiglu(p + "shared_expert.", x)
         out = out + torch.sigmoid(x @ self.W(p + "shared_expert_gate.weight").T) * shared
         frac = torch.zeros(E, dtype=x.dtype, device=x.device).index_add_(
             0, topi.reshape(-1), torch.ones(topi.numel(), dtype=x.dtype, device=x.device)) / topi.numel()
         aux = E * (frac.detach() * probs.mean(0)).sum()
         return out, aux
 
-    def _canvas_ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        p = f"model.layers.{i}.mlp.canvas_ffn."
-        h = F.silu(x @ self.W(p + "gate_proj.weight").T) * (x @ self.W(p + "up_proj.weight").T)
-        return h @ self.W(p + "down_proj.weight").T
+    def _swiglu(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) * up x) of a dense FFN (prefix{gate,up,down}_proj.weight): the shared
+        expert, and the canvas FFN on block-pass rows."""
+        h = F.silu(x @ self.W(prefix + "gate_proj.weight").T) * (x @ self.W(prefix + "up_proj.weight").T)
+        return h @ self.W(prefix + "down_proj.weight").T
 
     # ------------------------------------------------------------------ mixers
     # Both mixers take the clean stream xc [N, T, H] (positions 0..T-1, causal: every token a
@@ -364,7 +364,7 @@ class CloverTorch(nn.Module):
             h = h + y.reshape(N, T + M, -1)
             hc, hn = h[:, :T], h[:, T:]
             if c.canvas_ffn_intermediate_size:   # the canvas FFN: block-pass rows only
-                hn = hn + self._canvas_ffn(i, hpost[:, T:])
+                hn = hn + self._swiglu(p + "mlp.canvas_ffn.", hpost[:, T:])
             aux = aux + a
         head = emb if self.tied else self.W("lm_head.weight")
         w_out = self.W("model.norm.weight")

@@ -263,14 +263,14 @@ class CloverReference:
             e_, xe = f"experts.{e}.", x[rows]
             hmid = silu(xe @ W(e_ + "gate_proj.weight").T) * (xe @ W(e_ + "up_proj.weight").T)
             out[rows] += pw[rows, slot][:, None] * (hmid @ W(e_ + "down_proj.weight").T)
-        hs = silu(x @ W("shared_expert.gate_proj.weight").T) * (x @ W("shared_expert.up_proj.weight").T)
-        shared = hs @ W("shared_expert.down_proj.weight").T
+        shared = self._swiglu(p + "shared_expert.", x)
         return out + sigmoid(x @ W("shared_expert_gate.weight").T) * shared
 
-    def _canvas_ffn(self, i: int, x: np.ndarray) -> np.ndarray:
-        """The canvas FFN (spec/model.md): a dense SwiGLU on the MoE's input, block-pass rows only."""
-        W = lambda name: self.w[f"model.layers.{i}.mlp.canvas_ffn.{name}.weight"]  # noqa: E731
-        return (silu(x @ W("gate_proj").T) * (x @ W("up_proj").T)) @ W("down_proj").T
+    def _swiglu(self, prefix: str, x: np.ndarray) -> np.ndarray:
+        """down(silu(gate x) * up x) of the dense FFN whose weights are prefix{gate,up,down}_proj.weight:
+        the shared expert, and the canvas FFN (spec/model.md) on block-pass rows."""
+        W = lambda name: self.w[f"{prefix}{name}_proj.weight"]  # noqa: E731
+        return (silu(x @ W("gate").T) * (x @ W("up").T)) @ W("down").T
 
     # -- passes ---------------------------------------------------------------------
     def _tokens(self, tokens: Sequence[int]) -> np.ndarray:
@@ -315,7 +315,7 @@ class CloverReference:
             hn = rms_norm_1p(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             x = h + self._moe(i, hn, coreset if len(toks) > 1 else None, routed)
             if canvas and c.canvas_ffn_intermediate_size:
-                x = x + self._canvas_ffn(i, hn)
+                x = x + self._swiglu(p + "mlp.canvas_ffn.", hn)
             rec.update(x_in=xn, mix=mix, h=h, x_out=x, experts=routed[0])
             layers.append(rec)
         logits = rms_norm_1p(x, self.w["model.norm.weight"], c.rms_norm_eps) @ self.lm_head.T

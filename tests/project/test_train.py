@@ -457,9 +457,9 @@ def _distill_inputs(tmp_path):
     return init, data
 
 
-def test_distill_train_only_block_keeps_the_causal_path(tmp_path):
-    """--train-only block: after a step every tensor the causal path reads is bit-identical
-    (the embedding's real-token rows included) and the look-ahead taps have moved."""
+def _finetune_block_only(tmp_path, steps: int, *extra: str):
+    """A --train-only block run of `steps` steps on the tiny fixture (plus extra arguments):
+    (the init folder, its config, the starting model, the run's final state dict, the trajectories)."""
     from safetensors.torch import load_file
 
     from train import distill
@@ -471,12 +471,19 @@ def test_distill_train_only_block_keeps_the_causal_path(tmp_path):
     distill.finetune(distill.build_parser().parse_args(
         ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
          "--out", str(tmp_path / "run"), "--batch", "2", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0",
-         "--warmup", "1", "--eval-windows", "2", "--threads", "1", "--steps", "2", "--lr", "1e-2",
-         "--certainty", "1", "--train-only", "block"]))
+         "--warmup", "1", "--eval-windows", "2", "--threads", "1", "--steps", str(steps), "--lr", "1e-2",
+         "--certainty", "1", "--train-only", "block", *extra]))
     cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
     before = CloverTorch(cfg)
     before.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
     after = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    return init, cfg, before, after, rows
+
+
+def test_distill_train_only_block_keeps_the_causal_path(tmp_path):
+    """--train-only block: after a step every tensor the causal path reads is bit-identical
+    (the embedding's real-token rows included) and the look-ahead taps have moved."""
+    _, cfg, before, after, _ = _finetune_block_only(tmp_path, 2)
     moved = [k for k, w in before.state_dict().items() if not torch.equal(after[k], w)]
     real = torch.arange(cfg.vocab_size) != cfg.mask_token_id
     for key in moved:
@@ -487,27 +494,15 @@ def test_distill_train_only_block_keeps_the_causal_path(tmp_path):
     assert any(k.endswith("conv1d_lookahead__weight") for k in moved)
 
 
-def test_distill_train_only_canvas_adds_a_canvas_ffn_and_keeps_the_causal_path(tmp_path):
-    """--train-only canvas --canvas-ffn N: the run's model has a canvas FFN (its config says so,
+def test_distill_train_only_block_adds_a_canvas_ffn_and_keeps_the_causal_path(tmp_path):
+    """--train-only block --canvas-ffn N: the run's model has a canvas FFN (its config says so,
     its export too), only block-only tensors move (the canvas FFN among them), and the causal
     stream's logits are bit-identical to the starting model's."""
     from safetensors.torch import load_file
 
     from train import distill
 
-    init, data = _distill_inputs(tmp_path)
-    (tmp_path / "traj").mkdir()
-    rows = np.random.default_rng(1).integers(0, 60, size=(4, distill.PROMPT_LEN + distill.NEW_TOKENS))
-    np.save(tmp_path / "traj" / "traj.npy", rows.astype(np.int16))
-    distill.finetune(distill.build_parser().parse_args(
-        ["finetune", "--init", str(init), "--traj", str(tmp_path / "traj"), "--data", str(data),
-         "--out", str(tmp_path / "run"), "--batch", "2", "--block-sizes", "8:0.5,16:0.5", "--eval-every", "0",
-         "--warmup", "1", "--eval-windows", "2", "--threads", "1", "--steps", "3", "--lr", "1e-2",
-         "--certainty", "1", "--train-only", "canvas", "--canvas-ffn", "12"]))
-    cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
-    before = CloverTorch(cfg)
-    before.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
-    after = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    init, cfg, before, after, rows = _finetune_block_only(tmp_path, 3, "--canvas-ffn", "12")
     moved = [k for k, w in after.items() if k not in before.state_dict() or not torch.equal(before.state_dict()[k], w)]
     assert any("canvas_ffn__down_proj" in k for k in moved)
     for key in moved:

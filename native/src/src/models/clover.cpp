@@ -529,6 +529,17 @@ ggml_tensor * llama_model_clover::graph::build_layer_gdn(
 
 ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int il) {
     const auto & layer = model.layers[il];
+    const int64_t n_tok = blocks->n_tok, n_seqs = blocks->n_seqs, n_canvas = blocks->n_canvas;
+    const int64_t n_commit = n_tok - n_canvas;
+
+    // rows [t0, t0 + n) of every sequence of x [n_embd, n_tok * n_seqs], contiguous [n_embd, n * n_seqs]
+    // (the coreset and the canvas FFN treat the canvas rows apart: x must still have every row)
+    auto rows = [&](ggml_tensor * x, int64_t t0, int64_t n) {
+        GGML_ASSERT(x->ne[1] == n_tok * n_seqs); // the output rows are taken after the last MoE
+        ggml_tensor * x3 = ggml_reshape_3d(ctx0, x, n_embd, n_tok, n_seqs);
+        ggml_tensor * v  = ggml_view_3d(ctx0, x3, n_embd, n, n_seqs, x3->nb[1], x3->nb[2], t0 * x3->nb[1]);
+        return ggml_reshape_2d(ctx0, ggml_cont(ctx0, v), n_embd, n * n_seqs);
+    };
 
     // routed experts of rows x: selection bias (0 / -inf per expert and row, nullptr = none), router
     // logits (nullptr = computed here), experts per row
@@ -549,15 +560,7 @@ ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int 
         // C >= k experts of highest summed router probability; each canvas row routes its top k
         // among them (a -inf selection bias elsewhere; the weights stay the rows' own
         // probabilities, renormalised as the model says). The committed rows route fully.
-        const int64_t n_tok = blocks->n_tok, n_seqs = blocks->n_seqs, n_canvas = blocks->n_canvas;
-        const int64_t n_commit = n_tok - n_canvas;
-        GGML_ASSERT(cur->ne[1] == n_tok * n_seqs); // every row: the output rows are taken after the last MoE
-        ggml_tensor * x3   = ggml_reshape_3d(ctx0, cur, n_embd, n_tok, n_seqs);
-        auto          rows = [&](int64_t t0, int64_t n) {
-            ggml_tensor * v = ggml_view_3d(ctx0, x3, n_embd, n, n_seqs, x3->nb[1], x3->nb[2], t0 * x3->nb[1]);
-            return ggml_reshape_2d(ctx0, ggml_cont(ctx0, v), n_embd, n * n_seqs);
-        };
-        ggml_tensor * xc     = rows(n_commit, n_canvas);
+        ggml_tensor * xc     = rows(cur, n_commit, n_canvas);
         ggml_tensor * logits = build_lora_mm(layer.ffn_gate_inp, xc);                             // [E, n_canvas * n_seqs]
         ggml_tensor * probs  = ggml_reshape_3d(ctx0, ggml_soft_max(ctx0, logits), n_expert, n_canvas, n_seqs);
         ggml_tensor * score  = ggml_sum_rows(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, probs, 1, 0, 2, 3))); // [1, E, n_seqs]
@@ -570,7 +573,7 @@ ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int 
         cb(bias, "ffn_moe_coreset_bias", il);
         routed = ggml_reshape_3d(ctx0, routed_ffn(xc, bias, logits, n_expert_used), n_embd, n_canvas, n_seqs);
         if (n_commit > 0) {
-            ggml_tensor * rm = routed_ffn(rows(0, n_commit), nullptr, nullptr, n_expert_used);
+            ggml_tensor * rm = routed_ffn(rows(cur, 0, n_commit), nullptr, nullptr, n_expert_used);
             routed = ggml_concat(ctx0, ggml_reshape_3d(ctx0, rm, n_embd, n_commit, n_seqs), routed, 1);
         }
         routed = ggml_reshape_2d(ctx0, routed, n_embd, n_tok * n_seqs);
@@ -591,23 +594,15 @@ ggml_tensor * llama_model_clover::graph::build_layer_moe(ggml_tensor * cur, int 
     }
 
     // the canvas FFN (spec/model.md): a dense SwiGLU on the MoE's input, added on the canvas rows only
-    const int64_t n_tok = blocks->n_tok, n_seqs = blocks->n_seqs, n_canvas = blocks->n_canvas;
-    const int64_t n_commit = n_tok - n_canvas;
-    GGML_ASSERT(cur->ne[1] == n_tok * n_seqs); // every row: the output rows are taken after the last MoE
-    auto rows = [&](ggml_tensor * x, int64_t t0, int64_t n) {
-        ggml_tensor * x3 = ggml_reshape_3d(ctx0, x, n_embd, n_tok, n_seqs);
-        return ggml_cont(ctx0, ggml_view_3d(ctx0, x3, n_embd, n, n_seqs, x3->nb[1], x3->nb[2], t0 * x3->nb[1]));
-    };
-    ggml_tensor * xc = ggml_reshape_2d(ctx0, rows(cur, n_commit, n_canvas), n_embd, n_canvas * n_seqs);
-    ggml_tensor * canvas = build_ffn(xc,
+    ggml_tensor * canvas = build_ffn(rows(cur, n_commit, n_canvas),
             layer.ffn_up_canvas,   nullptr, nullptr,
             layer.ffn_gate_canvas, nullptr, nullptr,
             layer.ffn_down_canvas, nullptr, nullptr,
             nullptr, LLM_FFN_SILU, LLM_FFN_PAR, il);
     cb(canvas, "ffn_canvas", il);
-    canvas = ggml_add(ctx0, rows(out, n_commit, n_canvas), ggml_reshape_3d(ctx0, canvas, n_embd, n_canvas, n_seqs));
+    canvas = ggml_reshape_3d(ctx0, ggml_add(ctx0, rows(out, n_commit, n_canvas), canvas), n_embd, n_canvas, n_seqs);
     if (n_commit > 0) {
-        canvas = ggml_concat(ctx0, rows(out, 0, n_commit), canvas, 1);
+        canvas = ggml_concat(ctx0, ggml_reshape_3d(ctx0, rows(out, 0, n_commit), n_embd, n_commit, n_seqs), canvas, 1);
     }
     return ggml_reshape_2d(ctx0, canvas, n_embd, n_tok * n_seqs);
 }
