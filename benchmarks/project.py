@@ -34,6 +34,7 @@ tau and a come from runs (benchmarks/draft_self.py, gpu.sh, run_all.py); the tab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -324,17 +325,17 @@ def check(threads: int, results: Path | None, tol: float, rounds: int) -> int:
         before = measure_machine(threads)
         if results:
             cost, gen = measured_run_all(results)
+            if not cost or not gen:
+                print(f"error: no f16 cost curve / tokens-per-second table in {results}", file=sys.stderr)
+                return 2
             dev, what = before, results.name
         else:
             cost, gen = measured_now(threads, reps=3)
             after = measure_machine(threads)
-            dev = Device(before.name, (before.bandwidth + after.bandwidth) / 2, (before.compute + after.compute) / 2,
-                         24, False, CPU_BW_EFF, CPU_COMPUTE_EFF)
+            dev = dataclasses.replace(before, bandwidth=(before.bandwidth + after.bandwidth) / 2,
+                                      compute=(before.compute + after.compute) / 2)
             what = (f"now, round {r + 1} of {rounds} (machine before / after: {before.bandwidth:.1f} / "
                     f"{after.bandwidth:.1f} GB/s, {before.compute * 1e3:.0f} / {after.compute * 1e3:.0f} GFLOPS)")
-        if not cost or not gen:
-            print(f"error: no f16 cost curve / tokens-per-second table in {results}", file=sys.stderr)
-            return 2
         print(f"this machine: {dev.bandwidth:.1f} GB/s read, {dev.compute * 1e3:.0f} GFLOPS f32 (numpy, {threads} "
               f"threads; used at {dev.bw_eff:g} / {dev.compute_eff:g} of that, as for the named CPU); small preset f16 "
               f"({model_bytes(d, q) / 1e9:.2f} GB); measured: {what}")
