@@ -38,11 +38,20 @@ def ref(tiny):
 
 
 @pytest.fixture(scope="module")
-def model(tiny):
+def _shared_model(tiny):
     from clover_cpp import Clover
 
     with Clover(tiny[1], n_ctx=1024, n_threads=1, flash_attn=False, kv_f32=True, block_size=8) as m:
         yield m
+
+
+@pytest.fixture
+def model(_shared_model):
+    """The module's model at B = 8: a generate call with another block_size leaves the context
+    at that B (clover_generate_params.block_size), and the tests compare block passes with the
+    reference at B = 8 whichever tests ran before them on this worker."""
+    _shared_model.block_size = 8
+    return _shared_model
 
 
 def _n_prompt(model, prompt: str) -> int:
@@ -383,7 +392,6 @@ def test_greedy_equals_reference(model, ref, B: int, threshold: float) -> None:
         assert got.stats.tokens_per_forward == pytest.approx(want.tokens_per_forward)
         if B == 1:  # autoregressive: no pass, one forward per token after the first
             assert want.n_steps == 0 and want.n_commits == len(want.tokens) - 1
-    model.block_size = 8
 
 
 def test_errors(model, tiny, tmp_path: Path) -> None:
