@@ -135,7 +135,8 @@ class Device:
 
 
 # what llama.cpp gets of a CPU's peak read bandwidth and f32 BLAS throughput (its f16 / quantized dot
-# products, not a tuned GEMM): an assumption, the one `--check` tests against this machine
+# products, not a tuned GEMM): assumptions; `--check` tests the compute one against this machine
+# (its bandwidth is measured as achieved, below)
 CPU_BW_EFF, CPU_COMPUTE_EFF = 0.7, 0.35
 # a measured machine's bandwidth is numpy's streaming read, already what a streaming read achieves
 # (STREAM-like reads get ~0.7-0.85 of a datasheet peak), and llama.cpp's weight reads are streaming
