@@ -104,7 +104,7 @@ def test_readme_tour_and_docs_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"a block failed:\n{err[-4000:]}\n{out[-2000:]}"
     assert f"### block {n} " in err
     made = {"clover-bf16.gguf": "BF16", "clover-q8_0.gguf": "Q8_0", "clover-q4_k_m.gguf": "Q4_K",
-            "shards-00001-of-00003.gguf": None}
+            "shards-00001-of-00004.gguf": None}
     from clover_gguf.reader import read_info
 
     for name, qtype in made.items():
