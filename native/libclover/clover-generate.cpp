@@ -581,7 +581,10 @@ int clover_generate(clover_context * ctx, const int32_t * prompt, int32_t n_prom
                 }
             }
             plan = ctx->planner.pick(ctx->n_ctx, n_prompt, gp.max_tokens, modes); // blocks start right after the prompt
-            B    = plan.B;
+            if (ctx->planner.measured_slower_than_ar(plan)) { // as at every block boundary (replan): a generation's
+                plan = auto_plan{ 1, false };                   // first block is never timed, so only this keeps it out
+            }
+            B = plan.B;
         }
         const int32_t reuse = prefix ? nc : 0;
         if (reuse > 0) {

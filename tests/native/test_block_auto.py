@@ -383,3 +383,28 @@ def test_auto_leaves_a_mode_measured_slower_than_block_size_1(tiny_artifacts, tm
         m.set_cost_curve(stale, stale)
         assert m.generate(toks, max_tokens=40, block_size="auto", draft_self=True,
                           stop_at_eos=False).stats.mode == "draft-self"
+
+
+def test_auto_starts_a_generation_at_block_size_1_once_diffusion_was_measured_slower(
+        tiny_artifacts, tmp_path, monkeypatch) -> None:
+    """The measurements outlive a generation (they belong to the context): once block diffusion
+    was timed slower than B = 1, the next generate() starts at B = 1 too. Its first block is never
+    timed (it carries no commit), so a stale curve that keeps choosing diffusion for first blocks
+    would otherwise pay one slow block per call (a confident model after a run of explicit B)."""
+    from clover_cpp import Clover
+
+    monkeypatch.setenv("CLOVER_CACHE_DIR", str(tmp_path / "cache"))
+    with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
+        assert m.generate("hello", max_tokens=2, block_size="auto").stats.calibration == "measured"
+    entry = next((tmp_path / "cache").glob("calibration-*.txt"))
+    stale = {1: 100.0, 2: 50.0, 4: 50.0, 8: 50.0, 16: 50.0, 32: 0.001}
+    lines = [f"cost {b} {stale[b]:.6f} {stale[b]:.6f}" if ln.startswith(f"cost {b} ") else ln
+             for ln in entry.read_text().splitlines() for b in [int(ln.split()[1]) if ln.startswith("cost ") else 0]]
+    entry.write_text("\n".join(lines) + "\n")
+    with Clover(tiny_artifacts["f32"], n_ctx=1024, n_threads=1) as m:
+        toks = m.tokenize(PROMPTS[1], add_bos=False, special=True)
+        first = m.generate(toks, max_tokens=96, block_size="auto", draft_self=False, stop_at_eos=False).stats
+        assert first.calibration == "cached" and first.n_blocks_diffusion >= 2 and first.mode == "autoregressive", first
+        again = m.generate(toks, max_tokens=40, block_size="auto", draft_self=False, stop_at_eos=False)
+        assert again.stats.n_blocks_diffusion == 0, again.stats
+        assert again.tokens == _b1(m, toks, 40)
