@@ -28,8 +28,9 @@ and libclover's decode_run::verify / decode_run::step (kept out of line for this
 model on the default model, longer on the small preset.
 
 Without --callgrind: wall-clock milliseconds (median over --reps) of the same calls as seen from
-Python (a verification = the draft-self generation's decode time per forward, a step = the block-
-diffusion generation's decode time per forward), flagged when the machine is busy (load average
+Python (a verification = the draft-self generation's decode time per forward, and per verification,
+which also counts the next draft's own pass after a rejection; a step = the block-diffusion
+generation's decode time per forward), flagged when the machine is busy (load average
 per core above 0.5): on a busy machine those figures are noise, use --callgrind.
 """
 
@@ -174,6 +175,7 @@ def run_calls(path: Path, prompt, ns: list[int], threads: int, reps: int, marks:
                 rec["ds"] = dict(ver=st.n_verifications, acc=st.n_accepted, fwd=st.n_decode_forwards,
                                  steps=st.n_steps, gen=st.n_generated)
                 rec["wall"].setdefault("ds_ms_per_fwd", []).append(st.t_decode_ms / max(st.n_decode_forwards, 1))
+                rec["wall"].setdefault("ds_ms_per_ver", []).append(st.t_decode_ms / max(st.n_verifications, 1))
                 marks.mark(f"phase bd {n}")
                 st, dt = gen(n, False, CALLS)
                 rec["bd"] = dict(steps=st.n_steps, fwd=st.n_decode_forwards, gen=st.n_generated)
@@ -391,12 +393,15 @@ def report_wall(name: str, path: Path, res: dict, ns: list[int]) -> list[str]:
              f"{'n':>3s} {'what':40s} {'ms':>8s} {'ratio':>6s}"]
     for n in ns:
         w = res["n"][n]["wall"]
-        med = {k: statistics.median(v) * (1000 if not k.endswith("per_fwd") else 1) for k, v in w.items()}
+        med = {k: statistics.median(v) * (1000 if not k.startswith(("ds_", "bd_")) else 1) for k, v in w.items()}
         for k, label in ((f"pass{n}", f"(a) block pass of {n}"), (f"pass{2 * n}", f"(a) block pass of {2 * n}"),
                          ("commit", f"(a) causal commit of {n}")):
             lines.append(f"{n:3d} {label:40s} {med[k]:8.3f}")
         lines.append(f"{n:3d} {'(b) draft-self: ms per forward':40s} {med['ds_ms_per_fwd']:8.3f} "
                      f"{med['ds_ms_per_fwd'] / med[f'pass{2 * n}']:6.3f}")
+        # a rejected draft costs a second forward (the kept tokens committed again with the next draft)
+        lines.append(f"{n:3d} {'(b) draft-self: ms per verification':40s} {med['ds_ms_per_ver']:8.3f} "
+                     f"{med['ds_ms_per_ver'] / med[f'pass{2 * n}']:6.3f}")
         lines.append(f"{n:3d} {'(c) block diffusion: ms per forward':40s} {med['bd_ms_per_fwd']:8.3f} "
                      f"{med['bd_ms_per_fwd'] / med[f'pass{2 * n}']:6.3f}")
     lines.append("(wall clock: ratios against the block pass of 2 n include the Python call overhead of the "
