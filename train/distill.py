@@ -13,7 +13,10 @@
    the current weights are exported and make a new trajectory set (the model moves, and its
    own B = 1 answers move with it); a block size of 1 in ``--block-sizes`` trains the B = 1
    prediction on the trajectories too, so that the sequential answer stays the one the
-   parallel decode is taught.
+   parallel decode is taught. ``--draft-frac`` makes a share of the steps draft-self's task
+   (blocks of ``--draft-block`` masked whole: every position drafted in one pass, scored by
+   whether its argmax is the B = 1 token), and ``--kl`` adds KL(causal || block pass) on the
+   trajectory rows, so that the block pass learns the B = 1 distribution, not only its argmax.
 
 Deterministic from --seed (numpy PCG64 for prompts / data / masks, torch seed); resumable
 (--resume) from <out>/ckpt.pt; a log in <out>/log.csv with the held-out masked-token loss.
@@ -150,6 +153,15 @@ def mask_suffix(clean: np.ndarray, B: int, offset: int, mask_id: int, rng: np.ra
     return np.where(masked, mask_id, clean), masked
 
 
+def mask_whole(clean: np.ndarray, B: int, offset: int, mask_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mask every decode block (mask_suffix's blocks) whole: a draft-self draft, all B positions
+    drafted in one pass after the committed text."""
+    N, T = clean.shape
+    masked = np.zeros((N, T), dtype=bool)
+    masked[:, offset:offset + (T // B - 1) * B] = True
+    return np.where(masked, mask_id, clean), masked
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -178,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "each block, the states a left-to-right consistent decode passes through")
     f.add_argument("--order", type=float, default=0.0,
                    help="weight of the decoding-order term (order_loss; with --traj-mask suffix)")
+    f.add_argument("--draft-frac", type=float, default=0.0,
+                   help="share of steps that train draft-self's draft: block size --draft-block, every "
+                        "trajectory block wholly masked (the state of a draft made in one pass)")
+    f.add_argument("--draft-block", type=int, default=8)
+    f.add_argument("--kl", type=float, default=0.0,
+                   help="weight of KL(causal || block pass) on the trajectory rows' masked positions: the "
+                        "block pass learns the B = 1 distribution, not only its argmax")
     f.add_argument("--rounds", type=int, default=1,
                    help="on-policy rounds: the trajectories are made again from the current weights "
                         "at the start of every round after the first (steps / rounds each)")
@@ -284,7 +303,8 @@ def finetune(a: argparse.Namespace) -> list[float]:
             traj = load_round_traj(a, out, step // round_len)
         now_sizes, now_probs, t_min = (curriculum(sizes, probs, a.t_min, step / a.steps) if a.curriculum
                                        else (sizes, probs, a.t_min))
-        B = int(rng.choice(now_sizes, p=now_probs))
+        draft_step = a.draft_frac > 0 and rng.random() < a.draft_frac
+        B = a.draft_block if draft_step else int(rng.choice(now_sizes, p=now_probs))
         offset = int(rng.integers(1, B + 1))
         rows = traj[rng.integers(0, len(traj), size=n_traj)]
         offs = rng.integers(0, len(tokens) - T, size=n_data)
@@ -292,6 +312,8 @@ def finetune(a: argparse.Namespace) -> list[float]:
         noisy, masked = mask_blocks(clean, B, offset, cfg.mask_token_id, rng, t_min)
         if a.traj_mask == "suffix":
             noisy[:n_traj], masked[:n_traj] = mask_suffix(clean[:n_traj], B, offset, cfg.mask_token_id, rng)
+        if draft_step:
+            noisy[:n_traj], masked[:n_traj] = mask_whole(clean[:n_traj], B, offset, cfg.mask_token_id)
         sel_np = diffusion_select(masked, B, offset)   # q - 1 for the masked q after each block start
         is_traj = np.zeros_like(masked)
         is_traj[:n_traj] = True
@@ -309,6 +331,11 @@ def finetune(a: argparse.Namespace) -> list[float]:
         loss = ar + dl
         cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
         total = loss + a.certainty * cert + AUX_WEIGHT * aux
+        if a.kl:
+            on_traj = torch.as_tensor(is_traj)[sel]
+            teacher = torch.log_softmax(clean_logits[sel][on_traj].detach().float(), -1)
+            student = torch.log_softmax(logits[on_traj].float(), -1)
+            total = total + a.kl * (teacher.exp() * (teacher - student)).sum(-1).mean()
         if a.order:
             r, c = np.nonzero(sel_np)   # the logits' rows: position c predicts the masked c + 1
             q = c + 1
