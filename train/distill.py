@@ -245,6 +245,7 @@ def block_only_parameters(model, mask_id: int) -> list:
 
 def finetune(a: argparse.Namespace) -> list[float]:
     import torch
+    import torch.nn.functional as F
     from safetensors.torch import load_file
 
     from clover_testkit.reference import CloverConfig
@@ -329,13 +330,13 @@ def finetune(a: argparse.Namespace) -> list[float]:
         ar = ar_loss(clean_logits, ct) if a.ar_rows == "all" or n_data == 0 else \
             ar_loss(clean_logits[n_traj:], ct[n_traj:])
         loss = ar + dl
-        cert = certainty_loss(logits[torch.as_tensor(is_traj)[sel]], target[torch.as_tensor(is_traj)[sel]])
+        on_traj = torch.as_tensor(is_traj)[sel]
+        cert = certainty_loss(logits[on_traj], target[on_traj])
         total = loss + a.certainty * cert + AUX_WEIGHT * aux
-        if a.kl:
-            on_traj = torch.as_tensor(is_traj)[sel]
+        if a.kl:   # KL(causal || block pass), the causal logits a fixed teacher
             teacher = torch.log_softmax(clean_logits[sel][on_traj].detach().float(), -1)
             student = torch.log_softmax(logits[on_traj].float(), -1)
-            total = total + a.kl * (teacher.exp() * (teacher - student)).sum(-1).mean()
+            total = total + a.kl * F.kl_div(student, teacher, log_target=True, reduction="batchmean")
         if a.order:
             r, c = np.nonzero(sel_np)   # the logits' rows: position c predicts the masked c + 1
             q = c + 1
