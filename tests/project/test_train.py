@@ -703,3 +703,23 @@ def test_distill_draft_steps_and_kl_term(tmp_path):
     assert logs["0"][0]["loss"] == logs["1"][0]["loss"]
     s0, s1 = (torch.load(tmp_path / kl / "ckpt.pt", weights_only=False)["model"] for kl in ("0", "1"))
     assert any(not torch.equal(s0[n], s1[n]) for n in s0)
+
+
+@pytest.mark.needs_libclover
+def test_targets_draft_steps(tmp_path):
+    """train.targets --draft-steps: a draft denoised by the threshold rule (S = 0) takes more forwards per
+    verification than a one-pass draft can (a random model is never 0.9-sure of 7 positions at once)."""
+    from train import targets
+
+    init, data = _distill_inputs(tmp_path)
+    np.save(data / "heldout_starts.npy", np.arange(0, 600, 70))
+    res = targets.measure(init, data, threads=1, draft_steps=(1, 0))
+    assert "draft_self_B8_S1_tok_per_verification" not in res  # S = 1: the plain keys
+
+    def forwards_per_verification(key):
+        return res[f"{key}_tok_per_verification"] / res[f"{key}_tok_per_forward"]
+
+    # a one-pass draft costs at most two forwards (the verification, then the next draft's pass)
+    assert forwards_per_verification("draft_self_B8") <= 2.01
+    assert forwards_per_verification("draft_self_B8_S0") > 3.0
+    assert 0 <= res["draft_self_B8_S0_same_as_B1"] <= 1  # (the f16 GGUF of random weights has near-ties)
