@@ -61,24 +61,17 @@ def main() -> None:
 
             for p in ps:  # warm-up
                 gen(p, block_size=1)
-            # per round and mode: tokens, decode ms, wall s; the modes take turns prompt by prompt, so a
-            # change of this machine's speed (it flips between ~1,400 and ~2,500 tok/s of B = 1 with
-            # nothing else running) falls on every mode of a round alike
-            rounds: list[dict[str, list[float]]] = []
-            outs: dict[str, list] = {name: [] for name, _ in MODES}
+            # per round and mode: each prompt's result and wall seconds; the modes take turns prompt by
+            # prompt, so a change of this machine's speed (it flips between ~1,400 and ~2,500 tok/s of
+            # B = 1 with nothing else running) falls on every mode of a round alike
+            rounds: list[dict[str, list]] = []
             pass16: list[float] = []  # per round: a block pass of 16 tokens, draft-self B = 8's forward
             for _ in range(a.reps):
-                tot = {name: [0.0, 0.0, 0.0] for name, _ in MODES}
-                for name, _ in MODES:
-                    outs[name] = []
+                rd: dict[str, list] = {name: [] for name, _ in MODES}
                 for p in ps:
                     for name, kw in MODES:
-                        r, wall = gen(p, **kw)
-                        tot[name][0] += r.stats.n_generated
-                        tot[name][1] += r.stats.t_decode_ms
-                        tot[name][2] += wall
-                        outs[name].append(r)
-                rounds.append(tot)
+                        rd[name].append(gen(p, **kw))
+                rounds.append(rd)
                 m.block_size = 16
                 m.commit(ps[0])
                 ms = []
@@ -89,11 +82,12 @@ def main() -> None:
                 pass16.append(statistics.median(ms))
 
     def speed(rd: dict, name: str) -> float:
-        return rd[name][0] / (rd[name][1] / 1e3)
+        return sum(r.stats.n_generated for r, _ in rd[name]) / (sum(r.stats.t_decode_ms for r, _ in rd[name]) / 1e3)
 
     def wall_speed(rd: dict, name: str) -> float:
-        return rd[name][0] / rd[name][2]
+        return sum(r.stats.n_generated for r, _ in rd[name]) / sum(w for _, w in rd[name])
 
+    outs = {name: [r for r, _ in rounds[-1][name]] for name, _ in MODES}  # the last round's outputs
     print("# decode tok/s (libclover's t_decode_ms, the prompts' prefill excluded): the median of the rounds; the"
           " ratio to B=1: the median of the rounds' paired ratios [their range]; wall: tok/s over the whole"
           " generate calls (prefill included); tok/fwd: tokens per decode forward")
