@@ -214,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "does (block_only_parameters, the canvas FFN among them): B = 1 output and "
                         "perplexity stay bit-identical")
     f.add_argument("--canvas-ffn", type=int, default=0,
-                   help="add a canvas FFN of this width (spec/model.md) when --init has none; it starts "
-                        "as no change (down_proj = 0)")
+                   help="give the model a canvas FFN of this width (spec/model.md): added when --init has "
+                        "none, widened when --init's is narrower; what is new starts as no change "
+                        "(down_proj = 0)")
     add_optimizer_args(f, lr=5e-4, warmup=20, threads=2)
     return ap
 
@@ -258,11 +259,15 @@ def finetune(a: argparse.Namespace) -> list[float]:
     out, data, init = Path(a.out), Path(a.data), Path(a.init)
     out.mkdir(parents=True, exist_ok=True)
     cfg = CloverConfig.from_dict(json.loads((init / "config.json").read_text()))
-    if a.canvas_ffn and not cfg.canvas_ffn_intermediate_size:
+    if a.canvas_ffn:
+        if a.canvas_ffn < cfg.canvas_ffn_intermediate_size:
+            raise SystemExit(f"error: --canvas-ffn {a.canvas_ffn} is narrower than --init's canvas FFN "
+                             f"({cfg.canvas_ffn_intermediate_size}); it can only grow")
         cfg = dataclasses.replace(cfg, canvas_ffn_intermediate_size=a.canvas_ffn)
     torch.manual_seed(a.seed)
     model = CloverTorch(cfg, seed=a.seed)
-    model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()})
+    model.load_hf({k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()},
+                  grow_canvas_ffn=True)
     if a.train_only == "block":
         # no weight decay: it would shrink the embedding's real-token rows too
         opt = torch.optim.AdamW(block_only_parameters(model, cfg.mask_token_id), lr=a.lr, weight_decay=0.0,

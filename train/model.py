@@ -142,8 +142,10 @@ class CloverTorch(nn.Module):
         return out
 
     @torch.no_grad()
-    def load_hf(self, weights: dict[str, Any]) -> None:
-        """Copy HF-named weights (per-expert or fused experts) into the parameters."""
+    def load_hf(self, weights: dict[str, Any], grow_canvas_ffn: bool = False) -> None:
+        """Copy HF-named weights (per-expert or fused experts) into the parameters. grow_canvas_ffn:
+        a narrower canvas FFN fills the first columns of this model's wider one; the new columns
+        keep their start (down_proj = 0), so the block pass is unchanged."""
         c = self.cfg
         w = {k: torch.as_tensor(v) for k, v in weights.items()}
         for i in range(c.num_hidden_layers):
@@ -158,9 +160,15 @@ class CloverTorch(nn.Module):
             name = k.replace("__", ".")
             if ".canvas_ffn." in name and name not in w:
                 continue   # a checkpoint from before the canvas FFN: it keeps its start (no change)
-            if tuple(w[name].shape) != tuple(prm.shape):
-                raise ValueError(f"{name}: {tuple(w[name].shape)} != {tuple(prm.shape)}")
-            prm.copy_(w[name].to(prm.dtype))
+            src = w[name]
+            if grow_canvas_ffn and ".canvas_ffn." in name and src.shape != prm.shape:
+                width = 1 if name.endswith("down_proj.weight") else 0   # the Ic axis
+                if src.shape[1 - width] == prm.shape[1 - width] and src.shape[width] < prm.shape[width]:
+                    prm.narrow(width, 0, src.shape[width]).copy_(src.to(prm.dtype))
+                    continue
+            if tuple(src.shape) != tuple(prm.shape):
+                raise ValueError(f"{name}: {tuple(src.shape)} != {tuple(prm.shape)}")
+            prm.copy_(src.to(prm.dtype))
 
     # ------------------------------------------------------------------ blocks
     def _moe(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

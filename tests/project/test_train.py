@@ -303,6 +303,26 @@ def test_hf_roundtrip_and_tied():
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in a.hf_state_dict()
 
 
+def test_growing_the_canvas_ffn_keeps_every_output():
+    """load_hf(grow_canvas_ffn=True): a canvas FFN of 6 fills the first columns of one of 10, the
+    new columns start as no change, so causal and block-pass logits are those of the narrow model;
+    without the flag the width mismatch is an error."""
+    narrow = random_model(tiny_cfg(canvas_ffn_intermediate_size=6), 2)
+    wide = CloverTorch(tiny_cfg(canvas_ffn_intermediate_size=10), seed=7).double()
+    wide.load_hf(narrow.hf_state_dict(), grow_canvas_ffn=True)
+    assert wide.W("model.layers.1.mlp.canvas_ffn.up_proj.weight").shape[0] == 10
+    clean = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(3))
+    noisy = clean.clone()
+    noisy[:, 4:] = 49
+    with torch.no_grad():
+        c0, n0, _ = narrow.forward_train(clean, noisy, 4, 4)
+        c1, n1, _ = wide.forward_train(clean, noisy, 4, 4)
+    assert torch.equal(c0, c1)
+    torch.testing.assert_close(n1, n0, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="canvas_ffn"):
+        CloverTorch(tiny_cfg(canvas_ffn_intermediate_size=10)).double().load_hf(narrow.hf_state_dict())
+
+
 def test_masks_on_shifted_blocks():
     cfg = tiny_cfg()
     rng = np.random.default_rng(0)
