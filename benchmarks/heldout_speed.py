@@ -68,7 +68,7 @@ def main() -> None:
             # B = 1 with nothing else running) falls on every mode of a round alike
             rounds: list[dict[str, list]] = []
             # per round, draft-self B = 8's forward (a commit of 8 and the next canvas of 8): the cost
-            # curve's fused step of 8 (libclover's clock, the fastest of 5) and a block pass of 16 as
+            # curve's fused step of 8 (libclover's clock, the fastest of 10 over two sweeps) and a block pass of 16 as
             # Python sees it (the median of 5, the call and the logits' copy included)
             fused8: list[float] = []
             pass16: list[float] = []
